@@ -1,0 +1,95 @@
+"""Direct use of ScheduleSeq1F1B with torch.distributed.pipelining (no torchtitan).
+
+    torchrun --nproc-per-node 2 examples/direct_pipelining.py --steps 20
+
+Each rank builds its stage(s) of a tiny Llama-style model whose attention goes through
+seq1f1b.ChunkAwareAttention and whose RoPE reads seq1f1b.current_segment(), then trains it on a
+synthetic copy task with Seq1F1B (M samples x K sequence segments per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage
+
+from seq1f1b import ModelShape, ScheduleSeq1F1B
+from seq1f1b.testing import TinyConfig, build_stages
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--seq-chunks", type=int, default=4)
+    p.add_argument("--stages-per-rank", type=int, default=1)
+    p.add_argument("--split", default="compute", help="uniform | compute | e.g. 96,64,48,48")
+    args = p.parse_args()
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    )
+
+    cfg = TinyConfig(vocab=128, dim=64, n_heads=4, n_kv_heads=2, n_layers=4 * world, ffn=128)
+    num_stages = world * args.stages_per_rank
+    mods = build_stages(cfg, num_stages, seed=0)
+    mine = list(range(rank, num_stages, world))  # looped placement: stage s on rank s % pp
+    stages = [PipelineStage(mods[s].to(device), s, num_stages, device) for s in mine]
+    params = [p for s in mine for p in mods[s].parameters()]
+    opt = torch.optim.AdamW(params, lr=3e-3)
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+    split = (
+        args.split
+        if args.split in ("uniform", "compute")
+        else [int(x) for x in args.split.split(",")]
+    )
+    shape = ModelShape(hidden=cfg.dim, n_heads=cfg.n_heads, n_layers=cfg.n_layers, vocab=cfg.vocab)
+    schedule = ScheduleSeq1F1B(
+        stages,
+        args.microbatches,
+        args.seq_chunks,
+        loss_fn,
+        split=split,
+        model_shape=shape,
+        seq_len=args.seq_len,
+    )
+    if rank == 0:
+        print(
+            f"pp={world} stages/rank={args.stages_per_rank} M={args.microbatches} "
+            f"K={args.seq_chunks} segments={schedule.segment_lengths(args.seq_len)}"
+        )
+
+    g = torch.Generator().manual_seed(0)
+    first_stage, last_stage = 0 in mine, num_stages - 1 in mine
+    for step in range(1, args.steps + 1):
+        # copy task: the second half of each sequence repeats the first half
+        half = torch.randint(0, cfg.vocab, (args.batch, args.seq_len // 2 + 1), generator=g)
+        tokens = torch.cat([half, half], dim=1)[:, : args.seq_len + 1].to(device)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        schedule.step(
+            *((x,) if first_stage else ()),
+            target=y if last_stage else None,
+            losses=losses if last_stage else None,
+        )
+        opt.step()
+        if last_stage and (step == 1 or step % 5 == 0 or step == args.steps):
+            print(f"step {step:3d}  loss {torch.stack(losses).mean().item():.4f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

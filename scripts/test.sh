@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The README's test command: set up .venv (pinned CPU torch) and run the whole suite on CPU/gloo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+export OMP_NUM_THREADS=1
+.venv/bin/python -m ruff check seq1f1b tests examples
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,168 @@
+"""Per-stage, per-sample K/V state for sequence segments, and the unit context.
+
+While ``ScheduleSeq1F1B`` runs a unit (sample ``m``, segment ``k``) on a stage, it activates a
+:class:`UnitContext`; chunk-aware attention layers read it to find the K/V of the earlier
+segments of the same sample. The cached K/V are detached leaves that share storage with the
+owning segment's K/V (no copy): the backward of later segments accumulates dL/dK, dL/dV into
+their ``.grad`` and the owning segment's backward injects those grads into its own graph.
+
+The active context is a module-level slot rather than a thread-local on purpose: autograd runs
+backward (and checkpoint recomputation) on its own worker threads for CUDA tensors, and those
+must see the unit that is being differentiated. It is only set inside ``step()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "SegmentInfo",
+    "SegmentKV",
+    "StageKVState",
+    "UnitContext",
+    "current_segment",
+    "current_unit",
+]
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """Where the running unit sits in its sample: what RoPE and attention need to know."""
+
+    microbatch: int
+    segment: int
+    num_segments: int
+    start: int  # absolute position of the segment's first token
+    length: int
+    seq_len: int  # full sequence length of the sample
+
+    def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Absolute positions ``start .. start + length - 1`` (for RoPE)."""
+        return torch.arange(self.start, self.start + self.length, device=device)
+
+
+@dataclass
+class SegmentKV:
+    """One segment's K and V of one attention layer, as grad-accumulating leaves."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+@dataclass
+class StageKVState:
+    """K/V caches of one pipeline stage, keyed by sample then by attention layer.
+
+    Also enforces the segment order that makes the cached gradients correct: forwards of a
+    sample 0..K-1, backwards K-1..0. A violation raises instead of producing wrong gradients.
+    """
+
+    stage_index: int
+    num_segments: int
+    _cache: dict[int, dict[Hashable, list[SegmentKV | None]]] = field(default_factory=dict)
+    _next_fwd: dict[int, int] = field(default_factory=dict)
+    _next_bwd: dict[int, int] = field(default_factory=dict)
+
+    def layer_entries(self, microbatch: int, layer: Hashable) -> list[SegmentKV | None]:
+        return self._cache.setdefault(microbatch, {}).setdefault(layer, [])
+
+    def begin_forward(self, microbatch: int, segment: int) -> None:
+        expected = self._next_fwd.get(microbatch, 0)
+        if segment != expected:
+            raise RuntimeError(
+                f"Seq1F1B order violation on stage {self.stage_index}: forward of sample "
+                f"{microbatch} segment {segment}, but segment {expected} is next. Segments of a "
+                "sample must run forward in order 0..K-1 (they read earlier segments' K/V)."
+            )
+
+    def end_forward(self, microbatch: int, segment: int, keep: bool) -> None:
+        """Record the forward; without a backward to come, drop the sample after its last one."""
+        self._next_fwd[microbatch] = segment + 1
+        if not keep and segment == self.num_segments - 1:
+            self._cache.pop(microbatch, None)
+
+    def begin_backward(self, microbatch: int, segment: int) -> None:
+        expected = self._next_bwd.get(microbatch, self.num_segments - 1)
+        if segment != expected or self._next_fwd.get(microbatch, 0) <= segment:
+            raise RuntimeError(
+                f"Seq1F1B order violation on stage {self.stage_index}: backward of sample "
+                f"{microbatch} segment {segment}, but segment {expected} must run first. "
+                "Backwards must go K-1..0 within a sample: running an earlier segment first "
+                "would drop the K/V gradients of the later segments (silently wrong grads). "
+                "Use ScheduleSeq1F1B's own order; GPipe-style ascending backward is not valid."
+            )
+
+    def end_backward(self, microbatch: int, segment: int) -> None:
+        """Free the segment's K/V (no later use) and the whole sample after segment 0."""
+        self._next_bwd[microbatch] = segment - 1
+        layers = self._cache.get(microbatch)
+        if layers is None:
+            return
+        if segment == 0:
+            del self._cache[microbatch]
+            return
+        for entries in layers.values():
+            if segment < len(entries):
+                entries[segment] = None
+
+    def clear(self) -> None:
+        self._cache.clear()
+        self._next_fwd.clear()
+        self._next_bwd.clear()
+
+    def nbytes(self) -> int:
+        """Bytes held by cached K/V (shared with activations autograd keeps anyway)."""
+        return sum(
+            e.nbytes()
+            for layers in self._cache.values()
+            for entries in layers.values()
+            for e in entries
+            if e is not None
+        )
+
+    def is_empty(self) -> bool:
+        return not self._cache
+
+
+@dataclass(frozen=True)
+class UnitContext:
+    """The unit a stage is running, with the state its attention layers use."""
+
+    state: StageKVState
+    info: SegmentInfo
+    phase: str  # "forward" or "backward" (backward = checkpoint recomputation)
+    keep_kv: bool  # a backward will follow: cache K/V as grad-accumulating leaves
+
+
+_ACTIVE: list[UnitContext] = []
+
+
+def current_unit() -> UnitContext | None:
+    """The active unit context, or None outside a Seq1F1B unit."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def current_segment() -> SegmentInfo | None:
+    """Segment of the unit being run (None outside ``ScheduleSeq1F1B.step``).
+
+    Models use it for RoPE at absolute positions: ``info.positions(device)``.
+    """
+    ctx = current_unit()
+    return ctx.info if ctx is not None else None
+
+
+@contextmanager
+def activate(ctx: UnitContext) -> Iterator[UnitContext]:
+    """Make ``ctx`` the active unit for the duration of one forward or backward."""
+    _ACTIVE.append(ctx)
+    try:
+        yield ctx
+    finally:
+        _ACTIVE.pop()

@@ -1,0 +1,293 @@
+"""Segment lengths for splitting one sequence into ``k`` seq chunks.
+
+Under causal attention a token attends to every earlier token, so equal-length
+segments do not cost the same: later segments are more expensive. This module
+provides a uniform split, a FLOPs-balanced ("compute") split and validation of
+user-given lengths. Pure Python on purpose, so it can run before torch is set up.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SPLIT_MODES: tuple[str, ...] = ("uniform", "compute")
+
+# A root within this distance below an integer is treated as that integer, so
+# floating-point noise (e.g. 6238.9999999 for an exact 6239) cannot flip the floor.
+_ROOT_EPS = 1e-6
+
+
+def _as_int(name: str, value: object) -> int:
+    """Coerce an integer-like value (rejecting bool/float) so errors name the argument."""
+    if isinstance(value, bool):
+        # ValueError, not TypeError: callers catch one exception type for any bad config value.
+        raise ValueError(f"{name} must be an integer (got {value!r}): pass an int, not a bool")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(
+            f"{name} must be an integer (got {value!r} of type {type(value).__name__}): pass an int"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Transformer shape for the FLOPs model.
+
+    ``ffn_hidden`` defaults to ``4 * hidden`` and ``head_dim`` to ``hidden // n_heads``;
+    both are resolved to ints at construction so readers never see ``None``.
+    """
+
+    hidden: int
+    n_heads: int
+    n_layers: int
+    vocab: int
+    ffn_hidden: int | None = None
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        """Validate eagerly so a bad shape fails at config time, not mid-solve."""
+        for name in ("hidden", "n_heads", "n_layers", "vocab"):
+            value = _as_int(f"ModelShape.{name}", getattr(self, name))
+            if value < 1:
+                raise ValueError(
+                    f"ModelShape.{name} must be >= 1 (got {name}={value}): pass a positive int"
+                )
+            object.__setattr__(self, name, value)
+        if self.ffn_hidden is None:
+            object.__setattr__(self, "ffn_hidden", 4 * self.hidden)
+        if self.head_dim is None:
+            if self.hidden % self.n_heads != 0:
+                raise ValueError(
+                    f"ModelShape.head_dim defaults to hidden // n_heads, which needs "
+                    f"hidden % n_heads == 0 (got hidden={self.hidden}, n_heads={self.n_heads}): "
+                    f"pass head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden // self.n_heads)
+        for name in ("ffn_hidden", "head_dim"):
+            value = _as_int(f"ModelShape.{name}", getattr(self, name))
+            if value < 1:
+                raise ValueError(
+                    f"ModelShape.{name} must be >= 1 (got {name}={value}): "
+                    f"pass a positive int or leave it as None for the default"
+                )
+            object.__setattr__(self, name, value)
+
+
+def _coefficients(end: float, shape: ModelShape) -> tuple[float, float]:
+    """Return (a, b) with FLOPs(s, end) = b*s - a*s**2, the form the solver needs."""
+    hidden, heads, layers = shape.hidden, shape.n_heads, shape.n_layers
+    ffn, d = shape.ffn_hidden, shape.head_dim
+    assert ffn is not None and d is not None  # resolved in __post_init__
+    attn = (4 * d + 3) * heads
+    a = layers * attn / 2
+    b = 4 * hidden * shape.vocab + layers * (end * attn + 8 * hidden * heads * d + 4 * hidden * ffn)
+    return a, b
+
+
+def segment_flops(s: int, end: int, shape: ModelShape) -> float:
+    """FLOPs of a segment of ``s`` tokens ending at absolute position ``end``.
+
+    The tokens are ``end-s .. end-1``; each attends causally to all earlier tokens::
+
+        FLOPs(s, P) = 4*s*H*V + L*[(s*P - s*s/2)*(4*d+3)*h + 8*s*H*h*d + 4*s*H*F]
+
+    The cost is exactly additive over any split of a prefix: with P_i the end of
+    segment i, sum(s_i*P_i - s_i**2/2) = sum(s_i*P_{i-1} + s_i**2/2) = P**2/2.
+    """
+    s = _as_int("s", s)
+    end = _as_int("end", end)
+    if s < 1 or end < s:
+        raise ValueError(
+            f"segment_flops needs 1 <= s <= end (got s={s}, end={end}): "
+            f"a segment cannot extend before position 0"
+        )
+    a, b = _coefficients(end, shape)
+    return b * s - a * s * s
+
+
+def _check_split_args(seq_len: object, k: object, multiple_of: object) -> tuple[int, int, int]:
+    """Validate the shared (seq_len, k, multiple_of) triple with actionable messages."""
+    seq_len = _as_int("seq_len", seq_len)
+    k = _as_int("seq_chunks", k)
+    multiple_of = _as_int("multiple_of", multiple_of)
+    if k < 1:
+        raise ValueError(
+            f"seq_chunks must be >= 1 (got seq_chunks={k}): use seq_chunks=1 to disable splitting"
+        )
+    if multiple_of < 1:
+        raise ValueError(
+            f"multiple_of must be >= 1 (got multiple_of={multiple_of}): "
+            f"pass the tensor-parallel size, or 1 for no constraint"
+        )
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1 (got seq_len={seq_len}): pass a non-empty sequence")
+    if multiple_of == 1:
+        if seq_len < k:
+            raise ValueError(
+                f"seq_chunks={k} needs seq_len >= {k} (got seq_len={seq_len}): "
+                f"use a longer sequence, or at most {seq_len} seq_chunks"
+            )
+    elif seq_len < k * multiple_of or seq_len % multiple_of != 0:
+        raise ValueError(
+            f"seq_chunks={k} with multiple_of={multiple_of} needs seq_len >= {k * multiple_of} "
+            f"and seq_len % {multiple_of} == 0 (got seq_len={seq_len}): use a sequence length "
+            f"that is a multiple of {multiple_of}, or fewer seq_chunks"
+        )
+    return seq_len, k, multiple_of
+
+
+def uniform_split(seq_len: int, k: int, multiple_of: int = 1) -> list[int]:
+    """Near-equal lengths (multiples of ``multiple_of``), extra units to the earliest segments.
+
+    Earlier segments are cheaper under causal attention, so they absorb the remainder.
+    """
+    seq_len, k, multiple_of = _check_split_args(seq_len, k, multiple_of)
+    q, r = divmod(seq_len // multiple_of, k)
+    return [(q + 1) * multiple_of if i < r else q * multiple_of for i in range(k)]
+
+
+def compute_balanced_split(
+    seq_len: int, k: int, shape: ModelShape, multiple_of: int = 1
+) -> list[int]:
+    """Lengths whose segments have (nearly) equal FLOPs, so pipeline stages stay balanced.
+
+    Solved from the end: with P the current end, the last unsolved segment gets the
+    smaller positive root s of FLOPs(s, P) = total/k, then P -= s; the first segment
+    takes the remainder. Later segments come out shorter.
+
+    Rounding rule: each root is floored to an integer token count (this reproduces the
+    published 7B example, seq_len=32768, k=4 -> [11021, 8421, 7087, 6239]; rounding to
+    nearest gives [11020, 8421, 7088, 6239]). With multiple_of > 1 the floored length is
+    then rounded to the nearest multiple (ties up), at least multiple_of. Every length is
+    clamped so the earlier segments still get >= multiple_of each, and the result is
+    returned longest-first (only reorders when coarse rounding made the remainder short).
+    If rounding left the costliest segment costlier than under ``uniform_split`` (short
+    sequences only), the uniform split is returned instead.
+    """
+    if not isinstance(shape, ModelShape):
+        raise ValueError(
+            f"compute_balanced_split needs a ModelShape (got {type(shape).__name__}): "
+            f"pass shape=ModelShape(hidden=..., n_heads=..., n_layers=..., vocab=...)"
+        )
+    seq_len, k, multiple_of = _check_split_args(seq_len, k, multiple_of)
+    target = segment_flops(seq_len, seq_len, shape) / k
+    lengths: list[int] = []
+    end = seq_len
+    for earlier in range(k - 1, 0, -1):  # `earlier` segments remain before this one
+        a, b = _coefficients(end, shape)
+        disc = b * b - 4 * a * target
+        if disc >= 0:
+            # Smaller root of a*s^2 - b*s + target = 0, in the cancellation-free form.
+            root = 2 * target / (b + math.sqrt(disc))
+        else:
+            # Target unreachable (cannot happen in exact arithmetic); take the costliest length.
+            root = b / (2 * a)
+        s = math.floor(root + _ROOT_EPS) if math.isfinite(root) else end
+        s = (s + multiple_of // 2) // multiple_of * multiple_of
+        s = max(multiple_of, min(s, end - earlier * multiple_of))
+        lengths.append(s)
+        end -= s
+    lengths.append(end)
+    # Rounding to coarse multiples can leave the remainder (first segment) shorter than a
+    # later one, e.g. [8, 12, 12]. Sorting longest-first never raises the costliest segment:
+    # swapping an adjacent short-then-long pair moves the long one to an earlier end and the
+    # short one to the same end, and FLOPs grow with both length and end.
+    lengths.sort(reverse=True)
+    # Floor/multiple rounding dumps up to ~(k-1)*multiple_of tokens on the first segment;
+    # for short sequences (few tokens per segment) that can make the bottleneck segment
+    # costlier than with the uniform split, e.g. seq_len=30, k=16 -> [15, 1, ..., 1].
+    # The pipeline runs at the pace of its costliest segment, so never return worse.
+    uniform = uniform_split(seq_len, k, multiple_of)
+    if _max_segment_flops(lengths, shape) > _max_segment_flops(uniform, shape):
+        return uniform
+    return lengths
+
+
+def _max_segment_flops(lengths: Sequence[int], shape: ModelShape) -> float:
+    """Cost of the costliest segment, which bounds the pipeline's step time."""
+    end = 0
+    worst = 0.0
+    for s in lengths:
+        end += s
+        worst = max(worst, segment_flops(s, end, shape))
+    return worst
+
+
+def explicit_split(lengths: Sequence[int], seq_len: int, k: int, multiple_of: int = 1) -> list[int]:
+    """Validate user-given lengths so a bad split fails before any pipeline runs."""
+    seq_len, k, multiple_of = _check_split_args(seq_len, k, multiple_of)
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
+        raise ValueError(
+            f"split lengths must be a list or tuple of ints (got {lengths!r}): "
+            f"pass e.g. {uniform_split(seq_len, k, multiple_of)}"
+        )
+    if len(lengths) != k:
+        raise ValueError(
+            f"split has {len(lengths)} lengths but seq_chunks={k}: give exactly {k} lengths, "
+            f"or set seq_chunks={len(lengths)}"
+        )
+    out = [_as_int(f"split[{i}]", x) for i, x in enumerate(lengths)]
+    for i, x in enumerate(out):
+        if x < 1:
+            raise ValueError(
+                f"split lengths must be positive (got split[{i}]={x}): make every length >= 1"
+            )
+        if x % multiple_of != 0:
+            raise ValueError(
+                f"split lengths must be a multiple of multiple_of={multiple_of} "
+                f"(got split[{i}]={x}): round every length to a multiple of {multiple_of}"
+            )
+    if sum(out) != seq_len:
+        raise ValueError(
+            f"split lengths must sum to seq_len={seq_len} (got sum {sum(out)} for {out}): "
+            f"adjust the lengths so they add up to {seq_len}"
+        )
+    return out
+
+
+def resolve_split(
+    split: str | Sequence[int],
+    seq_len: int,
+    k: int,
+    *,
+    shape: ModelShape | None = None,
+    multiple_of: int = 1,
+) -> list[int]:
+    """Turn a user-facing ``split`` option into concrete segment lengths."""
+    if isinstance(split, str):
+        if split == "uniform":
+            return uniform_split(seq_len, k, multiple_of)
+        if split == "compute":
+            if shape is None:
+                raise ValueError(
+                    "split='compute' needs the model shape: pass model_shape=ModelShape(...)"
+                )
+            return compute_balanced_split(seq_len, k, shape, multiple_of)
+        allowed = ", ".join(repr(m) for m in SPLIT_MODES)
+        raise ValueError(
+            f"unknown split={split!r}: use one of {allowed}, or a list of {k} segment lengths"
+        )
+    return explicit_split(split, seq_len, k, multiple_of)
+
+
+def segment_offsets(lengths: Sequence[int]) -> list[int]:
+    """Start offset of each segment, ``[0, l0, l0+l1, ...]``, for slicing the sequence."""
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) or len(lengths) == 0:
+        raise ValueError(
+            f"lengths must be a non-empty list of ints (got {lengths!r}): pass segment lengths"
+        )
+    offsets: list[int] = []
+    start = 0
+    for i, x in enumerate(lengths):
+        x = _as_int(f"lengths[{i}]", x)
+        if x < 1:
+            raise ValueError(
+                f"lengths must be positive (got lengths[{i}]={x}): make every length >= 1"
+            )
+        offsets.append(start)
+        start += x
+    return offsets

@@ -1,0 +1,131 @@
+"""Bad input fails at construction with a ValueError naming the constraint and the fix;
+order violations and split backward raise instead of producing wrong gradients."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_ranks
+from equivalence import CFG, data, loss_fn
+from mockstages import MockStage, mock_stages
+from torch.distributed.pipelining import PipelineStage
+
+from seq1f1b import ModelShape, ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B
+from seq1f1b.kv import StageKVState
+from seq1f1b.testing import build_stages
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n_microbatches": 0}, "n_microbatches must be an integer >= 1"),
+        ({"n_microbatches": 2.0}, "n_microbatches must be an integer >= 1"),
+        ({"seq_chunks": 0}, "seq_chunks must be an integer >= 1"),
+        ({"seq_chunks": True}, "seq_chunks must be an integer >= 1"),
+        ({"seq_dim": 0}, "dim 0 is the batch dim"),
+        ({"split": "balanced"}, "split='balanced' is unknown"),
+        ({"split": "compute"}, "needs the model shape"),
+        ({"split": [4, 4, 4]}, "split has 3 lengths but seq_chunks=2"),
+        ({"split_multiple_of": 0}, "split_multiple_of must be an integer >= 1"),
+        ({"seq_len": 1}, "seq_len"),
+        ({"seq_len": 10, "split": [3, 3]}, "sum"),
+        ({"seq_len": 6, "split_multiple_of": 4}, "multiple"),
+    ],
+)
+def test_invalid_arguments(kwargs: dict, match: str) -> None:
+    args = {"n_microbatches": 2, "seq_chunks": 2} | kwargs
+    with pytest.raises(ValueError, match=match):
+        ScheduleSeq1F1B(mock_stages(2, 1), **args)
+
+
+def test_compute_split_validated_at_construction() -> None:
+    shape = ModelShape(hidden=32, n_heads=4, n_layers=4, vocab=64)
+    sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split="compute", model_shape=shape, seq_len=64)
+    lengths = sched.segment_lengths(64)
+    assert sum(lengths) == 64 and lengths == sorted(lengths, reverse=True)
+
+
+def test_bad_placement() -> None:
+    with pytest.raises(ValueError, match="looped placement"):
+        ScheduleSeq1F1B([MockStage(1, 4, 2, 0)], 2, 2)  # rank 0 must hold 0 and 2
+    with pytest.raises(ValueError, match="looped placement"):
+        ScheduleSeq1F1B([MockStage(0, 3, 2, 0)], 2, 2)  # 3 stages cannot loop over 2 ranks
+    with pytest.raises(ValueError, match="stages is empty"):
+        ScheduleSeq1F1B([], 2, 2)
+    with pytest.raises(ValueError, match=">= 2 stages per rank"):
+        ScheduleInterleavedSeq1F1B(mock_stages(2, 1), 2, 2)
+
+
+def test_state_guards_wrong_order() -> None:
+    st = StageKVState(stage_index=0, num_segments=3)
+    with pytest.raises(RuntimeError, match="forward of sample 0 segment 1"):
+        st.begin_forward(0, 1)
+    for k in range(3):
+        st.begin_forward(0, k)
+        st.end_forward(0, k, keep=True)
+    with pytest.raises(RuntimeError, match="GPipe-style ascending backward"):
+        st.begin_backward(0, 0)
+    st.begin_backward(0, 2)
+    st.end_backward(0, 2)
+    with pytest.raises(RuntimeError, match="segment 1 must run first"):
+        st.begin_backward(0, 0)
+
+
+def data_case():
+    from equivalence import Case
+
+    return data(Case(1, 2, 2))
+
+
+class _PlainSDPA(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+        self.out = torch.nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x).unsqueeze(1)
+        h = F.scaled_dot_product_attention(h, h, h, is_causal=True).squeeze(1)
+        return self.out(h)
+
+
+def _plain_sdpa_rejected(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = _PlainSDPA()
+    stage = PipelineStage(model, 0, 1, torch.device("cpu"))
+    x, y = data_case()
+    with pytest.raises(
+        RuntimeError, match=r"called torch\.nn\.functional\.scaled_dot_product_attention"
+    ):
+        ScheduleSeq1F1B([stage], 2, 2, loss_fn).step(x, target=y)
+    # K = 1 is plain 1F1B: nothing to chunk, so plain SDPA is fine
+    ScheduleSeq1F1B([PipelineStage(_PlainSDPA(), 0, 1, torch.device("cpu"))], 2, 1, loss_fn).step(
+        x, target=y
+    )
+
+
+def test_plain_sdpa_inside_chunked_unit_raises() -> None:
+    run_ranks(_plain_sdpa_rejected, 1)
+
+
+def _no_growth(rank: int, world: int) -> None:
+    mods = build_stages(CFG, world)
+    x, y = data_case()
+    stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
+    sched = ScheduleSeq1F1B([stage], 2, 4, loss_fn, split=[9, 7, 5, 3])
+    first, last = rank == 0, rank == world - 1
+    counts = []
+    for _ in range(5):
+        stage.submod.zero_grad(set_to_none=False)
+        sched.step(*((x,) if first else ()), target=y if last else None)
+        assert sched.kv_state_empty() and sched.kv_state_bytes() == 0
+        gc.collect()
+        counts.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
+    assert counts[-1] <= counts[1], counts
+
+
+def test_repeated_steps_do_not_grow_memory() -> None:
+    run_ranks(_no_growth, 2)

@@ -1,0 +1,150 @@
+"""Seq1F1B orders: torch's validators and the ordering rules over a grid, with mock stages."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from mockstages import mock_stages
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _add_send_recv,
+    _ComputationType,
+    _PipelineScheduleRuntime,
+    _simulate_comms_compute,
+    _validate_schedule,
+)
+
+from seq1f1b import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B
+from seq1f1b.order import OrderSpec, build_orders, seq1f1b_warmup
+
+F, B = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
+
+
+def _fmt(a: _Action, k: int) -> str:
+    m, s = divmod(a.microbatch_index, k)
+    return f"{a.computation_type.value}{m}.{s}"
+
+
+def test_published_example_p4_m3_k2() -> None:
+    sched = ScheduleSeq1F1B(mock_stages(4, 1), n_microbatches=3, seq_chunks=2)
+    order = sched.pipeline_order
+    assert " ".join(_fmt(a, 2) for a in order[0]) == (
+        "F0.0 F0.1 F1.0 F1.1 F2.0 B0.1 F2.1 B0.0 B1.1 B1.0 B2.1 B2.0"
+    )
+    assert " ".join(_fmt(a, 2) for a in order[3]) == (
+        "F0.0 F0.1 B0.1 F1.0 B0.0 F1.1 B1.1 F2.0 B1.0 F2.1 B2.1 B2.0"
+    )
+
+
+def _check_rules(order: dict[int, list[_Action]], spec: OrderSpec) -> None:
+    k = spec.seq_chunks
+    for rank, actions in order.items():
+        assert all(a.computation_type in (F, B) for a in actions)
+        last_sample_f: dict[int, int] = {}
+        next_f: dict[tuple[int, int], int] = {}
+        next_b: dict[tuple[int, int], int] = {}
+        for a in actions:
+            m, seg = divmod(a.microbatch_index, k)
+            key = (a.stage_index, m)
+            assert spec.stage_to_rank(a.stage_index) == rank
+            if a.computation_type == F:
+                assert seg == next_f.get(key, 0), f"forward segment order {a}"
+                next_f[key] = seg + 1
+                # samples FIFO per stage
+                assert m >= last_sample_f.get(a.stage_index, 0)
+                last_sample_f[a.stage_index] = m
+            else:
+                assert seg == next_b.get(key, k - 1), f"backward segment order {a}"
+                assert next_f.get(key, 0) > seg
+                next_b[key] = seg - 1
+        if spec.stages_per_rank == 1:
+            warm = seq1f1b_warmup(spec.pp, rank, spec.n_units, k)
+            first_b = next(i for i, a in enumerate(actions) if a.computation_type == B)
+            assert first_b == min(warm + 1, spec.n_units), (rank, first_b, warm)
+            # samples FIFO in backward: sample index never decreases
+            ms = [a.microbatch_index // k for a in actions if a.computation_type == B]
+            assert ms == sorted(ms)
+
+
+GRID = list(itertools.product(range(1, 9), range(1, 4), range(1, 9), range(1, 9)))
+
+
+@pytest.mark.parametrize("pp", range(1, 9))
+def test_grid_passes_torch_validators_and_rules(pp: int) -> None:
+    for _, spr, m, k in (g for g in GRID if g[0] == pp):
+        sched = ScheduleSeq1F1B(mock_stages(pp, spr), n_microbatches=m, seq_chunks=k)
+        spec = sched.order_spec
+        order = sched.pipeline_order
+        assert sched._n_microbatches == m * k
+        _validate_schedule(order, pp, pp * spr, m * k)
+        comms = _add_send_recv(
+            {r: list(a) for r, a in order.items()}, spec.stage_to_rank, spec.num_stages
+        )
+        _simulate_comms_compute(comms, spec.stage_to_rank, spec.num_stages)
+        _check_rules(order, spec)
+        fsdp = (_ComputationType.UNSHARD, _ComputationType.RESHARD, _ComputationType.REDUCE_GRAD)
+        lowered = [a for a in sched.pipeline_order_with_comms[0] if a.computation_type not in fsdp]
+        assert lowered == comms[0]
+
+
+def test_interleaved_when_k_does_not_divide_pp() -> None:
+    # the published interleaved code silently needs K | pp; here K=3, pp=4 must work
+    for pp, k in ((4, 3), (3, 2), (6, 4), (2, 5)):
+        sched = ScheduleInterleavedSeq1F1B(mock_stages(pp, 2), n_microbatches=4, seq_chunks=k)
+        _check_rules(sched.pipeline_order, sched.order_spec)
+
+
+def test_bubble_shrinks_with_k() -> None:
+    # unit-cost replay: more segments -> fewer idle steps relative to work
+    def idle_ratio(k: int) -> float:
+        order = build_orders(OrderSpec(4, 1, 4, k))
+        comms = _add_send_recv({r: list(a) for r, a in order.items()}, lambda s: s, 4)
+        sim = _simulate_comms_compute(comms, lambda s: s, 4)
+        compute = [[a for a in sim[r] if a is None or a.computation_type in (F, B)] for r in sim]
+        steps = max(len(s) for s in sim.values())
+        busy = sum(1 for r in compute for a in r if a is not None)
+        return (4 * steps - busy) / busy
+
+    assert idle_ratio(4) < idle_ratio(2) < idle_ratio(1)
+
+
+def test_csv_round_trip(tmp_path) -> None:
+    sched = ScheduleSeq1F1B(mock_stages(4, 2, rank=1), n_microbatches=3, seq_chunks=4)
+    path = tmp_path / "order.csv"
+    sched._dump_csv(str(path), format="compute_only")
+    other = ScheduleSeq1F1B(mock_stages(4, 2, rank=1), n_microbatches=3, seq_chunks=4)
+    other.pipeline_order = {}
+    other._load_csv(str(path))
+    assert other.pipeline_order == sched.pipeline_order
+    assert other.pipeline_order_with_comms == sched.pipeline_order_with_comms
+    # torch's plain runtime loads the same file too
+    rt = _PipelineScheduleRuntime(mock_stages(4, 2, rank=1), n_microbatches=12)
+    rt._load_csv(str(path))
+    assert rt.pipeline_order == sched.pipeline_order
+
+
+def test_csv_with_wrong_segment_order_is_refused(tmp_path) -> None:
+    sched = ScheduleSeq1F1B(mock_stages(2, 1), n_microbatches=1, seq_chunks=2)
+    order = sched.pipeline_order
+    # GPipe-style ascending backward on every rank: F0 F1 B0 B1
+    bad = {
+        r: [_Action(r, F, 0), _Action(r, F, 1), _Action(r, B, 0), _Action(r, B, 1)] for r in order
+    }
+    path = tmp_path / "bad.csv"
+    path.write_text("\n".join(",".join(str(a) for a in bad[r]) for r in sorted(bad)) + "\n")
+    with pytest.raises(ValueError, match="backward out of order"):
+        sched._load_csv(str(path))
+    split = {
+        r: [
+            _Action(r, F, 0),
+            _Action(r, F, 1),
+            _Action(r, _ComputationType.BACKWARD_INPUT, 1),
+            _Action(r, _ComputationType.BACKWARD_WEIGHT, 1),
+            _Action(r, B, 0),
+        ]
+        for r in order
+    }
+    path.write_text("\n".join(",".join(str(a) for a in split[r]) for r in sorted(split)) + "\n")
+    with pytest.raises(ValueError, match="full backward"):
+        sched._load_csv(str(path))
