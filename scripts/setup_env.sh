@@ -11,4 +11,6 @@ VPY=.venv/bin/python
 if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
   "$VPY" -m pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
 fi
-"$VPY" -m pip install --quiet -e ".[test]"
+# torchtitan 0.2.2 and its deps (triton is needed to import it, even on CPU); the constraint keeps
+# every dependency on the pinned torch.
+"$VPY" -m pip install --quiet -c scripts/constraints.txt -e ".[titan,test]"

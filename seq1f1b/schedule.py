@@ -361,7 +361,6 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
         for stage in self._stages:
             for table in (stage.args_recv_info, stage.grad_recv_info):
                 for u, infos in table.items():
-                    want = lengths[u % self.seq_chunks]
                     for info in infos:
                         buf = getattr(info, "buffer", None)
                         if info.is_root_arg or not isinstance(buf, torch.Tensor):
@@ -373,6 +372,20 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
                                 "lengths need activations that keep the sequence at seq_dim; "
                                 "use split='uniform' with a divisible seq_len"
                             )
+                        # buffers were sized for segment 0; a sequence-sharded activation
+                        # (tensor parallel) holds a fixed fraction of each segment
+                        seg = lengths[u % self.seq_chunks]
+                        if not hasattr(info, "_seq1f1b_base"):  # size torch gave it (segment 0)
+                            info._seq1f1b_base = buf.shape[dim]
+                        have = info._seq1f1b_base
+                        if (have * seg) % lengths[0]:
+                            raise ValueError(
+                                f"stage {stage.stage_index} receives activations with "
+                                f"{have} positions for a segment of {lengths[0]} tokens, which "
+                                f"does not scale to a segment of {seg}: set split_multiple_of "
+                                "to the sequence-sharding degree (e.g. the TP size)"
+                            )
+                        want = have * seg // lengths[0]
                         if buf.shape[dim] == want:
                             continue
                         shape = list(buf.shape)

@@ -1,0 +1,170 @@
+"""torchtitan 0.2.2 + Seq1F1B end to end on CPU/gloo, against unpipelined runs.
+
+All runs start from one seed checkpoint, so a pipelined run must print the same loss and
+grad_norm at steps 1-5 as the unpipelined one (fp32, relative 1e-4) — which also shows that
+torchtitan's own PP gradient scaling by the global token count (its issue 2972) is gone.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from titan_utils import assert_same_curve, run_titan, titan_available
+
+titan_available()
+
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+NO_PP = ["--parallelism.pipeline_parallel_degree", "1"]
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    dump = tmp_path_factory.mktemp("seed")
+    run_titan(
+        1,
+        *NO_PP,
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        dump=dump,
+    )
+    step0 = dump / "checkpoint" / "step-0"
+    assert step0.is_dir()
+    return [
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        str(step0),
+        "--checkpoint.interval",
+        "1000",
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(seed: list[str], tmp_path_factory: pytest.TempPathFactory):
+    return run_titan(1, *NO_PP, *seed, dump=tmp_path_factory.mktemp("ref"))
+
+
+@pytest.fixture(scope="module")
+def reference_dp2(seed: list[str], tmp_path_factory: pytest.TempPathFactory):
+    return run_titan(2, *NO_PP, *seed, dump=tmp_path_factory.mktemp("ref_dp2"))
+
+
+def test_pp2_seq1f1b_matches_unpipelined_and_logs_tensorboard(seed, reference, tmp_path):
+    run = run_titan(2, *PP2, *seed, dump=tmp_path)
+    assert "Seq1F1B: pp=2 stages/rank=1 M=2 K=4" in run.output
+    assert_same_curve(run, reference)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert events, "no TensorBoard event file"
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    logged = {e.step: e.value for e in acc.Scalars("loss_metrics/global_avg_loss")}
+    assert logged == pytest.approx(run.losses, rel=1e-5)
+    memory = [e.value for e in acc.Scalars("memory/max_reserved(GiB)")]
+    assert min(memory) > 0.05, "CPU memory metric should be a real measurement"
+
+
+def test_interleaved_two_stages_per_rank(seed, reference, tmp_path):
+    run = run_titan(
+        2,
+        *PP2,
+        *seed,
+        "--parallelism.pipeline_parallel_schedule",
+        "InterleavedSeq1F1B",
+        "--seq1f1b.split",
+        "uniform",
+        dump=tmp_path,
+    )
+    assert "stages/rank=2" in run.output
+    assert_same_curve(run, reference)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_checkpointing(seed, reference, tmp_path, mode):
+    run = run_titan(2, *PP2, *seed, "--activation_checkpoint.mode", mode, dump=tmp_path)
+    assert_same_curve(run, reference)
+
+
+def test_pp2_x_tp2(seed, reference, tmp_path):
+    run = run_titan(
+        4,
+        *PP2,
+        *seed,
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        dump=tmp_path,
+    )
+    assert_same_curve(run, reference)
+
+
+def test_pp2_x_fsdp2_on_gloo(seed, reference_dp2, tmp_path):
+    # FSDP's reduce-scatter must not use PREMUL_SUM (gloo lacks it) and grads must not change
+    run = run_titan(4, *PP2, *seed, "--parallelism.data_parallel_shard_degree", "2", dump=tmp_path)
+    assert_same_curve(run, reference_dp2)
+
+
+def test_pp2_x_dp_replicate2(seed, reference_dp2, tmp_path):
+    run = run_titan(
+        4,
+        *PP2,
+        *seed,
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        dump=tmp_path,
+    )
+    assert_same_curve(run, reference_dp2)
+
+
+def test_checkpoint_resume_reproduces_loss_curve(seed, tmp_path):
+    common = [*PP2, "--checkpoint.enable", "--checkpoint.no_last_save_model_only",
+              "--checkpoint.interval", "3", "--training.steps", "6"]  # fmt: skip
+    run_dir = tmp_path / "run"
+    full = run_titan(2, *common, *seed[:3], dump=run_dir)
+    assert sorted(full.losses) == [1, 2, 3, 4, 5, 6]
+    # as if the job had died after its step-3 checkpoint: drop everything saved later ...
+    ckpt = run_dir / "checkpoint"
+    assert (ckpt / "step-3").is_dir()
+    shutil.rmtree(ckpt / "step-6")
+    # ... and restarted: it resumes from its own checkpoint folder at step 4
+    resumed = run_titan(2, *common, dump=run_dir)
+    assert sorted(resumed.losses) == [4, 5, 6], resumed.output[-2000:]
+    for s in (4, 5, 6):
+        assert resumed.losses[s] == pytest.approx(full.losses[s], rel=1e-5)
+        assert resumed.grad_norms[s] == pytest.approx(full.grad_norms[s], rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--seq1f1b.seq_chunks", "0"], "[seq1f1b] seq_chunks = 0 must be >= 1"),
+        (
+            ["--training.seq_len", "6", "--seq1f1b.seq_chunks", "8"],
+            "[training] seq_len = 6 cannot be split by [seq1f1b] seq_chunks = 8",
+        ),
+        (
+            ["--parallelism.pipeline_parallel_schedule", "Seq2F2B"],
+            "[parallelism] pipeline_parallel_schedule = 'Seq2F2B' is unknown",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule",
+                "InterleavedSeq1F1B",
+                "--seq1f1b.stages_per_rank",
+                "8",
+            ],
+            "cannot be placed on a model with 6 layers",
+        ),
+    ],
+)
+def test_bad_config_fails_at_startup(tmp_path: Path, args: list[str], message: str) -> None:
+    run = run_titan(2, *PP2, *args, dump=tmp_path, check=False, timeout=120)
+    assert message in run.output, run.output[-3000:]
+    assert not run.losses

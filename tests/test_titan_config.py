@@ -1,0 +1,49 @@
+"""The shipped TOML files parse with torchtitan's ConfigManager and pass Seq1F1B's start-up
+checks (the real-size ones cannot run here, so this is what keeps them honest)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("torchtitan") is None:
+    pytest.skip("torchtitan 0.2.2 (extra 'titan') not installed", allow_module_level=True)
+
+from torchtitan_integration import cpu
+
+cpu.install()
+
+from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.models.llama3 import llama3_args  # noqa: E402
+
+from seq1f1b import ModelShape  # noqa: E402
+from torchtitan_integration.pipeline import check_config, check_schedule_name  # noqa: E402
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "train_configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_parses_and_validates(path: Path) -> None:
+    job = ConfigManager().parse_args(["--job.config_file", str(path)])
+    par = job.parallelism
+    assert job.seq1f1b.seq_chunks >= 1
+    check_schedule_name(par.pipeline_parallel_schedule)
+    args = llama3_args[job.model.flavor]
+    shape = ModelShape(
+        hidden=args.dim, n_heads=args.n_heads, n_layers=args.n_layers, vocab=args.vocab_size
+    )
+    lengths = check_config(
+        job, par.pipeline_parallel_degree, args.n_layers, par.tensor_parallel_degree, shape
+    )
+    assert sum(lengths) == job.training.seq_len
+    assert len(lengths) == job.seq1f1b.seq_chunks
+    assert all(n % par.tensor_parallel_degree == 0 for n in lengths)
+    assert job.training.local_batch_size % par.pipeline_parallel_microbatch_size == 0
+
+
+def test_unknown_schedule_names_the_toml_key() -> None:
+    with pytest.raises(ValueError, match=r"\[parallelism\] pipeline_parallel_schedule"):
+        check_schedule_name("Seq2F2B")
+    check_schedule_name("interleaved1f1b")  # torch's names still work

@@ -1,0 +1,76 @@
+"""Run torchtitan_integration.train in subprocesses (CPU, gloo) and read back its metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "train_configs" / "llama3_debug_seq1f1b.toml"
+# small and fast: 256 tokens, 4 samples (M = 2 microbatches of 2), K = 4 segments
+FAST = [
+    "--training.seq_len",
+    "256",
+    "--training.local_batch_size",
+    "4",
+    "--training.steps",
+    "5",
+    "--metrics.disable_color_printing",
+]
+_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.]+)\s+grad_norm:\s*([-\d.]+)")
+
+
+@dataclass
+class Run:
+    losses: dict[int, float]
+    grad_norms: dict[int, float]
+    output: str
+
+
+def titan_available() -> None:
+    pytest.importorskip("torchtitan", reason="torchtitan 0.2.2 (extra 'titan') not installed")
+
+
+def titan_command(nproc: int, *args: str, dump: Path) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command line of one training run, and its environment."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_DATASETS_OFFLINE="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+        "-m", "torchtitan_integration.train", "--job.config_file", str(CONFIG),
+        "--job.dump_folder", str(dump), *FAST, *args,
+    ]  # fmt: skip
+    return cmd, env
+
+
+def run_titan(nproc: int, *args: str, dump: Path, timeout: float = 300, check: bool = True) -> Run:
+    """One training run; loss/grad_norm per step from the ranks that hold the last stage."""
+    cmd, env = titan_command(nproc, *args, dump=dump)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    out = proc.stdout + proc.stderr
+    if check and proc.returncode != 0:
+        raise AssertionError(f"training failed ({proc.returncode}):\n{out[-6000:]}")
+    losses: dict[int, float] = {}
+    norms: dict[int, float] = {}
+    for step, loss, norm in _STEP.findall(out):
+        if float(loss) >= 0:  # ranks without the last stage report -1
+            losses[int(step)] = float(loss)
+            norms[int(step)] = float(norm)
+    return Run(losses, norms, out)
+
+
+def assert_same_curve(run: Run, ref: Run, steps: int = 5, tol: float = 1e-4) -> None:
+    assert sorted(run.losses) == list(range(1, steps + 1)), run.output[-3000:]
+    for s in range(1, steps + 1):
+        a, b = run.losses[s], ref.losses[s]
+        assert abs(a - b) <= tol * abs(b), f"step {s}: loss {a} vs reference {b}"
+        ga, gb = run.grad_norms[s], ref.grad_norms[s]
+        assert abs(ga - gb) <= 1e-3 * abs(gb) + 1e-4, f"step {s}: grad_norm {ga} vs {gb}"

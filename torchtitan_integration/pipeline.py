@@ -1,0 +1,204 @@
+"""pipelining_fn for the Seq1F1B schedules; every other schedule name goes to torchtitan's.
+
+It follows torchtitan's ``pipeline_llm`` (same module split, same per-part ``parallelize_fn``)
+but places stages the Seq1F1B way (one per rank, or ``stages_per_rank`` looped for the
+interleaved variant) and builds :class:`seq1f1b.ScheduleSeq1F1B` with the ``[seq1f1b]`` section.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from seq1f1b import ModelShape, ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B, resolve_split
+
+from . import SCHEDULE_NAMES
+from .model import make_chunk_aware
+
+logger = logging.getLogger(__name__)
+
+
+def is_seq1f1b(name: str) -> bool:
+    return name.lower() in (n.lower() for n in SCHEDULE_NAMES)
+
+
+def check_schedule_name(name: str) -> None:
+    """Fail at start-up, naming the TOML key, for a schedule nobody knows."""
+    if is_seq1f1b(name):
+        return
+    try:
+        get_schedule_class(name)
+    except ValueError:
+        raise ValueError(
+            f"[parallelism] pipeline_parallel_schedule = {name!r} is unknown: use one of "
+            f"{list(SCHEDULE_NAMES)} or torch's 1F1B, Interleaved1F1B, GPipe, LoopedBFS, "
+            "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV"
+        ) from None
+
+
+def parse_split(split: str) -> str | list[int]:
+    s = split.strip()
+    if s in ("uniform", "compute"):
+        return s
+    try:
+        return [int(x) for x in s.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(
+            f"[seq1f1b] split = {split!r} is not understood: use 'uniform', 'compute' or "
+            "comma-separated segment lengths such as '1024,768,768,512'"
+        ) from None
+
+
+def model_shape(model: nn.Module, model_args: Any) -> ModelShape:
+    """The FLOPs-model shape of a torchtitan Llama3 (FFN width read off the built module)."""
+    ffn = None
+    layers = getattr(model, "layers", None)
+    if layers is not None and len(layers):
+        ffn = next(iter(layers.values())).feed_forward.w1.out_features
+    return ModelShape(
+        hidden=model_args.dim,
+        n_heads=model_args.n_heads,
+        n_layers=model_args.n_layers,
+        vocab=model_args.vocab_size,
+        ffn_hidden=ffn,
+    )
+
+
+def stages_per_rank(job_config: Any, n_layers: int, pp: int) -> int:
+    name = job_config.parallelism.pipeline_parallel_schedule
+    if name.lower() == "seq1f1b":
+        return 1
+    layers_per_stage = job_config.parallelism.pipeline_parallel_layers_per_stage
+    if layers_per_stage is not None:
+        p = job_config.parallelism
+        total = n_layers + p.pipeline_parallel_first_stage_less_layers
+        total += p.pipeline_parallel_last_stage_less_layers
+        n = math.ceil(total / layers_per_stage)
+        if n % pp:
+            raise ValueError(
+                f"[parallelism] pipeline_parallel_layers_per_stage = {layers_per_stage} gives "
+                f"{n} stages, not divisible by pipeline_parallel_degree = {pp}: pick a value "
+                "that gives a multiple of the PP degree"
+            )
+        return n // pp
+    return job_config.seq1f1b.stages_per_rank
+
+
+def check_config(
+    job_config: Any, pp: int, n_layers: int, tp: int, shape: ModelShape | None = None
+) -> list[int]:
+    """Validate the Seq1F1B settings at start-up; returns the segment lengths."""
+    cfg = job_config.seq1f1b
+    name = job_config.parallelism.pipeline_parallel_schedule
+    if isinstance(cfg.seq_chunks, bool) or cfg.seq_chunks < 1:
+        raise ValueError(
+            f"[seq1f1b] seq_chunks = {cfg.seq_chunks} must be >= 1 (1 = plain 1F1B over samples)"
+        )
+    v = stages_per_rank(job_config, n_layers, pp)
+    if name.lower() == "interleavedseq1f1b" and v < 2:
+        raise ValueError(
+            f"[seq1f1b] stages_per_rank = {v}: InterleavedSeq1F1B needs >= 2 stages per rank; "
+            "use pipeline_parallel_schedule = 'Seq1F1B' for one"
+        )
+    if pp * v > n_layers + 2:
+        raise ValueError(
+            f"{pp * v} pipeline stages (pipeline_parallel_degree = {pp} x {v} per rank) cannot be "
+            f"placed on a model with {n_layers} layers: lower [seq1f1b] stages_per_rank or the "
+            "PP degree"
+        )
+    seq_len = job_config.training.seq_len
+    try:
+        return resolve_split(
+            parse_split(cfg.split), seq_len, cfg.seq_chunks, shape=shape, multiple_of=tp
+        )
+    except ValueError as exc:
+        raise ValueError(
+            f"[training] seq_len = {seq_len} cannot be split by [seq1f1b] seq_chunks = "
+            f"{cfg.seq_chunks}, split = {cfg.split!r}"
+            + (f" with tensor_parallel_degree = {tp}" if tp > 1 else "")
+            + f": {exc}"
+        ) from None
+
+
+def pipeline_seq1f1b(
+    model: nn.Module,
+    parallel_dims: Any,
+    job_config: Any,
+    device: torch.device,
+    model_args: Any,
+    parallelize_fn: Any,
+    loss_fn: Any,
+) -> tuple[Any, list[nn.Module], bool, bool]:
+    """torchtitan pipelining_fn: Seq1F1B for our schedule names, torchtitan's otherwise."""
+    from torchtitan.distributed.pipeline_parallel import (
+        generate_llm_fqn_per_model_part,
+        pipeline_llm,
+        pipeline_module_split,
+    )
+
+    name = job_config.parallelism.pipeline_parallel_schedule
+    check_schedule_name(name)
+    if not is_seq1f1b(name):
+        return pipeline_llm(
+            model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn
+        )
+
+    pp, tp = parallel_dims.pp, parallel_dims.tp
+    n_layers = model_args.n_layers
+    shape = model_shape(model, model_args)
+    lengths = check_config(job_config, pp, n_layers, tp, shape)
+    v = stages_per_rank(job_config, n_layers, pp)
+    par = job_config.parallelism
+    names = par.module_fqns_per_model_part or generate_llm_fqn_per_model_part(
+        pp * v,
+        n_layers,
+        par.pipeline_parallel_first_stage_less_layers,
+        par.pipeline_parallel_last_stage_less_layers,
+    )
+    make_chunk_aware(model)
+    # "1F1B"/"Interleaved1F1B" only pick torchtitan's looped placement (stage s on rank s % pp)
+    stages, parts = pipeline_module_split(
+        model, parallel_dims.get_mesh("pp"), "1F1B" if v == 1 else "Interleaved1F1B", device, names
+    )
+    for i, part in enumerate(parts):
+        parts[i] = parallelize_fn(part, parallel_dims, job_config)
+        stages[i].submod = parts[i]
+
+    mb_size = par.pipeline_parallel_microbatch_size
+    batch = job_config.training.local_batch_size
+    if batch % mb_size:
+        raise ValueError(
+            f"[training] local_batch_size = {batch} is not divisible by [parallelism] "
+            f"pipeline_parallel_microbatch_size = {mb_size}"
+        )
+    cls = ScheduleSeq1F1B if v == 1 else ScheduleInterleavedSeq1F1B
+    schedule = cls(
+        stages,
+        batch // mb_size,
+        job_config.seq1f1b.seq_chunks,
+        loss_fn,
+        split=lengths,
+        seq_len=job_config.training.seq_len,
+        scale_grads=False,  # the loss divides by the global token count (see spec.py)
+    )
+    logger.info(
+        "Seq1F1B: pp=%d stages/rank=%d M=%d K=%d segments=%s (%s split, model %s)",
+        pp,
+        v,
+        batch // mb_size,
+        job_config.seq1f1b.seq_chunks,
+        lengths,
+        job_config.seq1f1b.split,
+        shape,
+    )
+    return (
+        schedule,
+        parts,
+        any(s.is_first for s in stages),
+        any(s.is_last for s in stages),
+    )

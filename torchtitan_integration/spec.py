@@ -1,0 +1,107 @@
+"""The ``llama3`` train spec with Seq1F1B pipelining, a PP-correct loss and gloo-safe FSDP.
+
+Registered under torchtitan's own name ``llama3`` (extra specs are looked up before built-in
+models), so existing TOML files keep ``[model] name = "llama3"``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from .pipeline import pipeline_seq1f1b
+
+
+def build_loss_fn(job_config: Any, **kwargs: Any) -> Any:
+    """Token-sum cross entropy, divided by the global token count when the schedule passes it.
+
+    torchtitan 0.2.2 backpropagates the raw token sum under PP and divides only the logged
+    loss (its issue 2972), so PP gradients come out ``global_valid_tokens`` times too large.
+    Our trainer passes ``global_valid_tokens`` as a loss kwarg, so every pipeline schedule
+    backpropagates exactly what the unpipelined trainer does.
+    """
+    from torchtitan.components.loss import build_cross_entropy_loss
+
+    base = build_cross_entropy_loss(job_config, **kwargs)
+
+    def loss_fn(
+        pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens: Any = None
+    ) -> torch.Tensor:
+        loss = base(pred, labels)
+        return loss if global_valid_tokens is None else loss / global_valid_tokens
+
+    return loss_fn
+
+
+def _replicate(model: nn.Module, mesh: Any) -> None:
+    """FSDP2-style replicate (what the pipelining runtime knows how to reduce) per block + root."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    layers = getattr(model, "layers", None)
+    for block in layers.values() if layers is not None else ():
+        replicate(block, mesh=mesh)
+    replicate(model, mesh=mesh)
+
+
+def parallelize_with_pp_replicate(parallelize_fn: Any) -> Any:
+    """Wrap torchtitan's parallelize_fn for two compositions it lacks in 0.2.2.
+
+    * DP replicate with PP/TP: torchtitan only has 1-D DDP ("DDP has not supported > 1D
+      parallelism"). We let it apply everything but DP, then apply torch's FSDP2-based
+      ``replicate`` on the ``dp_replicate`` mesh, which the pipelining runtime reduces in its
+      REDUCE_GRAD action like FSDP.
+    * gloo: torchtitan sets a gradient divide factor of 1.0, which FSDP turns into
+      ``ReduceOp.PREMUL_SUM`` — not in gloo. Forcing sum reduction gives the same numbers with
+      an op gloo has.
+
+    Gradients are summed over data-parallel ranks in both cases: the loss is already divided by
+    the global token count, exactly as torchtitan's FSDP path expects.
+    """
+
+    def wrapped(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
+        own_replicate = (
+            parallel_dims.dp_replicate_enabled
+            and not parallel_dims.fsdp_enabled
+            and parallel_dims.world_size != parallel_dims.dp_replicate
+        )
+        if own_replicate:
+            without_dp = copy.copy(parallel_dims)
+            without_dp.dp_replicate = 1
+            model = parallelize_fn(model, without_dp, job_config)
+            _replicate(model, parallel_dims.get_mesh("dp_replicate"))
+        else:
+            model = parallelize_fn(model, parallel_dims, job_config)
+        gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                if own_replicate:
+                    m.set_gradient_divide_factor(1.0)
+                if gloo:
+                    m.set_force_sum_reduction_for_comms(True)
+        return model
+
+    return wrapped
+
+
+def register() -> None:
+    """Install the spec (idempotent)."""
+    from torchtitan.protocols import train_spec as ts
+
+    if "llama3" in ts._extra_train_specs:
+        return
+    base = ts.get_train_spec("llama3")
+    ts.register_train_spec(
+        "llama3",
+        dataclasses.replace(
+            base,
+            pipelining_fn=pipeline_seq1f1b,
+            parallelize_fn=parallelize_with_pp_replicate(base.parallelize_fn),
+            build_loss_fn=build_loss_fn,
+        ),
+    )
