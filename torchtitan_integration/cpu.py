@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -25,6 +26,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 _INSTALLED = False
+# modules that bind torchtitan.tools.utils.device_type / device_module at import
+_DEVICE_MODULES = (
+    "torchtitan.tools.utils",
+    "torchtitan.distributed.utils",
+    "torchtitan.components.metrics",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.tools.profiling",
+    "torchtitan.train",
+)
 
 
 def _proc_status_bytes(key: str) -> int:
@@ -79,19 +89,14 @@ def _set_pg_timeouts(timeout: timedelta, parallel_dims: Any) -> None:
 def install() -> bool:
     """Make torchtitan run on CPU with gloo when there is no GPU; True if it did anything.
 
-    Must run before anything imports ``torchtitan.tools.utils``.
+    Best called before anything imports torchtitan; if it was imported earlier, the modules
+    that copied its device choice are rebound.
     """
     global _INSTALLED
     if _INSTALLED:
         return True
     if torch.cuda.is_available():
         return False
-    import sys
-
-    if "torchtitan.tools.utils" in sys.modules:
-        raise RuntimeError(
-            "torchtitan_integration.cpu.install() must run before torchtitan is imported"
-        )
     import torch._utils as tu
 
     original = tu._get_available_device_type
@@ -102,6 +107,11 @@ def install() -> bool:
         import torchtitan.train
     finally:
         tu._get_available_device_type = original
+    # if torchtitan was imported before us, its modules hold "cuda": rebind them
+    for name in _DEVICE_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "device_type"):
+            module.device_type, module.device_module = "cpu", torch.cpu
 
     import torchtitan.components.metrics as metrics
     import torchtitan.distributed.utils as dist_utils
