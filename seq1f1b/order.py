@@ -13,7 +13,10 @@ The orders are plain data (no process group), so they can be built and checked a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import gc
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from torch.distributed.pipelining.schedules import (
@@ -53,6 +56,23 @@ class OrderSpec:
     def stage_to_rank(self, stage: int) -> int:
         """Looped placement: stage s lives on rank s % pp."""
         return stage % self.pp
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic GC while building large schedules (restoring its previous state).
+
+    Orders at pp=64 hold ~10^5 live action tuples; every allocation burst then triggers
+    collections that rescan them all, which doubles the build time. Nothing built here forms
+    reference cycles, so the collector has nothing to find.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def seq1f1b_warmup(pp: int, rank: int, n_units: int, seq_chunks: int) -> int:
@@ -146,29 +166,40 @@ def _stuck_ranks(
 
     An empty list means every rank finishes (no deadlock). Dependencies: F(s, u) needs
     F(s-1, u); B(s, u) needs F(s, u) and B(s+1, u). Per-stage segment order is part of each
-    rank's own sequence, so it needs no extra edge here.
+    rank's own sequence, so it needs no extra edge here. Event-driven, so that the work is
+    linear in the number of actions: a rank runs until it waits for an action, and is queued
+    again when that action completes (round-robin passes cost ranks x passes at pp=64).
     """
     del stage_to_rank  # dependencies are keyed by stage, placement does not matter here
-    done: set[tuple[int, _ComputationType, int]] = set()
+    # action keys are ints, (unit * num_stages + stage) * 2 + is_forward: cheap at 10^5 entries
+    n = num_stages
+    done: set[int] = set()
+    waiting: dict[int, list[int]] = {}
     pos = dict.fromkeys(orders, 0)
-    progress = True
-    while progress:
-        progress = False
-        for rank, acts in orders.items():
-            i = pos[rank]
-            while i < len(acts):
-                a = acts[i]
-                s, t, u = a.stage_index, a.computation_type, a.microbatch_index
-                if t == F:
-                    ready = s == 0 or (s - 1, F, u) in done
-                else:
-                    ready = (s, F, u) in done and (s == num_stages - 1 or (s + 1, B, u) in done)
-                if not ready:
-                    break
-                done.add((s, t, u))
-                i += 1
-                progress = True
-            pos[rank] = i
+    queue = deque(orders)
+    while queue:
+        rank = queue.popleft()
+        acts = orders[rank]
+        i = pos[rank]
+        while i < len(acts):
+            s, kind, u, _ = acts[i]
+            base = (u * n + s) * 2
+            if kind is F:
+                need = base - 1 if s != 0 else -1  # F(s-1, u)
+                key = base + 1
+            else:
+                need = base + 1  # F(s, u), then B(s+1, u)
+                if need in done:
+                    need = base + 2 if s != n - 1 else -1
+                key = base
+            if need >= 0 and need not in done:
+                waiting.setdefault(need, []).append(rank)
+                break
+            done.add(key)
+            if key in waiting:
+                queue.extend(waiting.pop(key))
+            i += 1
+        pos[rank] = i
     return [r for r, acts in orders.items() if pos[r] < len(acts)]
 
 
@@ -181,17 +212,18 @@ def build_orders(spec: OrderSpec) -> dict[int, list[_Action]]:
     again. More warm-up only moves forwards earlier, so this ends at the latest in GPipe order,
     which always completes.
     """
-    warm = {r: _initial_warmup(spec, r) for r in range(spec.pp)}
-    seqs = {r: _rank_sequences(spec, r) for r in range(spec.pp)}
-    while True:
-        orders = {r: _one_f_one_b(*seqs[r], warm[r]) for r in range(spec.pp)}
-        stuck = _stuck_ranks(orders, spec.num_stages, spec.stage_to_rank)
-        if not stuck:
-            return orders
-        bumped = False
-        for r in stuck:
-            if warm[r] < len(seqs[r][0]):
-                warm[r] += 1
-                bumped = True
-        if not bumped:  # pragma: no cover - GPipe order always completes
-            raise RuntimeError(f"Seq1F1B could not build a deadlock-free order for {spec}")
+    with paused_gc():
+        warm = {r: _initial_warmup(spec, r) for r in range(spec.pp)}
+        seqs = {r: _rank_sequences(spec, r) for r in range(spec.pp)}
+        while True:
+            orders = {r: _one_f_one_b(*seqs[r], warm[r]) for r in range(spec.pp)}
+            stuck = _stuck_ranks(orders, spec.num_stages, spec.stage_to_rank)
+            if not stuck:
+                return orders
+            bumped = False
+            for r in stuck:
+                if warm[r] < len(seqs[r][0]):
+                    warm[r] += 1
+                    bumped = True
+            if not bumped:  # pragma: no cover - GPipe order always completes
+                raise RuntimeError(f"Seq1F1B could not build a deadlock-free order for {spec}")

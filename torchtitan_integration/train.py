@@ -71,7 +71,10 @@ def _toml_names_config_module(argv: list[str]) -> bool:
         if a in ("--job.config_file", "--job.config-file") and i + 1 < len(argv):
             path = argv[i + 1]
         if path and os.path.exists(path):
-            import tomllib
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib
 
             with open(path, "rb") as f:
                 return "custom_config_module" in tomllib.load(f).get("job", {})

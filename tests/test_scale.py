@@ -1,0 +1,196 @@
+"""Linear-time lowering (seq1f1b.lowering) equals torch's, and large schedules build and run.
+
+The build-time targets themselves live in benchmarks/build_time.py (no timed unit tests).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+from collections import deque
+
+import pytest
+from mockstages import MockStage, mock_stages
+from torch.distributed.pipelining.schedules import (
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+    _Action,
+    _add_unshard_reshard,
+    _ComputationType,
+    _format_pipeline_order,
+    _PipelineScheduleRuntime,
+    _simulate_comms_compute,
+    _validate_schedule,
+)
+
+import seq1f1b.lowering as lowering
+import seq1f1b.order as order
+from seq1f1b import ScheduleSeq1F1B
+from seq1f1b.lowering import LoweredOrders, SendRecvLowering, add_unshard_reshard, is_lowerable
+from seq1f1b.order import OrderSpec, build_orders
+
+C = _ComputationType
+FSDP = (C.UNSHARD, C.RESHARD, C.REDUCE_GRAD)
+
+
+def _torch_lowering(
+    order: dict[int, list[_Action | None]], stages: list[MockStage], n_units: int, defer: bool
+) -> dict[int, list[_Action]]:
+    """torch's own _prepare_schedule_with_comms (all ranks), on a plain runtime."""
+    rt = _PipelineScheduleRuntime(stages, n_units, defer_pp_recv=defer)
+    _PipelineScheduleRuntime._prepare_schedule_with_comms(
+        rt, {r: list(a) for r, a in order.items()}
+    )
+    return rt.pipeline_order_with_comms
+
+
+@pytest.mark.parametrize("pp", range(1, 9))
+def test_every_rank_equals_torch_lowering(pp: int) -> None:
+    # grid pp 1..8 x stages/rank 1..3 x M 1..6 x K 1..4, every rank, with and without defer
+    for spr, m, k in itertools.product(range(1, 4), range(1, 7), range(1, 5)):
+        expected = _torch_lowering(
+            build_orders(OrderSpec(pp, spr, m, k)), mock_stages(pp, spr), m * k, False
+        )
+        for rank in range(pp):
+            sched = ScheduleSeq1F1B(mock_stages(pp, spr, rank=rank), m, k)
+            assert isinstance(sched.pipeline_order_with_comms, LoweredOrders)
+            assert sched.pipeline_order_with_comms[rank] == expected[rank], (spr, m, k, rank)
+        # the other ranks, lowered on access, equal torch's too
+        assert dict(sched.pipeline_order_with_comms) == expected
+        deferred = ScheduleSeq1F1B(mock_stages(pp, spr), m, k, defer_pp_recv=True)
+        expected = _torch_lowering(deferred.pipeline_order, mock_stages(pp, spr), m * k, True)
+        assert dict(deferred.pipeline_order_with_comms) == expected, (spr, m, k)
+
+
+def _v_stages(pp: int) -> list[MockStage]:
+    return [MockStage(0, 2 * pp, pp, 0), MockStage(2 * pp - 1, 2 * pp, pp, 0)]
+
+
+def test_torch_schedules_lower_identically() -> None:
+    # orders with bubbles (None), split backward (I/W) and V placement (neighbouring stages on
+    # one rank): the lowering is torch's for any lowerable order, not only Seq1F1B's
+    cases = [
+        (ScheduleInterleaved1F1B, spr, pp, m)
+        for spr, pp, m in itertools.product((1, 2, 3), (2, 3, 4, 6), (1, 2, 4, 8, 12))
+    ]
+    cases += [(ScheduleLoopedBFS, 2, pp, m) for pp, m in itertools.product((2, 4), (2, 5))]
+    cases += [
+        (ScheduleInterleavedZeroBubble, 2, pp, m) for pp, m in itertools.product((2, 4), (4, 8))
+    ]
+    cases += [(ScheduleZBVZeroBubble, 2, pp, m) for pp, m in itertools.product((2, 3, 4), (4, 8))]
+    checked = 0
+    for cls, spr, pp, m in cases:
+        stages = _v_stages(pp) if cls is ScheduleZBVZeroBubble else mock_stages(pp, spr)
+        for defer in (False, True):
+            try:
+                sched = cls(stages, m, defer_pp_recv=defer)
+            except ValueError:
+                continue  # a combination torch's schedule refuses
+            assert is_lowerable(sched.pipeline_order)
+            low = SendRecvLowering(
+                sched.pipeline_order,
+                sched.stage_index_to_group_rank.__getitem__,
+                sched._num_stages,
+                sched._n_microbatches,
+                defer_recv=defer,
+            )
+            for rank in sched.pipeline_order:
+                assert low.lower(rank) == sched.pipeline_order_with_comms[rank], (cls, pp, m)
+            checked += 1
+    assert checked > 60
+
+
+def test_add_unshard_reshard_equals_torch() -> None:
+    rng = random.Random(0)
+    for n_stages in (1, 2, 3, 4, 6):
+        for length in (0, 1, 5, 40):
+            acts: list[_Action | None] = [
+                None
+                if rng.random() < 0.1
+                else _Action(rng.randrange(n_stages), rng.choice((C.FORWARD, C.FULL_BACKWARD)), i)
+                for i in range(length)
+            ]
+            assert add_unshard_reshard(acts) == _add_unshard_reshard(list(acts))
+
+
+def test_deadlock_is_reported_like_torch() -> None:
+    f, b = C.FORWARD, C.FULL_BACKWARD
+    # rank 0 waits for B(0) before its F(0) reached rank 1: torch's lowering cannot schedule it
+    bad = {0: [_Action(0, b, 0), _Action(0, f, 0)], 1: [_Action(1, f, 0), _Action(1, b, 0)]}
+    with pytest.raises(AssertionError, match="Malformed compute schedule"):
+        SendRecvLowering(bad, lambda s: s, 2, 1)
+
+
+def test_fallback_to_torch_for_other_formats(tmp_path) -> None:
+    sched = ScheduleSeq1F1B(mock_stages(4, 2, rank=3), 3, 2)
+    path = tmp_path / "comms.csv"
+    sched._dump_csv(str(path), format="compute_comms")  # reads every rank
+    other = ScheduleSeq1F1B(mock_stages(4, 2, rank=3), 3, 2)
+    other._load_csv(str(path), format="compute_comms")  # torch's path: a plain dict
+    assert not isinstance(other.pipeline_order_with_comms, LoweredOrders)
+    assert other.pipeline_order_with_comms == sched.pipeline_order_with_comms
+    # compute-only input with comms in it: torch's error
+    bad = {r: list(a) for r, a in sched.pipeline_order.items()}
+    bad[0].append(_Action(0, C.SEND_F, 0))
+    with pytest.raises(ValueError, match="compute-only"):
+        sched._prepare_schedule_with_comms(bad)
+
+
+def test_lowered_orders_mapping() -> None:
+    sched = ScheduleSeq1F1B(mock_stages(4, 1, rank=2), 2, 2)
+    lowered = sched.pipeline_order_with_comms
+    assert isinstance(lowered, LoweredOrders)
+    assert list(lowered) == [0, 1, 2, 3] and len(lowered) == 4 and 3 in lowered
+    assert "lowered=[2]" in repr(lowered)  # only this rank at construction
+    plain = copy.deepcopy(lowered)
+    assert type(plain) is dict and plain == lowered
+    assert "Rank 3" in _format_pipeline_order(lowered, error_step_number=1)
+    with pytest.raises(KeyError):
+        lowered[4]
+    lowered[4] = []
+    assert lowered[4] == [] and len(lowered) == 5
+    del lowered[4]
+    assert 4 not in lowered
+
+
+@pytest.mark.parametrize(("pp", "spr", "m", "k"), [(64, 1, 64, 16), (32, 2, 32, 8)])
+def test_large_schedules_validate_and_run_in_simulation(pp: int, spr: int, m: int, k: int) -> None:
+    sched = ScheduleSeq1F1B(mock_stages(pp, spr, rank=pp - 1), m, k)
+    _validate_schedule(sched.pipeline_order, pp, pp * spr, m * k)
+    comms = {
+        r: [a for a in sched.pipeline_order_with_comms[r] if a.computation_type not in FSDP]
+        for r in sched.pipeline_order_with_comms
+    }
+    # each of this rank's units: F and B per stage, and a RECV and a SEND at each rank border
+    mine = comms[pp - 1]
+    n_units = m * k
+    assert sum(a.computation_type == C.FORWARD for a in mine) == spr * n_units
+    assert sum(a.computation_type == C.RECV_F for a in mine) == spr * n_units
+    assert sum(a.computation_type == C.SEND_B for a in mine) == spr * n_units
+    _simulate_comms_compute(comms, sched.order_spec.stage_to_rank, pp * spr)
+
+
+class _CountingDeque(deque):
+    pops = 0
+
+    def popleft(self):  # type: ignore[override]
+        _CountingDeque.pops += 1
+        return super().popleft()
+
+
+def test_replays_are_event_driven(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a rank is re-run only when something it waits for completes: at most one run per rank
+    # plus one per wait, however many ranks (round-robin passes would be ranks x passes)
+    monkeypatch.setattr(order, "deque", _CountingDeque)
+    monkeypatch.setattr(lowering, "deque", _CountingDeque)
+    for pp, spr, m, k in ((16, 1, 16, 8), (16, 2, 8, 4)):
+        _CountingDeque.pops = 0
+        orders = build_orders(OrderSpec(pp, spr, m, k))
+        n_actions = sum(len(a) for a in orders.values())
+        assert _CountingDeque.pops <= pp + n_actions
+        _CountingDeque.pops = 0
+        SendRecvLowering(orders, lambda s, pp=pp: s % pp, pp * spr, m * k)
+        assert _CountingDeque.pops <= pp + n_actions
