@@ -288,26 +288,79 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
             return int(target.shape[self.seq_dim])
         return 0
 
-    def _agree_seq_len(self, local: int) -> int:
-        """Every rank needs the lengths; middle stages get no input, so ask the pp group."""
-        if self._fixed_seq_len is not None:
-            if local and local != self._fixed_seq_len:
+    def _split_step_inputs(
+        self, seq_len: int, args: tuple, kwargs: dict, target: Any
+    ) -> tuple[list, list, list | None]:
+        """Cut this rank's inputs into units and set the per-unit loss weights."""
+        self._lengths = self.segment_lengths(seq_len)
+        arg_units, kwarg_units = split_units(
+            args,
+            kwargs,
+            self.n_samples,
+            self._lengths,
+            self.seq_dim,
+            args_chunk_spec=self._args_chunk_spec,
+            kwargs_chunk_spec=self._kwargs_chunk_spec,
+            kwargs_seq_dims=self.kwargs_seq_dims,
+        )
+        target_units = None
+        self._unit_loss_weights = [1.0] * (self.n_samples * self.seq_chunks)
+        if target is not None:
+            target_units = split_target(target, self.n_samples, self._lengths, self.seq_dim)
+            if self.scale_grads:
+                tokens = [count_tokens(t, self.ignore_index) for t in target_units]
+                total = sum(tokens)
+                if total > 0:
+                    self._unit_loss_weights = [len(tokens) * t / total for t in tokens]
+        return arg_units, kwarg_units, target_units
+
+    def _prepare_step(self, args: tuple, kwargs: dict, target: Any) -> tuple[list, list, Any]:
+        """Validate and split inputs on every rank *before* any pipeline traffic.
+
+        Middle stages get no input, so the pp group agrees on the sequence length with one tiny
+        all-reduce, which also carries an error flag: bad input on one rank fails every rank at
+        once instead of leaving the others waiting in a recv until the timeout.
+        """
+        local = self._local_seq_len(args, kwargs, target)
+        fixed = self._fixed_seq_len
+        error: ValueError | None = None
+        units = None
+        try:
+            if fixed is not None and local and local != fixed:
                 raise ValueError(
                     f"inputs have sequence length {local} but the schedule was built with "
-                    f"seq_len={self._fixed_seq_len}: pass matching inputs or rebuild it"
+                    f"seq_len={fixed}: pass matching inputs or rebuild it"
                 )
-            return self._fixed_seq_len
+            if fixed or local:
+                units = self._split_step_inputs(fixed or local, args, kwargs, target)
+        except ValueError as exc:
+            error = exc
+        agreed = fixed or local
         if self.pp_group_size > 1:
             stage = self._stages[0]
-            t = torch.tensor([local], dtype=torch.int64, device=stage.device)
+            t = torch.tensor([agreed, error is not None], dtype=torch.int64, device=stage.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=stage.group)
-            local = int(t.item())
-        if local < 1:
+            agreed, failed = int(t[0].item()), bool(t[1].item())
+            if failed and error is None:
+                raise RuntimeError(
+                    "ScheduleSeq1F1B.step(): another pipeline rank rejected its inputs (see its "
+                    "error); no pipeline communication was started"
+                )
+        if error is not None:
+            raise error
+        if agreed < 1:
             raise ValueError(
                 "no rank passed a tensor input or target to step(), so the sequence length is "
                 "unknown: pass seq_len= to ScheduleSeq1F1B"
             )
-        return local
+        if units is None:  # a rank without inputs learns the length from the others
+            units = self._split_step_inputs(agreed, args, kwargs, target)
+        elif sum(self._lengths) != agreed:
+            raise ValueError(
+                f"this rank's inputs have sequence length {sum(self._lengths)} but another "
+                f"rank's have {agreed}: pass the same sequence length on every rank"
+            )
+        return units
 
     def step(
         self,
@@ -331,28 +384,7 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
         for stage in self._stages:
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()
-        seq_len = self._agree_seq_len(self._local_seq_len(args, kwargs, target))
-        self._lengths = self.segment_lengths(seq_len)
-        arg_units, kwarg_units = split_units(
-            args,
-            kwargs,
-            self.n_samples,
-            self._lengths,
-            self.seq_dim,
-            args_chunk_spec=self._args_chunk_spec,
-            kwargs_chunk_spec=self._kwargs_chunk_spec,
-            kwargs_seq_dims=self.kwargs_seq_dims,
-        )
-        target_units = None
-        self._unit_loss_weights = [1.0] * (self.n_samples * self.seq_chunks)
-        if target is not None:
-            target_units = split_target(target, self.n_samples, self._lengths, self.seq_dim)
-            if self.scale_grads:
-                tokens = [count_tokens(t, self.ignore_index) for t in target_units]
-                total = sum(tokens)
-                if total > 0:
-                    n = len(tokens)
-                    self._unit_loss_weights = [n * t / total for t in tokens]
+        arg_units, kwarg_units, target_units = self._prepare_step(args, kwargs, target)
         self._step_microbatches(
             arg_units, kwarg_units, target_units, losses, return_outputs, loss_kwargs=loss_kwargs
         )
@@ -456,7 +488,6 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
         self, stage: _PipelineStageBase, state: StageKVState, guard: bool
     ) -> dict[str, Callable[..., Any]]:
         cls = type(stage)
-        k = self.seq_chunks
 
         def forward_one_chunk(fwd_chunk_id, args, kwargs=None, save_forward_output=True):
             info = self._segment_info(fwd_chunk_id)
@@ -508,7 +539,6 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
                 return None
             return cls.set_local_bwd_input(stage, next_stage_bwd_outputs, mb_index)
 
-        del k
         return {
             "forward_one_chunk": forward_one_chunk,
             "backward_one_chunk": backward_one_chunk,
