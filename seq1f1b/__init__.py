@@ -1,6 +1,7 @@
 """seq1f1b: sequence-level pipeline parallelism (Seq1F1B) for torch.distributed.pipelining."""
 
 from .attention import ChunkAwareAttention, chunk_aware_attention
+from .bitpipe import ScheduleBitPipe, build_bitpipe_stages
 from .kv import SegmentInfo, current_segment
 from .partition import ModelShape, compute_balanced_split, resolve_split, uniform_split
 from .schedule import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B
@@ -10,9 +11,11 @@ __version__ = "0.1.0"
 __all__ = [
     "ChunkAwareAttention",
     "ModelShape",
+    "ScheduleBitPipe",
     "ScheduleInterleavedSeq1F1B",
     "ScheduleSeq1F1B",
     "SegmentInfo",
+    "build_bitpipe_stages",
     "chunk_aware_attention",
     "compute_balanced_split",
     "current_segment",
