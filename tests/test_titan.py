@@ -168,3 +168,12 @@ def test_bad_config_fails_at_startup(tmp_path: Path, args: list[str], message: s
     run = run_titan(2, *PP2, *args, dump=tmp_path, check=False, timeout=120)
     assert message in run.output, run.output[-3000:]
     assert not run.losses
+
+
+def test_bitpipe_from_toml(seed, reference, tmp_path):
+    # two V-shaped replicas over 2 ranks (4 stages each), M = 4 microbatches of 1 sample
+    run = run_titan(
+        2, *PP2, *seed, "--parallelism.pipeline_parallel_schedule", "BitPipe",
+        "--parallelism.pipeline_parallel_microbatch_size", "1", dump=tmp_path,
+    )  # fmt: skip
+    assert_same_curve(run, reference)

@@ -29,14 +29,14 @@ def is_seq1f1b(name: str) -> bool:
 
 def check_schedule_name(name: str) -> None:
     """Fail at start-up, naming the TOML key, for a schedule nobody knows."""
-    if is_seq1f1b(name):
+    if is_seq1f1b(name) or name.lower() == "bitpipe":
         return
     try:
         get_schedule_class(name)
     except ValueError:
         raise ValueError(
             f"[parallelism] pipeline_parallel_schedule = {name!r} is unknown: use one of "
-            f"{list(SCHEDULE_NAMES)} or torch's 1F1B, Interleaved1F1B, GPipe, LoopedBFS, "
+            f"{[*SCHEDULE_NAMES, 'BitPipe']} or torch's 1F1B, Interleaved1F1B, GPipe, LoopedBFS, "
             "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV"
         ) from None
 
@@ -143,6 +143,12 @@ def pipeline_seq1f1b(
 
     name = job_config.parallelism.pipeline_parallel_schedule
     check_schedule_name(name)
+    if name.lower() == "bitpipe":
+        from .bitpipe import pipeline_bitpipe
+
+        return pipeline_bitpipe(
+            model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn
+        )
     if not is_seq1f1b(name):
         return pipeline_llm(
             model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn

@@ -17,9 +17,11 @@ from . import cpu
 
 cpu.install()  # before anything else imports torchtitan
 
+import torchtitan.distributed.utils as dist_utils  # noqa: E402
 from torchtitan.train import Trainer, main  # noqa: E402
 
 from . import assets, spec  # noqa: E402
+from .bitpipe import clip_counting_each_chunk_once, sync_twins_once  # noqa: E402
 
 CONFIG_MODULE = "torchtitan_integration.config"
 
@@ -34,6 +36,7 @@ class Seq1F1BTrainer(Trainer):
             return super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
+        sync_twins_once(self.pp_schedule)  # BitPipe: replicas identical after init/load
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
             input_dict, labels
         )
@@ -63,6 +66,18 @@ class Seq1F1BTrainer(Trainer):
             return torch.tensor([-1.0], device=self.device)
         # each unit's loss is already (token-sum / global tokens): the sum is the mean loss
         return torch.sum(torch.stack(losses)).to(self.device)
+
+    def train_step(self, data_iterator: Any) -> None:
+        schedule = getattr(self, "pp_schedule", None)
+        if getattr(schedule, "titan_twins", None) is None:
+            return super().train_step(data_iterator)
+        # BitPipe: clip by the norm of the model (each chunk once), scoped to this step
+        original = dist_utils.clip_grad_norm_
+        dist_utils.clip_grad_norm_ = clip_counting_each_chunk_once(original, schedule)
+        try:
+            return super().train_step(data_iterator)
+        finally:
+            dist_utils.clip_grad_norm_ = original
 
 
 def _toml_names_config_module(argv: list[str]) -> bool:

@@ -328,7 +328,9 @@ class ScheduleBitPipe(_PipelineScheduleRuntime):
     ) -> None:
         assert self._grad_sync is not None
         self._mb_losses.clear()
-        self._grad_sync.reset()
+        # re-read the parameters every step: a module moved off the meta device or re-wrapped
+        # after construction (torchtitan's to_empty/init) holds new Parameter objects
+        self._grad_sync = self._make_grad_sync(self._grad_sync.order)
         if not self._twins_checked:
             self._grad_sync.check_twins(self._stages[0].device)
             self._twins_checked = True

@@ -1,0 +1,123 @@
+"""``pipeline_parallel_schedule = "BitPipe"`` in torchtitan: stages, schedule, twin sync, clipping.
+
+BitPipe keeps two copies of every layer chunk (one per replica, on partner ranks r and pp-1-r).
+In torchtitan the model is built on the meta device and initialised (or loaded) after the
+pipelining function returns, so the twins cannot be made identical at build time: the trainer
+copies each chunk from its replica-A copy to its B copy once, before the first step
+(:func:`sync_twins_once`). Gradient clipping must count each chunk once, not twice
+(:func:`clip_counting_each_chunk_once`), so that grad_norm and clipping match an unpipelined run.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from seq1f1b import ScheduleBitPipe
+from seq1f1b.bitpipe.layout import BitPipeLayout, BitPipeStage
+from seq1f1b.bitpipe.sync import broadcast_twins, new_pair_group
+
+
+def _prune(model: nn.Module, keep: list[str]) -> nn.Module:
+    """A copy of ``model`` holding only the modules named in ``keep`` (torchtitan's FQNs)."""
+    part = copy.deepcopy(model)
+    kept_layers = {n.split(".", 1)[1] for n in keep if n.startswith("layers.")}
+    for name, child in list(part.named_children()):
+        if name == "layers":
+            for key in list(child.keys()):
+                if key not in kept_layers:
+                    del child[key]
+        elif name not in keep:
+            setattr(part, name, None)
+    return part
+
+
+def check_bitpipe(parallel_dims: Any) -> None:
+    if parallel_dims.tp > 1 or parallel_dims.dp_shard > 1 or parallel_dims.dp_replicate > 1:
+        raise ValueError(
+            "[parallelism] pipeline_parallel_schedule = 'BitPipe' composes with pipeline "
+            "parallelism and activation checkpointing in this integration: set "
+            "tensor_parallel_degree = 1 and data_parallel_shard_degree = "
+            "data_parallel_replicate_degree = 1 (its pair all-reduce is the data parallelism)"
+        )
+    if parallel_dims.pp % 2:
+        raise ValueError(
+            f"[parallelism] pipeline_parallel_degree = {parallel_dims.pp}: BitPipe pairs rank r "
+            "with rank pp-1-r, so the PP degree must be even"
+        )
+
+
+def pipeline_bitpipe(
+    model: nn.Module,
+    parallel_dims: Any,
+    job_config: Any,
+    device: torch.device,
+    model_args: Any,
+    parallelize_fn: Any,
+    loss_fn: Any,
+) -> tuple[Any, list[nn.Module], bool, bool]:
+    """torchtitan pipelining_fn for BitPipe (two V-shaped replicas over the pp ranks)."""
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+
+    check_bitpipe(parallel_dims)
+    pp = parallel_dims.pp
+    layout = BitPipeLayout(pp)
+    par = job_config.parallelism
+    names = generate_llm_fqn_per_model_part(
+        layout.replica_stages,
+        model_args.n_layers,
+        par.pipeline_parallel_first_stage_less_layers,
+        par.pipeline_parallel_last_stage_less_layers,
+    )
+    group = parallel_dims.get_mesh("pp").get_group()
+    rank = torch.distributed.get_rank(group)
+    stages: list[BitPipeStage] = []
+    parts: list[nn.Module] = []
+    for g in layout.stages_of(rank):
+        part = parallelize_fn(_prune(model, names[layout.chunk(g)]), parallel_dims, job_config)
+        parts.append(part)
+        stages.append(BitPipeStage(part, g, layout.num_stages, device, group=group))
+    pair_group = new_pair_group(group)
+    batch, mb = job_config.training.local_batch_size, par.pipeline_parallel_microbatch_size
+    schedule = ScheduleBitPipe(
+        stages, batch // mb, loss_fn, pair_group=pair_group, scale_grads=False
+    )
+    schedule.titan_twins = (layout, pair_group)  # read by sync_twins_once
+    return schedule, parts, any(s.is_first for s in stages), any(s.is_last for s in stages)
+
+
+def sync_twins_once(schedule: Any) -> None:
+    """Make both replicas identical after torchtitan initialised or loaded the weights."""
+    twins = getattr(schedule, "titan_twins", None)
+    if twins is None or getattr(schedule, "titan_twins_synced", False):
+        return
+    layout, pair_group = twins
+    broadcast_twins(schedule._stages, layout, pair_group)
+    schedule.titan_twins_synced = True
+
+
+def clip_counting_each_chunk_once(clip: Callable[..., torch.Tensor], schedule: Any) -> Callable:
+    """torchtitan's clip_grad_norm_, with the norm taken over replica A's chunks only.
+
+    Every chunk exists on two ranks with identical (summed) gradients; counting both would
+    report and clip at sqrt(2) times the model's gradient norm.
+    """
+    layout = schedule.titan_twins[0]
+    a_params = {
+        id(p)
+        for s in schedule._stages
+        if layout.replica(s.stage_index) == 0
+        for p in s.submod.parameters()
+    }
+
+    def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *args, **kwargs):
+        params = list(parameters)
+        norm = clip([p for p in params if id(p) in a_params], float("inf"), *args, **kwargs)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=kwargs.get("foreach"))
+        return norm
+
+    return clip_grad_norm_
