@@ -1,0 +1,48 @@
+"""``python -m benchmarks [--quick] --out DIR``: Seq1F1B against torch's schedules.
+
+Writes ``DIR/results.json`` (every number), ``DIR/results.md`` (the tables), timeline PNGs
+(``DIR/timelines/``, ``DIR/*.png``) and Chrome/Perfetto traces of the measured runs
+(``DIR/traces/``). See README "Benchmarks" for what each part measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from .presets import PRESETS
+from .report import markdown_report
+from .run import run_all
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="smaller model, under 5 minutes")
+    mode.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument(
+        "--budget-mib",
+        type=float,
+        default=None,
+        help="activation budget per stage (default: Schedule1F1B's peak at the first length)",
+    )
+    a = ap.parse_args(argv)
+    preset = PRESETS["smoke" if a.smoke else "quick" if a.quick else "full"]
+    command = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
+    budget = a.budget_mib * 1024 * 1024 if a.budget_mib else None
+    results = run_all(preset, a.out, command, budget)
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    report = markdown_report(results)
+    with open(os.path.join(a.out, "results.md"), "w") as f:
+        f.write(report + "\n")
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

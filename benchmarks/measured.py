@@ -1,0 +1,322 @@
+"""Measured runs: the same small Llama under each schedule, on real gloo ranks.
+
+Why: the simulator's cost model leaves out everything a CPU adds (kernel efficiency of short
+segments, the K/V prefix blocks, Python overhead); only a real run shows what remains.
+
+One process per rank (``torch.multiprocessing`` spawn, gloo over a FileStore). Each rank pins
+itself to one core (``os.sched_setaffinity(0, {rank % cpus})``) and runs one thread
+(``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``), so at pp=2 on 2 cores the ranks do not
+fight; at pp=4 they do (two ranks per core), so such settings report memory only.
+
+All schedules of a setting live in the same processes with identical weights and data. Step 0
+of each schedule is its warm-up and the memory step (saved-tensor hooks on, see
+:mod:`benchmarks.probe`); then the timed steps run in rounds that rotate through the schedules,
+so background load drifts over all of them alike. A step's time is the slowest rank's
+``perf_counter`` span from a barrier to the end of ``step()``; we report the median.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from seq1f1b import ModelShape, ScheduleSeq1F1B
+from seq1f1b.testing import TinyConfig, build_stages
+
+from .probe import ActionRecord, ProbedStage, RankProbe, SavedTensorMeter
+from .replay import replay_step_time
+
+__all__ = ["RunSpec", "Setting", "measure", "model_shape"]
+
+TIMEOUT = timedelta(seconds=600)
+_STAGES_PER_RANK = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2, "Seq1F1B": 1}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One schedule to measure: torch's by name, or Seq1F1B with K segments and a split."""
+
+    schedule: str
+    seq_chunks: int = 1
+    split: str = "compute"
+    seq_len: int | None = None  # overrides the setting's (memory-budget runs)
+    memory_only: bool = False  # one step, memory only (no timed steps)
+
+    @property
+    def label(self) -> str:
+        name = self.schedule
+        if self.schedule == "Seq1F1B":
+            name = f"Seq1F1B K={self.seq_chunks} {self.split}"
+        return name if self.seq_len is None else f"{name} @{self.seq_len}"
+
+    @property
+    def stages_per_rank(self) -> int:
+        return _STAGES_PER_RANK[self.schedule]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A measured comparison: pipeline size, batch, length, model, and the schedules."""
+
+    pp: int
+    microbatches: int
+    seq_len: int
+    model: TinyConfig
+    specs: tuple[RunSpec, ...]
+    timed_steps: int = 3  # 0: memory only (e.g. when ranks outnumber cores)
+    fresh_processes: bool = False  # one process group per schedule (clean peak RSS)
+    keep_trace: bool = True
+
+
+@dataclass
+class RunResult:
+    """What one rank saw for one schedule."""
+
+    label: str
+    step_times_s: list[float] = field(default_factory=list)
+    peak_activation_bytes: dict[int, int] = field(default_factory=dict)  # per stage
+    peak_activation_rank_bytes: int = 0
+    peak_rss_bytes: int | None = None
+    loss: float | None = None
+    trace: list[dict[str, Any]] = field(default_factory=list)
+    step_traces: list[list[dict[str, Any]]] = field(default_factory=list)
+
+
+def model_shape(cfg: TinyConfig) -> ModelShape:
+    """FLOPs-model shape of a TinyConfig; SwiGLU's three matrices count as a 1.5x wider FFN."""
+    return ModelShape(
+        hidden=cfg.dim,
+        n_heads=cfg.n_heads,
+        n_layers=cfg.n_layers,
+        vocab=cfg.vocab,
+        ffn_hidden=3 * cfg.ffn // 2,
+    )
+
+
+def _loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def _seq_len(setting: Setting, spec: RunSpec) -> int:
+    return spec.seq_len or setting.seq_len
+
+
+def _data(setting: Setting, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shape = (setting.microbatches, seq_len + 1)
+    tokens = torch.randint(0, setting.model.vocab, shape, generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class _Run:
+    """One schedule on this rank: its stages, parameters and a ``step`` on fixed data."""
+
+    def __init__(self, spec: RunSpec, rank: int, world: int, setting: Setting, probe: RankProbe):
+        self.spec = spec
+        n = world * spec.stages_per_rank
+        mods = build_stages(setting.model, n, seed=0)
+        self.mine = list(range(rank, n, world))
+        cpu = torch.device("cpu")
+        stages = [ProbedStage(mods[s], s, n, cpu, probe=probe) for s in self.mine]
+        self.params = [p for s in self.mine for p in mods[s].parameters()]
+        self.first, self.last = 0 in self.mine, n - 1 in self.mine
+        m = setting.microbatches
+        if spec.schedule == "1F1B":
+            self.sched: Any = Schedule1F1B(stages[0], m, loss_fn=_loss_fn)
+        elif spec.schedule == "GPipe":
+            self.sched = ScheduleGPipe(stages[0], m, loss_fn=_loss_fn)
+        elif spec.schedule == "Interleaved1F1B":
+            self.sched = ScheduleInterleaved1F1B(stages, m, loss_fn=_loss_fn)
+        elif spec.schedule == "Seq1F1B":
+            self.sched = ScheduleSeq1F1B(
+                stages,
+                m,
+                spec.seq_chunks,
+                _loss_fn,
+                split=spec.split,
+                model_shape=model_shape(setting.model),
+                seq_len=_seq_len(setting, spec),
+            )
+        else:
+            raise ValueError(f"unknown schedule {spec.schedule!r}: use one of {_STAGES_PER_RANK}")
+        self.result = RunResult(spec.label)
+        self.x, self.y = _data(setting, _seq_len(setting, spec))
+
+    def step(self) -> float | None:
+        x, y = self.x, self.y
+        losses: list[torch.Tensor] = []
+        self.sched.step(
+            *((x,) if self.first else ()),
+            target=y if self.last else None,
+            losses=losses if self.last else None,
+            return_outputs=False,
+        )
+        for p in self.params:
+            p.grad = None
+        return torch.stack(losses).mean().item() if losses else None
+
+
+def _trace(records: list[ActionRecord], spec: RunSpec) -> list[dict[str, Any]]:
+    k = spec.seq_chunks if spec.schedule == "Seq1F1B" else 1
+    out = []
+    for r in records:
+        m, seg = divmod(r.microbatch, k)
+        label = f"{m}.{seg}" if k > 1 else f"{m}"
+        out.append(
+            {
+                "stage": r.stage,
+                "kind": r.kind,
+                "mb": r.microbatch,
+                "unit": label,
+                "start": r.start,
+                "end": r.end,
+                "cpu": r.cpu,
+            }
+        )
+    return out
+
+
+def _memory_step(run: _Run, probe: RankProbe) -> None:
+    meter = SavedTensorMeter(exclude=run.params)
+    probe.meter = meter
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        with meter.active():
+            run.result.loss = run.step()
+    finally:
+        probe.meter = None
+    rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run.result.peak_activation_bytes = {s: meter.peak.get(s, 0) for s in run.mine}
+    run.result.peak_activation_rank_bytes = meter.peak_total
+    run.result.peak_rss_bytes = (rss_after - rss_before) * 1024  # ru_maxrss is in KiB on Linux
+
+
+def _rank_main(rank: int, world: int, setting: Setting, specs: list[RunSpec]) -> list[RunResult]:
+    probe = RankProbe()
+    results: dict[int, RunResult] = {}
+    timed: list[_Run] = []
+    for i, spec in enumerate(specs):
+        run = _Run(spec, rank, world, setting, probe)
+        dist.barrier()
+        probe.clear()
+        _memory_step(run, probe)
+        if setting.keep_trace and not setting.timed_steps:
+            run.result.trace = _trace(probe.records, spec)
+        results[i] = run.result
+        if not spec.memory_only:
+            timed.append(run)
+        del run  # memory-only runs free their model right away
+    for i in range(setting.timed_steps if timed else 0):
+        for j in range(len(timed)):
+            run = timed[(i + j) % len(timed)]
+            dist.barrier()
+            probe.clear()
+            t0 = time.perf_counter()
+            run.step()
+            run.result.step_times_s.append(time.perf_counter() - t0)
+            run.result.step_traces.append(_trace(probe.records, run.spec))
+            if setting.keep_trace and i == setting.timed_steps - 1:
+                run.result.trace = run.result.step_traces[-1]
+    return [results[i] for i in range(len(specs))]
+
+
+def _entry(
+    rank: int, world: int, store: str, out: str, setting: Setting, specs: list[RunSpec]
+) -> None:
+    os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, world),
+        rank=rank,
+        world_size=world,
+        timeout=TIMEOUT,
+    )
+    try:
+        results = _rank_main(rank, world, setting, specs)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump([asdict(r) for r in results], f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(setting: Setting, specs: list[RunSpec]) -> list[list[dict[str, Any]]]:
+    """Run ``specs`` on ``setting.pp`` fresh rank processes; per rank, per spec results."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        mp.spawn(_entry, args=(setting.pp, store, tmp, setting, specs), nprocs=setting.pp)
+        per_rank = []
+        for r in range(setting.pp):
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                per_rank.append(json.load(f))
+    return per_rank
+
+
+def _merge(setting: Setting, spec: RunSpec, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One schedule's result across ranks: slowest rank per step, memory per stage and rank."""
+    times = [max(ts) for ts in zip(*(r["step_times_s"] for r in per_rank), strict=True)]
+    median = statistics.median(times) if times else None
+    steps = list(zip(*(r["step_traces"] for r in per_rank), strict=True))
+    replays = [replay_step_time(traces) for traces in steps]
+    cpu = [sum(ev["cpu"] for t in traces for ev in t) for traces in steps]
+    wall = [sum(ev["end"] - ev["start"] for t in traces for ev in t) for traces in steps]
+    seq_len = _seq_len(setting, spec)
+    tokens = setting.microbatches * seq_len
+    stages: dict[int, int] = {}
+    for r in per_rank:
+        stages.update({int(s): int(b) for s, b in r["peak_activation_bytes"].items()})
+    trace = [dict(ev, rank=rank) for rank, r in enumerate(per_rank) for ev in r["trace"]]
+    loss = next((r["loss"] for r in per_rank if r["loss"] is not None), None)
+    return {
+        "label": spec.label,
+        "schedule": spec.schedule,
+        "seq_chunks": spec.seq_chunks,
+        "split": spec.split if spec.schedule == "Seq1F1B" else None,
+        "pp": setting.pp,
+        "microbatches": setting.microbatches,
+        "seq_len": seq_len,
+        "step_time_s": median,
+        "step_time_min_s": min(times) if times else None,
+        "replay_step_time_s": statistics.median(replays) if replays else None,
+        "replay_step_times_s": replays,
+        # wall time of the compute actions over their CPU time: 1.0 = the ranks had their cores
+        "action_wall_over_cpu": statistics.median(w / c for w, c in zip(wall, cpu, strict=True))
+        if cpu
+        else None,
+        "step_times_s": times,
+        "tokens_per_s": tokens / median if median else None,
+        "peak_activation_bytes": [stages[s] for s in sorted(stages)],
+        "peak_activation_rank_bytes": [r["peak_activation_rank_bytes"] for r in per_rank],
+        "peak_rss_bytes": (
+            [r["peak_rss_bytes"] for r in per_rank] if setting.fresh_processes else None
+        ),
+        "loss": loss,
+        "trace": trace,
+    }
+
+
+def measure(setting: Setting) -> list[dict[str, Any]]:
+    """Run every schedule of ``setting``; one merged result dict per schedule, in order."""
+    groups = [[s] for s in setting.specs] if setting.fresh_processes else [list(setting.specs)]
+    out: list[dict[str, Any]] = []
+    for specs in groups:
+        per_rank = _spawn(setting, specs)
+        for i, spec in enumerate(specs):
+            out.append(_merge(setting, spec, [r[i] for r in per_rank]))
+    return out

@@ -1,0 +1,115 @@
+"""Sizes for each benchmark mode: full (REFERENCE section 6's model), quick, and smoke.
+
+Why: one table of every size in one place, so that what ran is stated, not implied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from seq1f1b.testing import TinyConfig
+
+from .measured import RunSpec
+
+__all__ = ["PRESETS", "Preset"]
+
+
+# pp=2, M=2: the time target's setting
+PP2_SPECS = (
+    RunSpec("1F1B"),
+    RunSpec("GPipe"),
+    RunSpec("Interleaved1F1B"),
+    RunSpec("Seq1F1B", 2, "compute"),
+    RunSpec("Seq1F1B", 4, "uniform"),
+    RunSpec("Seq1F1B", 4, "compute"),
+    RunSpec("Seq1F1B", 8, "compute"),
+)
+# pp=4, M=4: the memory target's setting (Interleaved1F1B needs layers % 8 == 0)
+PP4_SPECS = (
+    RunSpec("1F1B"),
+    RunSpec("GPipe"),
+    RunSpec("Interleaved1F1B"),
+    RunSpec("Seq1F1B", 2, "compute"),
+    RunSpec("Seq1F1B", 4, "uniform"),
+    RunSpec("Seq1F1B", 4, "compute"),
+)
+BUDGET_SPECS = (
+    RunSpec("1F1B"),
+    RunSpec("GPipe"),
+    RunSpec("Seq1F1B", 2, "compute"),
+    RunSpec("Seq1F1B", 4, "uniform"),
+    RunSpec("Seq1F1B", 4, "compute"),
+    RunSpec("Seq1F1B", 8, "compute"),
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Everything a mode runs."""
+
+    name: str
+    model: TinyConfig
+    seq_lens: tuple[int, ...]  # measured at pp=2, M=2 (timed)
+    timed_steps: int
+    pp4_seq_len: int  # measured at pp=4, M=4 (memory only)
+    fit_fractions: tuple[float, ...]  # budget fit points, as fractions of seq_lens[0]
+    sim_pps: tuple[int, ...]
+    sim_microbatches: tuple[int, ...]
+    sim_seq_lens: tuple[int, ...]
+    pp4_fresh_processes: bool  # one process group per schedule: clean peak RSS, slower
+    verify_budget: bool = True
+    pp4_specs: tuple[RunSpec, ...] = PP4_SPECS
+    long_specs: tuple[RunSpec, ...] = PP2_SPECS  # measured at seq_lens[1:]
+
+
+PRESETS = {
+    # REFERENCE section 6's model: Llama-like, hidden 512, 8 heads, 8 layers, SwiGLU, vocab 4096
+    "full": Preset(
+        name="full",
+        model=TinyConfig(vocab=4096, dim=512, n_heads=8, n_kv_heads=8, n_layers=8, ffn=1376),
+        seq_lens=(4096, 8192),
+        timed_steps=5,
+        long_specs=(
+            RunSpec("1F1B"),
+            RunSpec("Seq1F1B", 4, "uniform"),
+            RunSpec("Seq1F1B", 4, "compute"),
+            RunSpec("Seq1F1B", 8, "compute"),
+        ),
+        pp4_seq_len=4096,
+        fit_fractions=(0.25, 0.5),
+        sim_pps=(4, 8),
+        sim_microbatches=(8, 16),
+        sim_seq_lens=(32768, 65536),
+        pp4_fresh_processes=True,
+    ),
+    # a quarter of the width, half the depth: the same 4096 tokens, in minutes on 2 cores
+    # (4 layers: Interleaved1F1B cannot run at pp=4, which needs 8 stages)
+    "quick": Preset(
+        name="quick",
+        model=TinyConfig(vocab=1024, dim=128, n_heads=2, n_kv_heads=2, n_layers=4, ffn=344),
+        seq_lens=(4096,),
+        timed_steps=3,
+        pp4_seq_len=2048,
+        fit_fractions=(0.25, 0.5),
+        sim_pps=(4, 8),
+        sim_microbatches=(8, 16),
+        sim_seq_lens=(32768, 65536),
+        pp4_fresh_processes=False,
+        verify_budget=False,
+    ),
+    # the smoke test's: every code path, tiny sizes
+    "smoke": Preset(
+        name="smoke",
+        model=TinyConfig(vocab=64, dim=32, n_heads=2, n_kv_heads=2, n_layers=8, ffn=64),
+        seq_lens=(256,),
+        timed_steps=1,
+        pp4_seq_len=128,
+        fit_fractions=(0.25, 0.5),
+        sim_pps=(4,),
+        sim_microbatches=(8,),
+        sim_seq_lens=(32768,),
+        pp4_fresh_processes=False,
+        verify_budget=False,
+        pp4_specs=(RunSpec("1F1B"), RunSpec("Seq1F1B", 4, "uniform")),
+    ),
+}

@@ -1,0 +1,145 @@
+"""Markdown tables of the benchmark results (what the README shows).
+
+Why: one place that turns ``results.json`` into the tables people read, so the README and the
+command's own output never disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["markdown_report"]
+
+MIB = 1024 * 1024
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def measured_table(runs: Sequence[dict[str, Any]], timed: bool) -> list[str]:
+    """Step time, tokens/s and per-rank peak saved activations, as ratios against 1F1B.
+
+    Memory columns are per rank (= per stage for one stage per rank; interleaved schedules
+    hold two stages per rank, and per-stage numbers are in results.json).
+    """
+    base = next((r for r in runs if r["schedule"] == "1F1B"), None)
+    n_ranks = max(len(r["peak_activation_rank_bytes"]) for r in runs)
+    rss = any(r.get("peak_rss_bytes") for r in runs)
+    head = ["schedule"]
+    if timed:
+        head += ["step s (median)", "vs 1F1B", "replayed", "simulated", "tokens/s", "wall/CPU"]
+    head += [f"rank {r} act. MiB (vs 1F1B)" for r in range(n_ranks)]
+    if rss:
+        head += ["rank 0 peak RSS MiB"]
+    rows = []
+    for r in runs:
+        row = [r["label"]]
+        if timed:
+            row += [
+                _fmt(r["step_time_s"], ".2f"),
+                _fmt(_ratio(r["step_time_s"], base and base["step_time_s"])),
+                _fmt(_ratio(r["replay_step_time_s"], base and base["replay_step_time_s"])),
+                _fmt(r.get("simulated_time_vs_1f1b")),
+                _fmt(r["tokens_per_s"], ".0f"),
+                _fmt(r.get("action_wall_over_cpu"), ".2f"),
+            ]
+        ref = base["peak_activation_rank_bytes"] if base else [None] * n_ranks
+        for rank, b in enumerate(r["peak_activation_rank_bytes"]):
+            row.append(f"{b / MIB:.1f} ({_fmt(_ratio(b, ref[rank]), '.2f')})")
+        if rss:
+            v = r.get("peak_rss_bytes")
+            row.append(_fmt(v[0] / MIB if v else None, ".0f"))
+        rows.append(row)
+    return _table(head, rows)
+
+
+def simulation_table(rows: Sequence[dict[str, Any]], pp: int, m: int, seq_len: int) -> list[str]:
+    """One paper setting: simulated bubble and memory next to the closed forms."""
+    head = [
+        "schedule",
+        "bubble (causal FLOPs)",
+        "bubble (equal cost)",
+        "formula",
+        "time vs 1F1B",
+        "rank-0 act. (A)",
+        "formula",
+    ]
+    body = []
+    for r in rows:
+        if (r["pp"], r["microbatches"], r["seq_len"]) != (pp, m, seq_len):
+            continue
+        if "error" in r:
+            body.append([r["label"], "n/a: " + r["error"][:60], "", "", "", "", ""])
+            continue
+        body.append(
+            [
+                r["label"],
+                _fmt(r["bubble_ratio"]),
+                _fmt(r["bubble_ratio_equal_cost"]),
+                _fmt(r["formula_bubble_ratio"]),
+                _fmt(r["time_vs_1f1b"]),
+                _fmt(r["peak_activation_rank0"], ".2f"),
+                _fmt(r["formula_peak_activation_rank0"], ".2f"),
+            ]
+        )
+    return _table(head, body)
+
+
+def budget_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    base = next((r for r in rows if r["label"] == "1F1B"), None)
+    head = [
+        "schedule",
+        "KiB / token (fit)",
+        "longest seq_len",
+        "vs 1F1B",
+        "measured peak there (MiB)",
+    ]
+    body = []
+    for r in rows:
+        body.append(
+            [
+                r["label"],
+                f"{r['bytes_per_token'] / 1024:.1f}",
+                str(r["longest_seq_len"]),
+                _fmt(_ratio(r["longest_seq_len"], base and base["longest_seq_len"]), ".2f"),
+                _fmt(r.get("verified_peak_bytes") and r["verified_peak_bytes"] / MIB, ".1f"),
+            ]
+        )
+    return _table(head, body)
+
+
+def targets_table(targets: Sequence[dict[str, Any]]) -> list[str]:
+    rows = [[t["name"], t["value"], t["target"], "yes" if t["met"] else "no"] for t in targets]
+    return _table(["target", "got", "wanted", "met"], rows)
+
+
+def markdown_report(results: dict[str, Any]) -> str:
+    """All tables, in the order the README uses them."""
+    meta = results["meta"]
+    out = [f"# Benchmarks ({meta['mode']})", "", f"`{meta['command']}` — {meta['summary']}", ""]
+    out += ["## Targets", "", *targets_table(results["targets"]), ""]
+    for setting in results["measured"].values():
+        out += [f"## Measured: {setting['title']}", "", setting["note"], ""]
+        out += measured_table(setting["runs"], setting["timed"])
+        out.append("")
+    if results.get("budget"):
+        b = results["budget"]
+        out += [f"## Longest sequence under {b['budget_bytes'] / MIB:.1f} MiB per stage", ""]
+        out += [b["note"], "", *budget_table(b["rows"]), ""]
+    for pp, m, seq in results["simulation_views"]:
+        out += [f"## Simulated: 7B-like, pp={pp}, M={m}, {seq // 1024}k tokens", ""]
+        out += simulation_table(results["simulation"], pp, m, seq)
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,326 @@
+"""Everything ``python -m benchmarks`` does, in order, into one results dict.
+
+Why: one invocation runs simulation, measured comparisons, the memory-budget search and the
+planner example side by side, so every number in the README comes from the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from typing import Any
+
+import torch
+
+from seq1f1b.planner import MemoryModel, plan
+
+from .budget import budget_rows
+from .measured import RunSpec, Setting, measure, model_shape
+from .orders import ScheduleSpec
+from .presets import BUDGET_SPECS, PP2_SPECS, Preset
+from .simtables import PAPER_SHAPE, simulate_spec, simulation_table
+from .trace import write_chrome_trace
+
+__all__ = ["run_all"]
+
+PINNING = (
+    "one process per rank, each pinned to core rank % 2 with os.sched_setaffinity and running "
+    "one thread (torch.set_num_threads(1), OMP_NUM_THREADS=1)"
+)
+MEMORY_DEF = (
+    "peak bytes of tensors saved for backward and alive at once during the step "
+    "(saved_tensors_hooks, storages counted once, parameters excluded)"
+)
+
+
+def _log(msg: str) -> None:
+    print(f"[benchmarks] {msg}", flush=True)
+
+
+def _load() -> str:
+    """1-minute load average: how busy the machine was (other jobs inflate wall times)."""
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def _usable(spec: RunSpec, pp: int, preset: Preset) -> bool:
+    return preset.model.n_layers % (pp * spec.stages_per_rank) == 0
+
+
+def _simulated(runs: list[dict[str, Any]], preset: Preset) -> None:
+    """Add the cost model's bubble and time vs 1F1B at the measured size to each run."""
+    shape = model_shape(preset.model)
+    spans = {}
+    for r in runs:
+        k = r["seq_chunks"] if r["schedule"] == "Seq1F1B" else 1
+        spec = ScheduleSpec(r["schedule"], r["pp"], r["microbatches"], k)
+        res, _ = simulate_spec(spec, shape, r["seq_len"], r["split"] or "uniform")
+        r["simulated_bubble_ratio"] = res.bubble_ratio
+        spans[r["label"]] = res.makespan
+    base = next((spans[r["label"]] for r in runs if r["schedule"] == "1F1B"), None)
+    for r in runs:
+        r["simulated_time_vs_1f1b"] = spans[r["label"]] / base if base else None
+
+
+def _measure_pp2(preset: Preset, seq_len: int, with_fits: bool) -> list[dict[str, Any]]:
+    specs = [s for s in (PP2_SPECS if with_fits else preset.long_specs) if _usable(s, 2, preset)]
+    if with_fits:
+        specs += [
+            replace(s, seq_len=int(seq_len * f), memory_only=True)
+            for s in BUDGET_SPECS
+            for f in preset.fit_fractions
+        ]
+    return measure(Setting(2, 2, seq_len, preset.model, tuple(specs), preset.timed_steps))
+
+
+def _budget(preset: Preset, runs: list[dict[str, Any]], budget: float | None) -> dict[str, Any]:
+    """Fit peak(S) per schedule, solve for the budget, verify at the answer."""
+    main = {r["label"]: r for r in runs if not r["label"].count("@")}
+    fits: dict[str, list[dict[str, Any]]] = {}
+    for spec in BUDGET_SPECS:
+        pts = [r for r in runs if r["label"].startswith(spec.label + " @")]
+        fits[spec.label] = [*pts, main[spec.label]]
+    if budget is None:
+        budget = float(max(main["1F1B"]["peak_activation_bytes"]))
+    rows = budget_rows(fits, budget, granule=64)
+    if preset.verify_budget:
+        specs = tuple(
+            replace(s, seq_len=row["longest_seq_len"], memory_only=True)
+            for s, row in zip(BUDGET_SPECS, rows, strict=True)
+        )
+        check = Setting(2, 2, preset.seq_lens[0], preset.model, specs, 0, keep_trace=False)
+        checked = measure(check)
+        for row, r in zip(rows, checked, strict=True):
+            row["verified_peak_bytes"] = max(r["peak_activation_bytes"])
+            row["verified_within_budget"] = row["verified_peak_bytes"] <= budget
+    return {
+        "budget_bytes": budget,
+        "rows": rows,
+        "note": (
+            "pp=2, M=2. Budget: the largest per-stage peak of Schedule1F1B at "
+            f"{preset.seq_lens[0]} tokens. Peak = max over stages of saved activations, fitted "
+            "linearly over "
+            f"{', '.join(str(int(preset.seq_lens[0] * f)) for f in preset.fit_fractions)} and "
+            f"{preset.seq_lens[0]} tokens, solved for the budget (multiples of 64 tokens)"
+            + (
+                ", then measured again at that length."
+                if preset.verify_budget
+                else " (not re-measured in this mode; the full mode does)."
+            )
+        ),
+    }
+
+
+def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    sim = [r for r in results["simulation"] if r["schedule"] == "Seq1F1B" and "error" not in r]
+    dev = max(
+        abs(r["bubble_ratio_equal_cost"] - r["formula_bubble_ratio"]) / r["formula_bubble_ratio"]
+        for r in sim
+    )
+    out.append(
+        {
+            "name": "simulated Seq1F1B bubble, equal-cost segments, vs (p-1)/(K*M+p-1)",
+            "value": f"max deviation {dev:.1%} over {len(sim)} settings",
+            "target": "within 5%",
+            "met": dev <= 0.05,
+        }
+    )
+    pairs = {}
+    for r in sim:
+        pairs.setdefault((r["pp"], r["microbatches"], r["seq_len"], r["seq_chunks"]), {})[
+            r["split"]
+        ] = r["bubble_ratio"]
+    wins = sum(p["compute"] < p["uniform"] for p in pairs.values())
+    gaps = [p["uniform"] - p["compute"] for p in pairs.values()]
+    out.append(
+        {
+            "name": "simulated bubble with causal costs: compute-balanced vs uniform split",
+            "value": f"compute lower in {wins}/{len(pairs)} settings "
+            f"(by {min(gaps):.3f} to {max(gaps):.3f})",
+            "target": "compute split beats uniform",
+            "met": wins == len(pairs),
+        }
+    )
+    pp4 = results["measured"].get("pp4")
+    if pp4:
+        runs = {r["label"]: r for r in pp4["runs"]}
+        base = runs["1F1B"]["peak_activation_bytes"][0]
+        for split in ("uniform", "compute"):
+            r = runs.get(f"Seq1F1B K=4 {split}")
+            if r:
+                ratio = r["peak_activation_bytes"][0] / base
+                out.append(
+                    {
+                        "name": f"measured stage-0 peak activations, pp=4, K=4 {split}, vs 1F1B",
+                        "value": f"{ratio:.3f}x",
+                        "target": "<= 0.5x",
+                        "met": ratio <= 0.5,
+                    }
+                )
+    for key, setting in results["measured"].items():
+        if not setting["timed"]:
+            continue
+        runs = {r["label"]: r for r in setting["runs"]}
+        base = runs["1F1B"]["step_time_s"]
+        for split in ("compute", "uniform"):
+            r = runs.get(f"Seq1F1B K=4 {split}")
+            if r and setting["seq_len"] >= 4096:
+                ratio = r["step_time_s"] / base
+                replay = r["replay_step_time_s"] / runs["1F1B"]["replay_step_time_s"]
+                out.append(
+                    {
+                        "name": f"measured step time, {key}, K=4 {split}, vs 1F1B",
+                        "value": f"{ratio:.3f}x wall (replayed {replay:.3f}x, simulated "
+                        f"{r['simulated_time_vs_1f1b']:.3f}x; wall/CPU "
+                        f"{r['action_wall_over_cpu']:.2f}, load {setting['load_average']})",
+                        "target": "<= 0.85x (ideal 0.75x)",
+                        "met": ratio <= 0.85,
+                    }
+                )
+    return out
+
+
+def _pictures(out: str, results: dict[str, Any], log: Callable[[str], None]) -> list[str]:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log("matplotlib is not installed (pip install -e '.[bench]'): no PNGs")
+        return []
+    from .pictures import measured_picture, readme_picture, schedule_pictures
+
+    paths = schedule_pictures(os.path.join(out, "timelines"))
+    readme = os.path.join(out, "timeline_1f1b_vs_seq1f1b.png")
+    readme_picture(readme)
+    paths.append(readme)
+    for key, setting in results["measured"].items():
+        if not setting["timed"]:
+            continue
+        path = os.path.join(out, f"measured_{key}.png")
+        measured_picture(path, setting["runs"], f"measured {setting['short']}")
+        if os.path.exists(path):
+            paths.append(path)
+    first = next((s for s in results["measured"].values() if s["timed"]), None)
+    if first:  # the README's picture: 1F1B against Seq1F1B K=4, both splits, as measured
+        path = os.path.join(out, "timeline_measured_1f1b_vs_seq1f1b.png")
+        only = ("1F1B", "Seq1F1B K=4 uniform", "Seq1F1B K=4 compute")
+        measured_picture(path, first["runs"], f"measured {first['short']}", only)
+        paths.append(path)
+    return paths
+
+
+def run_all(preset: Preset, out: str, command: str, budget: float | None = None) -> dict[str, Any]:
+    """Run every part of the benchmark for ``preset``; write nothing but traces and PNGs."""
+    os.makedirs(out, exist_ok=True)
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    results: dict[str, Any] = {"measured": {}}
+
+    t = time.perf_counter()
+    _log("simulating the paper's settings")
+    results["simulation"] = simulation_table(
+        preset.sim_pps, preset.sim_microbatches, preset.sim_seq_lens, PAPER_SHAPE
+    )
+    m0, s0 = preset.sim_microbatches[0], preset.sim_seq_lens[0]
+    results["simulation_views"] = [(pp, m0, s0) for pp in reversed(preset.sim_pps)]
+    timings["simulation_s"] = time.perf_counter() - t
+
+    pp2_runs: list[dict[str, Any]] = []
+    for i, seq_len in enumerate(preset.seq_lens):
+        t = time.perf_counter()
+        load_before = _load()
+        _log(f"measuring pp=2, M=2, {seq_len} tokens (load average {load_before})")
+        runs = _measure_pp2(preset, seq_len, with_fits=i == 0)
+        load = f"{load_before} before, {_load()} after"
+        main_runs = [r for r in runs if "@" not in r["label"]]
+        _simulated(main_runs, preset)
+        results["measured"][f"pp2_{seq_len}"] = {
+            "title": f"pp=2, M=2, {seq_len} tokens per sample",
+            "short": f"pp=2, M=2, {seq_len} tokens",
+            "pp": 2,
+            "seq_len": seq_len,
+            "timed": True,
+            "load_average": load,
+            "note": (
+                f"{PINNING}. Median of {preset.timed_steps} steps, each the slowest rank's time; "
+                "schedules alternate step by step. `replayed`: the measured CPU time of each "
+                "action run through the simulator in the order each rank ran them (immune to "
+                "other jobs taking the cores; see benchmarks/replay.py). `simulated`: the "
+                "FLOPs cost model for the same shapes. `wall/CPU`: the actions' wall time over "
+                "their CPU time, 1.0 when the ranks have their cores to themselves. Machine "
+                f"load average: {load}. Memory: {MEMORY_DEF}."
+            ),
+            "runs": main_runs,
+        }
+        if i == 0:
+            pp2_runs = runs
+        timings[f"pp2_{seq_len}_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    _log(f"measuring memory at pp=4, M=4, {preset.pp4_seq_len} tokens")
+    specs = tuple(s for s in preset.pp4_specs if _usable(s, 4, preset))
+    setting = Setting(4, 4, preset.pp4_seq_len, preset.model, specs, 0, preset.pp4_fresh_processes)
+    pp4 = measure(setting)
+    results["measured"]["pp4"] = {
+        "title": f"pp=4, M=4, {preset.pp4_seq_len} tokens per sample (memory only)",
+        "short": f"pp=4, M=4, {preset.pp4_seq_len} tokens",
+        "pp": 4,
+        "seq_len": preset.pp4_seq_len,
+        "timed": False,
+        "note": (
+            f"Memory only: 4 ranks share 2 cores, so step times would measure the OS scheduler, "
+            f"not the schedule. Memory: {MEMORY_DEF}."
+            + (
+                " Peak RSS: growth of the rank process's ru_maxrss over its first step, one "
+                "fresh process group per schedule."
+                if preset.pp4_fresh_processes
+                else ""
+            )
+        ),
+        "runs": pp4,
+    }
+    timings["pp4_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    _log("memory-budget search")
+    results["budget"] = _budget(preset, pp2_runs, budget)
+    timings["budget_s"] = time.perf_counter() - t
+
+    example = plan(PAPER_SHAPE, 32768, 8, 8, 40e9, memory=MemoryModel(tp=4))
+    results["planner_example"] = {
+        "args": "--hidden 4096 --heads 32 --layers 32 --vocab 50304 --seq-len 32768 --pp 8 "
+        "--microbatches 8 --memory-gb 40 --tp 4",
+        "recommended": asdict(example.recommended) if example.recommended else None,
+        "toml": example.toml(),
+    }
+    results["targets"] = _targets(results)
+
+    t = time.perf_counter()
+    trace_dir = os.path.join(out, "traces")
+    os.makedirs(trace_dir, exist_ok=True)
+    for key, setting in results["measured"].items():
+        write_chrome_trace(os.path.join(trace_dir, f"{key}.json"), setting["runs"])
+    results["pictures"] = _pictures(out, results, _log)
+    timings["pictures_s"] = time.perf_counter() - t
+    for setting in results["measured"].values():
+        for r in setting["runs"]:
+            r.pop("trace", None)  # kept in traces/*.json
+    timings["total_s"] = time.perf_counter() - t_start
+    results["meta"] = {
+        "mode": preset.name,
+        "command": command,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "model": asdict(preset.model),
+        "pinning": PINNING,
+        "memory_definition": MEMORY_DEF,
+        "timings": timings,
+        "summary": (
+            f"{preset.name} mode, {timings['total_s']:.0f} s on {os.cpu_count()} CPU cores, "
+            f"torch {torch.__version__}; model {asdict(preset.model)}"
+        ),
+    }
+    return results

@@ -1,0 +1,139 @@
+"""Simulated bubble and activation memory at the paper's sizes, next to the closed forms.
+
+Why: the paper's claims are about 7B models at 32k-64k tokens on 4-8 stages; this machine cannot
+run that, but the cost model can run the exact orders at that size in seconds. Each row runs one
+schedule's real order twice: with equal-cost units (to check against the closed-form bubble)
+and with causal-attention FLOPs per segment (to see the uniform split's imbalance and what the
+compute-balanced split recovers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+from seq1f1b.partition import ModelShape, resolve_split
+from seq1f1b.simulate import FlopsCosts, SimResult, simulate
+
+from .orders import ScheduleSpec, pipeline_order
+
+__all__ = [
+    "PAPER_SHAPE",
+    "formula_bubble",
+    "formula_memory",
+    "paper_specs",
+    "simulate_spec",
+    "simulation_table",
+]
+
+# 7B-like: Llama-7B widths with the paper's vocabulary and FFN = 4H (REFERENCE section 1).
+PAPER_SHAPE = ModelShape(hidden=4096, n_heads=32, n_layers=32, vocab=50304)
+
+
+def formula_bubble(spec: ScheduleSpec) -> float | None:
+    """Closed-form idle fraction with equal costs; None where there is no simple form."""
+    p, m, k, v = spec.pp, spec.microbatches, spec.seq_chunks, spec.stages_per_rank
+    units = {
+        "GPipe": m,
+        "1F1B": m,
+        "Interleaved1F1B": v * m,
+        "Seq1F1B": k * m,
+        "InterleavedSeq1F1B": v * k * m,
+    }.get(spec.name)
+    return None if units is None else (p - 1) / (units + p - 1)
+
+
+def formula_memory(spec: ScheduleSpec) -> float | None:
+    """Closed-form peak activations on rank 0 (= stage 0), in units of one sample's (A)."""
+    p, m, k = spec.pp, spec.microbatches, spec.seq_chunks
+    if spec.name == "GPipe":
+        return float(m)
+    if spec.name == "1F1B":
+        return float(min(p, m))
+    if spec.name == "Seq1F1B":
+        return min(p + k - 1, m * k) / k
+    return None
+
+
+def _equal_cost(spec: ScheduleSpec):
+    unit = 1.0 / (spec.stages_per_rank * spec.seq_chunks)
+
+    def cost(a: _Action) -> float:
+        return 2 * unit if a.computation_type == _ComputationType.FULL_BACKWARD else unit
+
+    return cost
+
+
+def simulate_spec(
+    spec: ScheduleSpec, shape: ModelShape, seq_len: int, split: str = "compute"
+) -> tuple[SimResult, FlopsCosts]:
+    """Simulate ``spec`` with FLOPs costs of ``shape`` at ``seq_len`` (split for Seq1F1B)."""
+    k = spec.seq_chunks if spec.name.endswith("Seq1F1B") else 1
+    lengths = resolve_split(split, seq_len, k, shape=shape) if k > 1 else [seq_len]
+    costs = FlopsCosts(shape, tuple(lengths), spec.num_stages, spec.pp)
+    res = simulate(pipeline_order(spec), costs.cost, activation=costs.activation)
+    return res, costs
+
+
+def paper_specs(pp: int, m: int) -> list[tuple[ScheduleSpec, str]]:
+    """The compared schedules at one (pp, M): torch's five, Seq1F1B K=2/4/8 both splits."""
+    out: list[tuple[ScheduleSpec, str]] = [
+        (ScheduleSpec(name, pp, m), "-")
+        for name in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+    ]
+    for k in (2, 4, 8):
+        for split in ("uniform", "compute"):
+            out.append((ScheduleSpec("Seq1F1B", pp, m, k), split))
+    out.append((ScheduleSpec("InterleavedSeq1F1B", pp, m, 4), "compute"))
+    return out
+
+
+def simulation_table(
+    pps: tuple[int, ...] = (4, 8),
+    microbatches: tuple[int, ...] = (8, 16),
+    seq_lens: tuple[int, ...] = (32768, 65536),
+    shape: ModelShape = PAPER_SHAPE,
+) -> list[dict[str, Any]]:
+    """One row per (pp, M, seq_len, schedule, split); see the module docstring."""
+    rows: list[dict[str, Any]] = []
+    for pp in pps:
+        for m in microbatches:
+            for seq_len in seq_lens:
+                group: list[dict[str, Any]] = []
+                for spec, split in paper_specs(pp, m):
+                    row: dict[str, Any] = {
+                        "schedule": spec.name,
+                        "label": spec.label + (f" {split}" if split != "-" else ""),
+                        "pp": pp,
+                        "microbatches": m,
+                        "seq_chunks": spec.seq_chunks,
+                        "split": None if split == "-" else split,
+                        "seq_len": seq_len,
+                        "formula_bubble_ratio": formula_bubble(spec),
+                        "formula_peak_activation_rank0": formula_memory(spec),
+                    }
+                    try:
+                        res, costs = simulate_spec(spec, shape, seq_len, split)
+                        equal = simulate(pipeline_order(spec), _equal_cost(spec))
+                    except ValueError as exc:  # torch refuses this size (e.g. DualPipeV M < 2pp)
+                        row["error"] = str(exc).splitlines()[0]
+                        group.append(row)
+                        continue
+                    row.update(
+                        segment_lengths=list(costs.lengths),
+                        bubble_ratio=res.bubble_ratio,
+                        bubble_ratio_equal_cost=equal.bubble_ratio,
+                        makespan_flops=res.makespan,
+                        peak_activation_rank0=res.peak_activation_rank[0],
+                        peak_activation_ranks=[
+                            res.peak_activation_rank[r] for r in sorted(res.peak_activation_rank)
+                        ],
+                    )
+                    group.append(row)
+                base = next(r["makespan_flops"] for r in group if r["schedule"] == "1F1B")
+                for r in group:
+                    if "makespan_flops" in r:
+                        r["time_vs_1f1b"] = r["makespan_flops"] / base
+                rows.extend(group)
+    return rows

@@ -1,0 +1,279 @@
+"""Cost-model simulation of any pipeline order in torch.distributed.pipelining's action IR.
+
+Why: bubble and activation memory of a schedule follow from its per-rank action order and the
+cost of each action, not from its name. Simulating the *real* ``pipeline_order`` of torch's
+schedules and of ``ScheduleSeq1F1B`` side by side, with costs from a FLOPs model, shows what
+sequence segments and the compute-balanced split buy at sizes no machine here can run.
+
+Model (no processes, pure Python, event-driven in each rank's program order):
+
+* a rank runs its actions in order, one at a time; an action starts when the rank is free and
+  its data dependencies are done (plus ``comm_latency`` when the producer is on another rank);
+* dependencies as in torch's ``_simulate_comms_compute``: ``F(s, u)`` needs ``F(s-1, u)``;
+  ``B``/``I(s, u)`` need ``F(s, u)`` and the input gradient of stage ``s+1`` (its ``B`` or
+  ``I``); ``W(s, u)`` needs ``I(s, u)``;
+* ``OVERLAP_F_B`` runs its sub-actions one after the other (what torch's runtime does on one
+  device stream; the communication overlap it exists for is not modelled);
+* ``None`` slots, communication and ``REDUCE_GRAD``/``UNSHARD``/``RESHARD`` cost nothing here;
+* memory: a forward adds ``activation(action)`` to its stage, and the action that finishes the
+  unit's backward frees it (``B``, or ``W`` for a split backward — conservative for ``I``).
+
+``bubble_ratio`` is idle rank-time over total rank-time, ``1 - busy / (ranks * makespan)``. For
+1F1B with equal costs that is ``(p-1)/(M+p-1)``, for Seq1F1B ``(p-1)/(K*M+p-1)``; the README's
+"bubble / compute" is ``bubble_over_compute = idle / busy``, i.e. ``(p-1)/(K*M)``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+from .partition import ModelShape, segment_flops
+
+__all__ = ["FlopsCosts", "Interval", "SimResult", "compute_actions", "simulate"]
+
+_F = _ComputationType.FORWARD
+_B = _ComputationType.FULL_BACKWARD
+_I = _ComputationType.BACKWARD_INPUT
+_W = _ComputationType.BACKWARD_WEIGHT
+_OVERLAP = _ComputationType.OVERLAP_F_B
+_COMPUTE = (_F, _B, _I, _W)
+
+# Dependency keys: (stage, kind, microbatch); "G" = input gradient produced (by B or I).
+_Key = tuple[int, str, int]
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One compute action on one rank, from ``start`` to ``end`` in cost units."""
+
+    start: float
+    end: float
+    action: _Action
+
+
+@dataclass
+class SimResult:
+    """What a schedule costs: per-rank timelines, makespan, bubble, peak activations."""
+
+    timelines: dict[int, list[Interval]]
+    makespan: float
+    busy: dict[int, float]
+    peak_activation_stage: dict[int, float]
+    peak_activation_rank: dict[int, float]
+    stage_to_rank: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def n_ranks(self) -> int:
+        return len(self.timelines)
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle fraction of all rank-time: ``1 - busy / (ranks * makespan)``."""
+        total = self.n_ranks * self.makespan
+        return 0.0 if total <= 0 else 1.0 - sum(self.busy.values()) / total
+
+    @property
+    def bubble_over_compute(self) -> float:
+        """Idle rank-time over busy rank-time (the paper's "bubble / compute")."""
+        busy = sum(self.busy.values())
+        return 0.0 if busy <= 0 else (self.n_ranks * self.makespan - busy) / busy
+
+
+def compute_actions(actions: Iterable[_Action | None]) -> list[_Action]:
+    """The compute actions of one rank in order; ``OVERLAP_F_B`` expanded into its parts."""
+    out: list[_Action] = []
+    for a in actions:
+        if a is None:
+            continue
+        if a.computation_type == _OVERLAP:
+            out.extend(compute_actions(a.sub_actions or ()))
+        elif a.computation_type in _COMPUTE:
+            out.append(a)
+    return out
+
+
+def _deps(a: _Action, last_stage: int) -> list[_Key]:
+    s, t, u = a.stage_index, a.computation_type, a.microbatch_index
+    assert u is not None
+    if t == _F:
+        return [(s - 1, "F", u)] if s > 0 else []
+    if t == _W:
+        return [(s, "I", u)]
+    deps: list[_Key] = [(s, "F", u)]
+    if s < last_stage:
+        deps.append((s + 1, "G", u))
+    return deps
+
+
+def _produces(a: _Action) -> list[_Key]:
+    s, t, u = a.stage_index, a.computation_type, a.microbatch_index
+    assert u is not None
+    if t == _F:
+        return [(s, "F", u)]
+    if t == _I:
+        return [(s, "I", u), (s, "G", u)]
+    if t == _B:
+        return [(s, "G", u)]
+    return [(s, "W", u)]
+
+
+def simulate(
+    pipeline_order: Mapping[int, Sequence[_Action | None]],
+    cost: Callable[[_Action], float],
+    *,
+    activation: Callable[[_Action], float] | None = None,
+    comm_latency: float = 0.0,
+) -> SimResult:
+    """Run ``pipeline_order`` against its data dependencies with per-action ``cost``.
+
+    Args:
+        pipeline_order: rank -> actions (torch's compute-only IR; ``None`` = idle slot).
+        cost: duration of one ``F``/``B``/``I``/``W`` action, in any unit.
+        activation: activation size a forward leaves on its stage until its backward
+            (default 1 per forward: "units in flight").
+        comm_latency: added to a dependency whose producer runs on another rank.
+
+    Raises ValueError if the order cannot finish (deadlock or a missing action).
+    """
+    act = activation or (lambda _a: 1.0)
+    ops = {r: compute_actions(pipeline_order[r]) for r in sorted(pipeline_order)}
+    stage_to_rank: dict[int, int] = {}
+    for r, acts in ops.items():
+        for a in acts:
+            if stage_to_rank.setdefault(a.stage_index, r) != r:
+                raise ValueError(
+                    f"stage {a.stage_index} has actions on ranks "
+                    f"{stage_to_rank[a.stage_index]} and {r}"
+                )
+    last_stage = max(stage_to_rank, default=0)
+
+    done: dict[_Key, float] = {}
+    waiting: dict[_Key, list[int]] = {}
+    pos = dict.fromkeys(ops, 0)
+    clock = dict.fromkeys(ops, 0.0)
+    timelines: dict[int, list[Interval]] = {r: [] for r in ops}
+    queue = deque(ops)
+    queued = set(ops)
+    while queue:
+        r = queue.popleft()
+        queued.discard(r)
+        acts = ops[r]
+        while pos[r] < len(acts):
+            a = acts[pos[r]]
+            start = clock[r]
+            blocked: _Key | None = None
+            for key in _deps(a, last_stage):
+                t = done.get(key)
+                if t is None:
+                    blocked = key
+                    break
+                if stage_to_rank.get(key[0], r) != r:
+                    t += comm_latency
+                start = max(start, t)
+            if blocked is not None:
+                waiting.setdefault(blocked, []).append(r)
+                break
+            end = start + float(cost(a))
+            timelines[r].append(Interval(start, end, a))
+            clock[r] = end
+            pos[r] += 1
+            for key in _produces(a):
+                done[key] = end
+                for w in waiting.pop(key, ()):
+                    if w not in queued:
+                        queue.append(w)
+                        queued.add(w)
+    stuck = {r: ops[r][pos[r]] for r in ops if pos[r] < len(ops[r])}
+    if stuck:
+        detail = ", ".join(f"rank {r} at {a}" for r, a in sorted(stuck.items()))
+        raise ValueError(f"pipeline order cannot finish: {detail} wait forever")
+
+    peak_stage, peak_rank = _peak_activations(timelines, act)
+    makespan = max((iv.end for tl in timelines.values() for iv in tl), default=0.0)
+    busy = {r: sum(iv.end - iv.start for iv in tl) for r, tl in timelines.items()}
+    return SimResult(timelines, makespan, busy, peak_stage, peak_rank, stage_to_rank)
+
+
+def _peak_activations(
+    timelines: Mapping[int, list[Interval]], act: Callable[[_Action], float]
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Peak in-flight activations per stage and per rank, along each rank's own order."""
+    peak_stage: dict[int, float] = {}
+    peak_rank: dict[int, float] = {}
+    for r, tl in timelines.items():
+        live: dict[int, float] = {}
+        held: dict[tuple[int, int], float] = {}
+        split: set[tuple[int, int]] = set()
+        total = best = 0.0
+        for iv in tl:
+            a = iv.action
+            s, t, u = a.stage_index, a.computation_type, a.microbatch_index
+            key = (s, u if u is not None else -1)
+            if t == _F:
+                size = float(act(a))
+                held[key] = size
+                delta = size
+            elif t == _I:
+                split.add(key)
+                delta = 0.0
+            elif t == _B or (t == _W and key in split):
+                delta = -held.pop(key, 0.0)
+            else:
+                delta = 0.0
+            live[s] = live.get(s, 0.0) + delta
+            total += delta
+            best = max(best, total)
+            peak_stage[s] = max(peak_stage.get(s, 0.0), live[s])
+        peak_rank[r] = best
+    return peak_stage, peak_rank
+
+
+@dataclass(frozen=True)
+class FlopsCosts:
+    """Per-action cost and activation size of one sample cut into ``lengths`` segments.
+
+    Why: under causal attention a later segment of a uniform split costs more than an earlier
+    one; costing each unit with :func:`seq1f1b.partition.segment_flops` makes the simulator show
+    the imbalance and what the compute-balanced split buys.
+
+    A unit ``u`` is segment ``u % len(lengths)`` (one entry = unchunked, torch's schedules).
+    The model's FLOPs are spread evenly over ``num_stages`` stages (a balanced partition); a
+    full backward costs ``backward_factor`` forwards, and ``I`` and ``W`` half of that each.
+    ``activation`` is in units of A = one whole sample's activations on one rank's layers
+    (``num_stages / ranks`` stages per rank), proportional to the unit's tokens.
+    """
+
+    shape: ModelShape
+    lengths: tuple[int, ...]
+    num_stages: int
+    ranks: int
+    backward_factor: float = 2.0
+
+    @cached_property
+    def segment_costs(self) -> list[float]:
+        """Forward FLOPs of each segment on one stage."""
+        out, end = [], 0
+        for s in self.lengths:
+            end += s
+            out.append(segment_flops(s, end, self.shape) / self.num_stages)
+        return out
+
+    def cost(self, a: _Action) -> float:
+        """Duration of ``a`` in FLOPs (callback for :func:`simulate`)."""
+        f = self.segment_costs[(a.microbatch_index or 0) % len(self.lengths)]
+        t = a.computation_type
+        if t == _F:
+            return f
+        if t == _B:
+            return self.backward_factor * f
+        return self.backward_factor * f / 2
+
+    def activation(self, a: _Action) -> float:
+        """Activation a forward of ``a`` leaves on its stage, in units of A."""
+        k = (a.microbatch_index or 0) % len(self.lengths)
+        return self.lengths[k] / sum(self.lengths) * self.ranks / self.num_stages

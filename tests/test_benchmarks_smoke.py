@@ -1,0 +1,79 @@
+"""Smoke test: ``python -m benchmarks --smoke`` runs every part on tiny sizes and writes results.
+
+Benchmarks are not part of the test suite; this only checks that the command works end to end
+and that results.json has what the README promises (simulated bubble per schedule; measured
+median step time and per-stage peak activation bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smoke_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return out
+
+
+def test_results_json(smoke_out: Path) -> None:
+    res = json.loads((smoke_out / "results.json").read_text())
+    sim = [r for r in res["simulation"] if "error" not in r]
+    assert {r["schedule"] for r in sim} >= {
+        "GPipe",
+        "1F1B",
+        "Interleaved1F1B",
+        "ZBVZeroBubble",
+        "Seq1F1B",
+    }
+    assert all(0 <= r["bubble_ratio"] < 1 for r in sim)
+    pp2 = next(s for k, s in res["measured"].items() if k.startswith("pp2"))
+    labels = {r["label"] for r in pp2["runs"]}
+    assert {"1F1B", "GPipe", "Interleaved1F1B", "Seq1F1B K=4 compute"} <= labels
+    for r in pp2["runs"]:
+        assert r["step_time_s"] > 0
+        assert len(r["peak_activation_bytes"]) == 2 * (
+            2 if r["schedule"].startswith("Inter") else 1
+        )
+        assert all(b > 0 for b in r["peak_activation_bytes"])
+        assert r["simulated_bubble_ratio"] >= 0
+    losses = {round(r["loss"], 4) for r in pp2["runs"]}
+    assert len(losses) == 1, losses  # same model, same data: every schedule, the same loss
+    pp4 = {r["label"]: r for r in res["measured"]["pp4"]["runs"]}
+    assert (
+        pp4["Seq1F1B K=4 uniform"]["peak_activation_bytes"][0]
+        < (pp4["1F1B"]["peak_activation_bytes"][0])
+    )
+    assert res["budget"]["rows"] and all(r["longest_seq_len"] > 0 for r in res["budget"]["rows"])
+    assert [t["name"] for t in res["targets"]]
+    assert "[seq1f1b]" in res["planner_example"]["toml"]
+    assert (smoke_out / "results.md").read_text().count("|") > 50
+    trace = json.loads((smoke_out / "traces" / "pp4.json").read_text())
+    assert any(ev["ph"] == "X" and ev["name"].startswith("F") for ev in trace["traceEvents"])
+
+
+def test_pictures(smoke_out: Path) -> None:
+    pytest.importorskip("matplotlib")
+    pngs = list(smoke_out.glob("**/*.png"))
+    assert len(pngs) >= 5
+    assert (smoke_out / "timeline_1f1b_vs_seq1f1b.png").stat().st_size > 1000

@@ -1,0 +1,169 @@
+"""The cost-model simulator against closed forms, torch's orders, and its own error paths."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mockstages import MockStage, mock_stages
+from torch.distributed.pipelining.schedules import (
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+    _Action,
+    _ComputationType,
+)
+
+from seq1f1b.order import OrderSpec, build_orders
+from seq1f1b.partition import ModelShape, resolve_split
+from seq1f1b.planner import main as planner_main
+from seq1f1b.planner import plan
+from seq1f1b.simulate import FlopsCosts, compute_actions, simulate
+
+F, B = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
+BI, BW = _ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT
+SHAPE_7B = ModelShape(hidden=4096, n_heads=32, n_layers=32, vocab=50304)
+
+
+def unit_cost(k: int = 1, v: int = 1):
+    """Equal costs: F = 1/(v*k), B = 2F, I = W = F (a sample's work is the same for any K)."""
+
+    def cost(a: _Action) -> float:
+        base = 1.0 / (k * v)
+        return 2 * base if a.computation_type == B else base
+
+    return cost
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (4, 4), (4, 8), (8, 16)])
+def test_1f1b_bubble_and_memory_match_closed_form(pp: int, m: int) -> None:
+    res = simulate(build_orders(OrderSpec(pp, 1, m, 1)), unit_cost())
+    assert res.bubble_ratio == pytest.approx((pp - 1) / (m + pp - 1))
+    assert res.bubble_over_compute == pytest.approx((pp - 1) / m)
+    assert res.peak_activation_stage[0] == min(pp, m)
+    assert res.peak_activation_stage[pp - 1] == 1
+
+
+@pytest.mark.parametrize("pp,m,k", [(2, 2, 4), (4, 8, 2), (4, 8, 4), (8, 8, 8), (8, 16, 4)])
+def test_seq1f1b_equal_cost_bubble_matches_formula(pp: int, m: int, k: int) -> None:
+    res = simulate(build_orders(OrderSpec(pp, 1, m, k)), unit_cost(k))
+    expected = (pp - 1) / (k * m + pp - 1)
+    assert abs(res.bubble_ratio - expected) <= 0.05 * expected
+    # stage 0 holds the published warm-up plus one: (pp + K - 1) units of 1/K sample each
+    assert res.peak_activation_stage[0] == min(pp + k - 1, m * k)
+
+
+def test_interleaved_seq1f1b_bubble() -> None:
+    pp, m, k, v = 4, 8, 4, 2
+    res = simulate(build_orders(OrderSpec(pp, v, m, k)), unit_cost(k, v))
+    assert res.bubble_ratio == pytest.approx((pp - 1) / (v * k * m + pp - 1), rel=0.05)
+
+
+def test_comm_latency_on_cross_rank_edges_only() -> None:
+    order = build_orders(OrderSpec(2, 1, 1, 1))  # F0 -> F1 -> B1 -> B0
+    res = simulate(order, unit_cost(), comm_latency=0.5)
+    assert res.makespan == pytest.approx(1 + 0.5 + 1 + 2 + 0.5 + 2)
+    starts = [iv.start for iv in res.timelines[1]]
+    assert starts == [pytest.approx(1.5), pytest.approx(2.5)]  # B1 follows F1 with no latency
+
+
+def test_causal_costs_compute_split_beats_uniform() -> None:
+    pp, m, k, seq = 4, 8, 4, 32768
+    order = build_orders(OrderSpec(pp, 1, m, k))
+    bubbles = {}
+    for split in ("uniform", "compute"):
+        lengths = resolve_split(split, seq, k, shape=SHAPE_7B)
+        costs = FlopsCosts(SHAPE_7B, tuple(lengths), pp, pp)
+        bubbles[split] = simulate(order, costs.cost, activation=costs.activation).bubble_ratio
+    assert bubbles["compute"] < bubbles["uniform"]
+    assert bubbles["compute"] == pytest.approx((pp - 1) / (k * m + pp - 1), rel=0.05)
+
+
+def test_flops_costs_later_uniform_segments_cost_more() -> None:
+    costs = FlopsCosts(SHAPE_7B, (8192,) * 4, 4, 4)
+    c = costs.segment_costs
+    assert c == sorted(c) and c[-1] > 1.2 * c[0]
+    f = _Action(0, F, 3)
+    assert costs.cost(_Action(0, B, 3)) == pytest.approx(2 * costs.cost(f))
+    assert costs.activation(f) == pytest.approx(0.25)
+
+
+def test_split_backward_frees_at_w_and_w_waits_for_i() -> None:
+    stages = [MockStage(0, 4, 2, 0), MockStage(3, 4, 2, 0)]
+    order = ScheduleZBVZeroBubble(stages, 4).pipeline_order
+    res = simulate(order, unit_cost(1, 2))
+    for tl in res.timelines.values():
+        end_i = {
+            (iv.action.stage_index, iv.action.microbatch_index): iv.end
+            for iv in tl
+            if iv.action.computation_type == BI
+        }
+        for iv in tl:
+            if iv.action.computation_type == BW:
+                assert iv.start >= end_i[(iv.action.stage_index, iv.action.microbatch_index)]
+    # every forward's activation is released by the end
+    ranks = {r: compute_actions(a) for r, a in order.items()}
+    assert sum(len(a) for a in ranks.values()) == sum(len(t) for t in res.timelines.values())
+
+
+def test_overlap_f_b_is_expanded_into_its_sub_actions() -> None:
+    stages = [MockStage(0, 8, 4, 0), MockStage(7, 8, 4, 0)]
+    order = ScheduleDualPipeV(stages, 8).pipeline_order
+    assert any(
+        a is not None and a.computation_type == _ComputationType.OVERLAP_F_B for a in order[0]
+    )
+    res = simulate(order, unit_cost(1, 2))
+    n_f = sum(iv.action.computation_type == F for tl in res.timelines.values() for iv in tl)
+    assert n_f == 8 * 8  # 8 stages x 8 microbatches, none lost inside OVERLAP_F_B
+
+
+def test_torch_interleaved_order_matches_formula() -> None:
+    pp, m, v = 4, 8, 2
+    order = ScheduleInterleaved1F1B(mock_stages(pp, v), m).pipeline_order
+    res = simulate(order, unit_cost(1, v))
+    assert res.bubble_ratio == pytest.approx((pp - 1) / (v * m + pp - 1))
+
+
+def test_deadlock_and_missing_actions_raise() -> None:
+    order = {0: [_Action(0, B, 0), _Action(0, F, 0)], 1: [_Action(1, F, 0), _Action(1, B, 0)]}
+    with pytest.raises(ValueError, match="cannot finish"):
+        simulate(order, unit_cost())
+    with pytest.raises(ValueError, match="cannot finish"):
+        simulate({0: [_Action(0, F, 0)], 1: [_Action(1, F, 1)]}, unit_cost())
+
+
+def test_large_pipeline_runs_in_seconds() -> None:
+    order = build_orders(OrderSpec(64, 1, 128, 8))  # 1024 units on 64 ranks
+    t0 = time.perf_counter()
+    res = simulate(order, unit_cost(8))
+    assert time.perf_counter() - t0 < 10
+    assert res.bubble_ratio == pytest.approx(63 / (1024 + 63))
+
+
+def test_torch_1f1b_order_is_repaired_and_matches_formula() -> None:
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # benchmarks/ is not an installed package
+        sys.path.insert(0, root)
+    from benchmarks.orders import ScheduleSpec, pipeline_order
+
+    order = pipeline_order(ScheduleSpec("1F1B", 4, 6))
+    res = simulate(order, unit_cost())
+    assert res.bubble_ratio == pytest.approx(3 / 9)
+
+
+def test_planner_recommends_and_prints_toml(capsys: pytest.CaptureFixture[str]) -> None:
+    p = plan(SHAPE_7B, 32768, 8, 8, 40e9, chunks=(1, 2, 4, 8))
+    assert p.recommended is None or p.recommended.max_bytes <= 40e9
+    big = plan(SHAPE_7B, 32768, 8, 8, 1e12, chunks=(1, 2, 4, 8))
+    assert big.recommended is not None and big.recommended.seq_chunks == 8
+    mems = [c.max_bytes for c in big.candidates]
+    assert mems == sorted(mems, reverse=True)  # more segments, less memory
+    args = "--hidden 4096 --heads 32 --layers 32 --vocab 50304 --seq-len 32768 --pp 8"
+    assert (
+        planner_main([*args.split(), "--microbatches", "8", "--memory-gb", "40", "--tp", "4"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert 'pipeline_parallel_schedule = "Seq1F1B"' in out
+    assert "[seq1f1b]" in out and 'split = "compute"' in out and "seq_chunks = " in out
