@@ -3,18 +3,21 @@
 Why: memory, not time, is what stops long-sequence training; "how long a sequence fits" is the
 user-facing form of a peak-memory ratio.
 
-Method: saved activations are linear in the sequence length here (flash-style attention keeps
-O(S) state, no S x S matrices), so each schedule's peak (max over stages) is measured at a few
-lengths, fitted by least squares ``peak(S) = a + b*S``, and solved for the budget; the answer
-is then run once more at that length to check that the measured peak stays within the budget.
+Method: saved activations are nearly linear in the sequence length here (flash-style attention
+keeps O(S) state, no S x S matrices), so each schedule's peak (max over stages) is measured at a
+few lengths, fitted by least squares ``peak(S) = a + b*S``, and solved for the budget. Not
+exactly linear for the compute-balanced split (its first, longest segment grows faster than S),
+so the answer is run again at that length and, if it is over the budget, stepped down by the
+overshoot and run again (at most twice).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["fit_line", "longest_fit"]
+__all__ = ["budget_rows", "fit_line", "longest_fit", "verify_rows"]
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
@@ -60,3 +63,28 @@ def budget_rows(
             }
         )
     return rows
+
+
+def verify_rows(
+    rows: list[dict[str, Any]],
+    measure_peaks: Callable[[dict[str, int]], dict[str, float]],
+    budget: float,
+    granule: int,
+    corrections: int = 2,
+) -> None:
+    """Measure each row's answer; step down over-budget answers by their overshoot."""
+    pending = {row["label"]: row for row in rows}
+    for attempt in range(corrections + 1):
+        peaks = measure_peaks({label: row["longest_seq_len"] for label, row in pending.items()})
+        nxt = {}
+        for label, row in pending.items():
+            row["verified_peak_bytes"] = peaks[label]
+            row["verified_within_budget"] = peaks[label] <= budget
+            row["verify_runs"] = attempt + 1
+            if peaks[label] > budget and attempt < corrections:
+                steps = math.ceil((peaks[label] - budget) / row["bytes_per_token"] / granule)
+                row["longest_seq_len"] -= max(1, steps) * granule
+                nxt[label] = row
+        pending = nxt
+        if not pending:
+            return

@@ -17,7 +17,7 @@ import torch
 
 from seq1f1b.planner import MemoryModel, plan
 
-from .budget import budget_rows
+from .budget import budget_rows, verify_rows
 from .measured import RunSpec, Setting, measure, model_shape
 from .orders import ScheduleSpec
 from .presets import BUDGET_SPECS, PP2_SPECS, Preset
@@ -85,16 +85,21 @@ def _budget(preset: Preset, runs: list[dict[str, Any]], budget: float | None) ->
     if budget is None:
         budget = float(max(main["1F1B"]["peak_activation_bytes"]))
     rows = budget_rows(fits, budget, granule=64)
-    if preset.verify_budget:
+    by_label = {s.label: s for s in BUDGET_SPECS}
+
+    def measure_peaks(lengths: dict[str, int]) -> dict[str, float]:
         specs = tuple(
-            replace(s, seq_len=row["longest_seq_len"], memory_only=True)
-            for s, row in zip(BUDGET_SPECS, rows, strict=True)
+            replace(by_label[label], seq_len=n, memory_only=True) for label, n in lengths.items()
         )
         check = Setting(2, 2, preset.seq_lens[0], preset.model, specs, 0, keep_trace=False)
-        checked = measure(check)
-        for row, r in zip(rows, checked, strict=True):
-            row["verified_peak_bytes"] = max(r["peak_activation_bytes"])
-            row["verified_within_budget"] = row["verified_peak_bytes"] <= budget
+        runs = measure(check)
+        return {
+            label: float(max(r["peak_activation_bytes"]))
+            for label, r in zip(lengths, runs, strict=True)
+        }
+
+    if preset.verify_budget:
+        verify_rows(rows, measure_peaks, budget, granule=64)
     return {
         "budget_bytes": budget,
         "rows": rows,
@@ -105,7 +110,7 @@ def _budget(preset: Preset, runs: list[dict[str, Any]], budget: float | None) ->
             f"{', '.join(str(int(preset.seq_lens[0] * f)) for f in preset.fit_fractions)} and "
             f"{preset.seq_lens[0]} tokens, solved for the budget (multiples of 64 tokens)"
             + (
-                ", then measured again at that length."
+                ", then measured again at that length (and stepped down if over)."
                 if preset.verify_budget
                 else " (not re-measured in this mode; the full mode does)."
             )

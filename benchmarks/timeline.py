@@ -138,10 +138,13 @@ def draw_panels(panels: Sequence[Panel], path: str, xlabel: str, width: float = 
         ax.tick_params(axis="x", labelsize=7)
         ax.set_xlim(0, xmax * 1.01)
     axes[-1, 0].set_xlabel(xlabel, fontsize=8)
+    kinds = {b.kind for p in panels for b in p.blocks}
+    names = {"F": "forward", "B": "backward", "I": "backward input", "W": "backward weight"}
     handles = [
         plt.Rectangle((0, 0), 1, 1, color=_COLORS[k][0], label=name)
-        for k, name in (("F", "forward"), ("B", "backward"), ("I", "backward input"))
-    ] + [plt.Rectangle((0, 0), 1, 1, color=_COLORS["W"][0], label="backward weight")]
+        for k, name in names.items()
+        if k in kinds
+    ]
     fig.legend(handles=handles, loc="upper right", ncol=4, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=90)

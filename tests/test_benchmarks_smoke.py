@@ -77,3 +77,22 @@ def test_pictures(smoke_out: Path) -> None:
     pngs = list(smoke_out.glob("**/*.png"))
     assert len(pngs) >= 5
     assert (smoke_out / "timeline_1f1b_vs_seq1f1b.png").stat().st_size > 1000
+
+
+def test_budget_fit_and_step_down() -> None:
+    if str(ROOT) not in sys.path:  # benchmarks/ is not an installed package
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.budget import budget_rows, fit_line, verify_rows
+
+    a, b, worst = fit_line([(1024, 1124.0), (2048, 2148.0), (4096, 4196.0)])
+    assert (a, b) == pytest.approx((100.0, 1.0)) and worst < 1e-9
+    runs = [{"seq_len": n, "peak_activation_bytes": [50 + n, 100 + n]} for n in (1024, 4096)]
+    rows = budget_rows({"x": runs}, budget=8292.0, granule=64)
+    assert rows[0]["longest_seq_len"] == 8192
+
+    def peaks(lengths: dict[str, int]) -> dict[str, float]:  # truly superlinear: over at first
+        return {k: 100 + n + n * n / 100_000 for k, n in lengths.items()}
+
+    verify_rows(rows, peaks, budget=8292.0, granule=64)
+    assert rows[0]["verified_within_budget"] and rows[0]["verify_runs"] == 2
+    assert rows[0]["longest_seq_len"] < 8192
