@@ -17,6 +17,7 @@ so background load drifts over all of them alike. A step's time is the slowest r
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import resource
@@ -33,16 +34,17 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from seq1f1b import ModelShape, ScheduleSeq1F1B
+from seq1f1b import ModelShape, ScheduleBitPipe, ScheduleSeq1F1B
+from seq1f1b.bitpipe import BitPipeLayout, new_pair_group
 from seq1f1b.testing import TinyConfig, build_stages
 
-from .probe import ActionRecord, ProbedStage, RankProbe, SavedTensorMeter
+from .probe import ActionRecord, ProbedBitPipeStage, ProbedStage, RankProbe, SavedTensorMeter
 from .replay import replay_step_time
 
 __all__ = ["RunSpec", "Setting", "measure", "model_shape"]
 
 TIMEOUT = timedelta(seconds=600)
-_STAGES_PER_RANK = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2, "Seq1F1B": 1}
+_STAGES_PER_RANK = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2, "Seq1F1B": 1, "BitPipe": 4}
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,10 @@ class RunSpec:
     @property
     def stages_per_rank(self) -> int:
         return _STAGES_PER_RANK[self.schedule]
+
+    def model_stages(self, pp: int) -> int:
+        """Stages one copy of the model is cut into (BitPipe: 2*pp, for each replica)."""
+        return 2 * pp if self.schedule == "BitPipe" else pp * self.stages_per_rank
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class RunResult:
     peak_activation_bytes: dict[int, int] = field(default_factory=dict)  # per stage
     peak_activation_rank_bytes: int = 0
     peak_rss_bytes: int | None = None
+    param_bytes: int = 0  # this rank's parameters (BitPipe: two replicas' chunks)
     loss: float | None = None
     trace: list[dict[str, Any]] = field(default_factory=list)
     step_traces: list[list[dict[str, Any]]] = field(default_factory=list)
@@ -126,6 +133,11 @@ class _Run:
 
     def __init__(self, spec: RunSpec, rank: int, world: int, setting: Setting, probe: RankProbe):
         self.spec = spec
+        self.result = RunResult(spec.label)
+        self.x, self.y = _data(setting, _seq_len(setting, spec))
+        if spec.schedule == "BitPipe":
+            self._bitpipe(rank, world, setting, probe)
+            return
         n = world * spec.stages_per_rank
         mods = build_stages(setting.model, n, seed=0)
         self.mine = list(range(rank, n, world))
@@ -152,8 +164,27 @@ class _Run:
             )
         else:
             raise ValueError(f"unknown schedule {spec.schedule!r}: use one of {_STAGES_PER_RANK}")
-        self.result = RunResult(spec.label)
-        self.x, self.y = _data(setting, _seq_len(setting, spec))
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)
+
+    def _bitpipe(self, rank: int, world: int, setting: Setting, probe: RankProbe) -> None:
+        """Both replicas from the same seeded chunks (so they start identical, as
+        ``build_bitpipe_stages`` guarantees by broadcast), probed like the other schedules."""
+        layout = BitPipeLayout(world)
+        chunks = build_stages(setting.model, layout.replica_stages, seed=0)
+        self.mine = layout.stages_of(rank)
+        cpu = torch.device("cpu")
+        stages = [
+            ProbedBitPipeStage(
+                copy.deepcopy(chunks[layout.chunk(g)]), g, layout.num_stages, cpu, probe=probe
+            )
+            for g in self.mine
+        ]
+        self.params = [p for s in stages for p in s.submod.parameters()]
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.first = self.last = rank in (0, world - 1)  # both ends of both replicas
+        self.sched = ScheduleBitPipe(
+            stages, setting.microbatches, _loss_fn, pair_group=new_pair_group()
+        )
 
     def step(self) -> float | None:
         x, y = self.x, self.y
@@ -201,6 +232,7 @@ def _memory_step(run: _Run, probe: RankProbe) -> None:
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     run.result.peak_activation_bytes = {s: meter.peak.get(s, 0) for s in run.mine}
     run.result.peak_activation_rank_bytes = meter.peak_total
+    run.result.param_bytes = run.param_bytes
     run.result.peak_rss_bytes = (rss_after - rss_before) * 1024  # ru_maxrss is in KiB on Linux
 
 
@@ -273,7 +305,8 @@ def _merge(setting: Setting, spec: RunSpec, per_rank: list[dict[str, Any]]) -> d
     times = [max(ts) for ts in zip(*(r["step_times_s"] for r in per_rank), strict=True)]
     median = statistics.median(times) if times else None
     steps = list(zip(*(r["step_traces"] for r in per_rank), strict=True))
-    replays = [replay_step_time(traces) for traces in steps]
+    replicas = 2 if spec.schedule == "BitPipe" else 1
+    replays = [replay_step_time(traces, replicas) for traces in steps]
     cpu = [sum(ev["cpu"] for t in traces for ev in t) for traces in steps]
     wall = [sum(ev["end"] - ev["start"] for t in traces for ev in t) for traces in steps]
     seq_len = _seq_len(setting, spec)
@@ -303,6 +336,7 @@ def _merge(setting: Setting, spec: RunSpec, per_rank: list[dict[str, Any]]) -> d
         "tokens_per_s": tokens / median if median else None,
         "peak_activation_bytes": [stages[s] for s in sorted(stages)],
         "peak_activation_rank_bytes": [r["peak_activation_rank_bytes"] for r in per_rank],
+        "param_bytes_rank": [r["param_bytes"] for r in per_rank],
         "peak_rss_bytes": (
             [r["peak_rss_bytes"] for r in per_rank] if setting.fresh_processes else None
         ),

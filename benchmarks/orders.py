@@ -3,7 +3,7 @@
 Why: the simulator must run the orders torch and this library actually execute, not a
 re-derivation. torch's schedules are constructed on stand-in stages (no process group), the
 way PyTorch's own schedule tests do; Seq1F1B's order comes from :mod:`seq1f1b.order`, which is
-what ``ScheduleSeq1F1B.pipeline_order`` holds.
+what ``ScheduleSeq1F1B.pipeline_order`` holds; BitPipe's from :mod:`seq1f1b.bitpipe.order`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from seq1f1b.bitpipe import build_bitpipe_orders
 from seq1f1b.order import OrderSpec, build_orders
 
 __all__ = ["SCHEDULES", "ScheduleSpec", "pipeline_order"]
@@ -36,6 +37,7 @@ SCHEDULES: dict[str, int] = {
     "DualPipeV": 2,
     "Seq1F1B": 1,
     "InterleavedSeq1F1B": 2,
+    "BitPipe": 4,  # 2 replicas x 2 V stages; each stage is L/(2pp) layers
 }
 
 
@@ -55,6 +57,16 @@ class ScheduleSpec:
     @property
     def num_stages(self) -> int:
         return self.pp * self.stages_per_rank
+
+    @property
+    def replicas(self) -> int:
+        """Independent pipelines in the stage id space (BitPipe's two model replicas)."""
+        return 2 if self.name == "BitPipe" else 1
+
+    @property
+    def model_stages(self) -> int:
+        """Stages one copy of the model is cut into (BitPipe: 2*pp per replica)."""
+        return self.num_stages // self.replicas
 
     @property
     def label(self) -> str:
@@ -114,6 +126,8 @@ def pipeline_order(spec: ScheduleSpec) -> Order:
     pp, m = spec.pp, spec.microbatches
     if spec.name in ("Seq1F1B", "InterleavedSeq1F1B"):
         return dict(build_orders(OrderSpec(pp, spec.stages_per_rank, m, spec.seq_chunks)))
+    if spec.name == "BitPipe":
+        return dict(build_bitpipe_orders(pp, m))
     if spec.name == "GPipe":
         return dict(ScheduleGPipe(_StandInStage(0, pp, pp), m).pipeline_order or {})
     if spec.name == "1F1B":

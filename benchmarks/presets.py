@@ -23,8 +23,9 @@ PP2_SPECS = (
     RunSpec("Seq1F1B", 4, "uniform"),
     RunSpec("Seq1F1B", 4, "compute"),
     RunSpec("Seq1F1B", 8, "compute"),
+    RunSpec("BitPipe"),
 )
-# pp=4, M=4: the memory target's setting (Interleaved1F1B needs layers % 8 == 0)
+# pp=4, M=4: the memory target's setting (Interleaved1F1B and BitPipe need layers % 8 == 0)
 PP4_SPECS = (
     RunSpec("1F1B"),
     RunSpec("GPipe"),
@@ -32,6 +33,7 @@ PP4_SPECS = (
     RunSpec("Seq1F1B", 2, "compute"),
     RunSpec("Seq1F1B", 4, "uniform"),
     RunSpec("Seq1F1B", 4, "compute"),
+    RunSpec("BitPipe"),
 )
 BUDGET_SPECS = (
     RunSpec("1F1B"),
@@ -74,6 +76,7 @@ PRESETS = {
             RunSpec("Seq1F1B", 4, "uniform"),
             RunSpec("Seq1F1B", 4, "compute"),
             RunSpec("Seq1F1B", 8, "compute"),
+            RunSpec("BitPipe"),
         ),
         pp4_seq_len=4096,
         fit_fractions=(0.25, 0.5),
@@ -83,7 +86,7 @@ PRESETS = {
         pp4_fresh_processes=True,
     ),
     # a quarter of the width, half the depth: the same 4096 tokens, in minutes on 2 cores
-    # (4 layers: Interleaved1F1B cannot run at pp=4, which needs 8 stages)
+    # (4 layers: Interleaved1F1B and BitPipe cannot run at pp=4, which needs 8 stages)
     "quick": Preset(
         name="quick",
         model=TinyConfig(vocab=1024, dim=128, n_heads=2, n_kv_heads=2, n_layers=4, ffn=344),
@@ -110,6 +113,6 @@ PRESETS = {
         sim_seq_lens=(32768,),
         pp4_fresh_processes=False,
         verify_budget=False,
-        pp4_specs=(RunSpec("1F1B"), RunSpec("Seq1F1B", 4, "uniform")),
+        pp4_specs=(RunSpec("1F1B"), RunSpec("Seq1F1B", 4, "uniform"), RunSpec("BitPipe")),
     ),
 }

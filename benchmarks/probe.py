@@ -31,7 +31,9 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import PipelineStage
 
-__all__ = ["ActionRecord", "ProbedStage", "RankProbe", "SavedTensorMeter"]
+from seq1f1b.bitpipe import BitPipeStage
+
+__all__ = ["ActionRecord", "ProbedBitPipeStage", "ProbedStage", "RankProbe", "SavedTensorMeter"]
 
 
 @dataclass(frozen=True)
@@ -140,22 +142,43 @@ class RankProbe:
             self.records.append(ActionRecord(stage, kind, microbatch, t0, t1, c1 - c0))
 
 
-class ProbedStage(PipelineStage):
+class _Probed:
+    """Mixin for a stage class: report each compute action to ``self.probe``."""
+
+    probe: RankProbe
+    stage_index: int
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        with self.probe.span(self.stage_index, "F", fwd_chunk_id):
+            return super().forward_one_chunk(  # type: ignore[misc]
+                fwd_chunk_id, args, kwargs, save_forward_output
+            )
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        kind = "B" if full_backward else "I"
+        with self.probe.span(self.stage_index, kind, bwd_chunk_id):
+            return super().backward_one_chunk(  # type: ignore[misc]
+                bwd_chunk_id, loss, full_backward, last_backward
+            )
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        with self.probe.span(self.stage_index, "W", bwd_chunk_id):
+            return super().backward_weight_one_chunk(  # type: ignore[misc]
+                bwd_chunk_id, last_backward
+            )
+
+
+class ProbedStage(_Probed, PipelineStage):
     """``PipelineStage`` that reports each compute action to a :class:`RankProbe`."""
 
     def __init__(self, *args: Any, probe: RankProbe, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.probe = probe
 
-    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
-        with self.probe.span(self.stage_index, "F", fwd_chunk_id):
-            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
-    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        kind = "B" if full_backward else "I"
-        with self.probe.span(self.stage_index, kind, bwd_chunk_id):
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+class ProbedBitPipeStage(_Probed, BitPipeStage):
+    """``BitPipeStage`` (per-replica ends, V placement) that reports to a :class:`RankProbe`."""
 
-    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        with self.probe.span(self.stage_index, "W", bwd_chunk_id):
-            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+    def __init__(self, *args: Any, probe: RankProbe, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.probe = probe

@@ -21,8 +21,9 @@ from seq1f1b.simulate import simulate
 __all__ = ["replay_step_time"]
 
 
-def replay_step_time(rank_traces: Sequence[Sequence[dict[str, Any]]]) -> float:
-    """Makespan of one step from per-rank action records (``stage, kind, mb, start, cpu``)."""
+def replay_step_time(rank_traces: Sequence[Sequence[dict[str, Any]]], replicas: int = 1) -> float:
+    """Makespan of one step from per-rank action records (``stage, kind, mb, start, cpu``);
+    ``replicas``: independent pipelines in the stage ids (BitPipe: 2)."""
     order: dict[int, list[_Action | None]] = {}
     cost: dict[tuple[int, str, int], float] = {}
     for rank, trace in enumerate(rank_traces):
@@ -35,5 +36,6 @@ def replay_step_time(rank_traces: Sequence[Sequence[dict[str, Any]]]) -> float:
     res = simulate(
         order,
         lambda a: cost[(a.stage_index, a.computation_type.value, a.microbatch_index or 0)],
+        replicas=replicas,
     )
     return res.makespan

@@ -24,6 +24,10 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return out
 
 
+def _mean(xs: Sequence[float] | None) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
@@ -32,7 +36,8 @@ def measured_table(runs: Sequence[dict[str, Any]], timed: bool) -> list[str]:
     """Step time, tokens/s and per-rank peak saved activations, as ratios against 1F1B.
 
     Memory columns are per rank (= per stage for one stage per rank; interleaved schedules
-    hold two stages per rank, and per-stage numbers are in results.json).
+    hold two stages per rank, BitPipe four, and per-stage numbers are in results.json).
+    Weights: parameter bytes per rank, averaged over ranks (BitPipe holds two replicas).
     """
     base = next((r for r in runs if r["schedule"] == "1F1B"), None)
     n_ranks = max(len(r["peak_activation_rank_bytes"]) for r in runs)
@@ -41,6 +46,7 @@ def measured_table(runs: Sequence[dict[str, Any]], timed: bool) -> list[str]:
     if timed:
         head += ["step s (median)", "vs 1F1B", "replayed", "simulated", "tokens/s", "wall/CPU"]
     head += [f"rank {r} act. MiB (vs 1F1B)" for r in range(n_ranks)]
+    head += ["weights MiB / rank (vs 1F1B)"]
     if rss:
         head += ["rank 0 peak RSS MiB"]
     rows = []
@@ -58,6 +64,11 @@ def measured_table(runs: Sequence[dict[str, Any]], timed: bool) -> list[str]:
         ref = base["peak_activation_rank_bytes"] if base else [None] * n_ranks
         for rank, b in enumerate(r["peak_activation_rank_bytes"]):
             row.append(f"{b / MIB:.1f} ({_fmt(_ratio(b, ref[rank]), '.2f')})")
+        weights = _mean(r.get("param_bytes_rank"))
+        ref_w = _mean(base.get("param_bytes_rank")) if base else None
+        row.append(
+            f"{_fmt(weights and weights / MIB, '.1f')} ({_fmt(_ratio(weights, ref_w), '.2f')})"
+        )
         if rss:
             v = r.get("peak_rss_bytes")
             row.append(_fmt(v[0] / MIB if v else None, ".0f"))

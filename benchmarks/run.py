@@ -46,7 +46,7 @@ def _load() -> str:
 
 
 def _usable(spec: RunSpec, pp: int, preset: Preset) -> bool:
-    return preset.model.n_layers % (pp * spec.stages_per_rank) == 0
+    return preset.model.n_layers % spec.model_stages(pp) == 0
 
 
 def _simulated(runs: list[dict[str, Any]], preset: Preset) -> None:
@@ -133,6 +133,21 @@ def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             "met": dev <= 0.05,
         }
     )
+    bit = [r for r in results["simulation"] if r["schedule"] == "BitPipe" and "error" not in r]
+    if bit:
+        dev = max(
+            abs(r["bubble_ratio_equal_cost"] - r["formula_bubble_ratio"])
+            / r["formula_bubble_ratio"]
+            for r in bit
+        )
+        out.append(
+            {
+                "name": "simulated BitPipe bubble, t_b = t_f, vs (pp-2)/(4M+pp-2)",
+                "value": f"max deviation {dev:.1%} over {len(bit)} settings",
+                "target": "within 5%",
+                "met": dev <= 0.05,
+            }
+        )
     pairs = {}
     for r in sim:
         pairs.setdefault((r["pp"], r["microbatches"], r["seq_len"], r["seq_chunks"]), {})[

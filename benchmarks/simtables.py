@@ -34,6 +34,8 @@ PAPER_SHAPE = ModelShape(hidden=4096, n_heads=32, n_layers=32, vocab=50304)
 def formula_bubble(spec: ScheduleSpec) -> float | None:
     """Closed-form idle fraction with equal costs; None where there is no simple form."""
     p, m, k, v = spec.pp, spec.microbatches, spec.seq_chunks, spec.stages_per_rank
+    if spec.name == "BitPipe":  # published, with t_b = t_f (REFERENCE section 2)
+        return (p - 2) / (4 * m + p - 2)
     units = {
         "GPipe": m,
         "1F1B": m,
@@ -53,14 +55,20 @@ def formula_memory(spec: ScheduleSpec) -> float | None:
         return float(min(p, m))
     if spec.name == "Seq1F1B":
         return min(p + k - 1, m * k) / k
+    if spec.name == "BitPipe":  # 2*pp chunk passes of A/2 (fewer when M/2 per replica runs out)
+        return float(min(p, m))
     return None
 
 
 def _equal_cost(spec: ScheduleSpec):
+    """Equal-cost units, backward = 2 forwards; BitPipe's formula assumes backward = forward."""
     unit = 1.0 / (spec.stages_per_rank * spec.seq_chunks)
+    backward = 1.0 if spec.name == "BitPipe" else 2.0
 
     def cost(a: _Action) -> float:
-        return 2 * unit if a.computation_type == _ComputationType.FULL_BACKWARD else unit
+        if a.computation_type == _ComputationType.FULL_BACKWARD:
+            return backward * unit
+        return unit
 
     return cost
 
@@ -71,16 +79,18 @@ def simulate_spec(
     """Simulate ``spec`` with FLOPs costs of ``shape`` at ``seq_len`` (split for Seq1F1B)."""
     k = spec.seq_chunks if spec.name.endswith("Seq1F1B") else 1
     lengths = resolve_split(split, seq_len, k, shape=shape) if k > 1 else [seq_len]
-    costs = FlopsCosts(shape, tuple(lengths), spec.num_stages, spec.pp)
-    res = simulate(pipeline_order(spec), costs.cost, activation=costs.activation)
+    costs = FlopsCosts(shape, tuple(lengths), spec.model_stages, spec.pp)
+    order = pipeline_order(spec)
+    res = simulate(order, costs.cost, activation=costs.activation, replicas=spec.replicas)
     return res, costs
 
 
 def paper_specs(pp: int, m: int) -> list[tuple[ScheduleSpec, str]]:
-    """The compared schedules at one (pp, M): torch's five, Seq1F1B K=2/4/8 both splits."""
+    """The compared schedules at one (pp, M): torch's five, BitPipe, Seq1F1B K=2/4/8 both
+    splits, interleaved Seq1F1B."""
     out: list[tuple[ScheduleSpec, str]] = [
         (ScheduleSpec(name, pp, m), "-")
-        for name in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+        for name in ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV", "BitPipe")
     ]
     for k in (2, 4, 8):
         for split in ("uniform", "compute"):
@@ -115,7 +125,9 @@ def simulation_table(
                     }
                     try:
                         res, costs = simulate_spec(spec, shape, seq_len, split)
-                        equal = simulate(pipeline_order(spec), _equal_cost(spec))
+                        equal = simulate(
+                            pipeline_order(spec), _equal_cost(spec), replicas=spec.replicas
+                        )
                     except ValueError as exc:  # torch refuses this size (e.g. DualPipeV M < 2pp)
                         row["error"] = str(exc).splitlines()[0]
                         group.append(row)

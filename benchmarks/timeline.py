@@ -15,11 +15,11 @@ from seq1f1b.simulate import SimResult
 
 __all__ = ["Block", "Panel", "draw_panels", "measured_blocks", "simulated_blocks"]
 
-_COLORS = {  # (first local stage, second local stage)
-    "F": ("#9ecae1", "#4292c6"),
-    "B": ("#fdae6b", "#e6550d"),
-    "I": ("#fdd0a2", "#fd8d3c"),
-    "W": ("#c7e9c0", "#74c476"),
+_COLORS = {  # one shade per local stage (BitPipe has four: A's two, then B's two)
+    "F": ("#9ecae1", "#4292c6", "#c6dbef", "#08519c"),
+    "B": ("#fdae6b", "#e6550d", "#fdd0a2", "#a63603"),
+    "I": ("#fdd0a2", "#fd8d3c", "#feedde", "#d94801"),
+    "W": ("#c7e9c0", "#74c476", "#e5f5e0", "#238b45"),
 }
 
 
@@ -112,7 +112,8 @@ def draw_panels(panels: Sequence[Panel], path: str, xlabel: str, width: float = 
     xmax = max((b.end for p in panels for b in p.blocks), default=1.0)
     for ax, panel in zip(axes[:, 0], panels, strict=True):
         for b in panel.blocks:
-            color = _COLORS.get(b.kind, ("#cccccc", "#969696"))[min(b.chunk, 1)]
+            shades = _COLORS.get(b.kind, ("#cccccc", "#969696"))
+            color = shades[min(b.chunk, len(shades) - 1)]
             ax.barh(
                 b.rank,
                 b.end - b.start,

@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export OMP_NUM_THREADS=1
-.venv/bin/python -m ruff check seq1f1b torchtitan_integration tests examples
+.venv/bin/python -m ruff check seq1f1b torchtitan_integration tests examples benchmarks
 exec .venv/bin/python -m pytest -q "$@"

@@ -97,15 +97,15 @@ def compute_actions(actions: Iterable[_Action | None]) -> list[_Action]:
     return out
 
 
-def _deps(a: _Action, last_stage: int) -> list[_Key]:
+def _deps(a: _Action, per_pipeline: int) -> list[_Key]:
     s, t, u = a.stage_index, a.computation_type, a.microbatch_index
     assert u is not None
     if t == _F:
-        return [(s - 1, "F", u)] if s > 0 else []
+        return [(s - 1, "F", u)] if s % per_pipeline else []
     if t == _W:
         return [(s, "I", u)]
     deps: list[_Key] = [(s, "F", u)]
-    if s < last_stage:
+    if s % per_pipeline < per_pipeline - 1:
         deps.append((s + 1, "G", u))
     return deps
 
@@ -128,6 +128,7 @@ def simulate(
     *,
     activation: Callable[[_Action], float] | None = None,
     comm_latency: float = 0.0,
+    replicas: int = 1,
 ) -> SimResult:
     """Run ``pipeline_order`` against its data dependencies with per-action ``cost``.
 
@@ -137,6 +138,8 @@ def simulate(
         activation: activation size a forward leaves on its stage until its backward
             (default 1 per forward: "units in flight").
         comm_latency: added to a dependency whose producer runs on another rank.
+        replicas: the stage ids form this many independent pipelines of equal length, one
+            after the other (BitPipe: 2, stage ``g`` feeds ``g+1`` only inside a replica).
 
     Raises ValueError if the order cannot finish (deadlock or a missing action).
     """
@@ -150,7 +153,10 @@ def simulate(
                     f"stage {a.stage_index} has actions on ranks "
                     f"{stage_to_rank[a.stage_index]} and {r}"
                 )
-    last_stage = max(stage_to_rank, default=0)
+    n_stages = max(stage_to_rank, default=0) + 1
+    if replicas < 1 or n_stages % replicas:
+        raise ValueError(f"{n_stages} stages cannot form {replicas} pipelines of equal length")
+    per_pipeline = n_stages // replicas
 
     done: dict[_Key, float] = {}
     waiting: dict[_Key, list[int]] = {}
@@ -167,7 +173,7 @@ def simulate(
             a = acts[pos[r]]
             start = clock[r]
             blocked: _Key | None = None
-            for key in _deps(a, last_stage):
+            for key in _deps(a, per_pipeline):
                 t = done.get(key)
                 if t is None:
                     blocked = key

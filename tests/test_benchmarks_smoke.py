@@ -50,13 +50,19 @@ def test_results_json(smoke_out: Path) -> None:
     pp2 = next(s for k, s in res["measured"].items() if k.startswith("pp2"))
     labels = {r["label"] for r in pp2["runs"]}
     assert {"1F1B", "GPipe", "Interleaved1F1B", "Seq1F1B K=4 compute"} <= labels
+    per_rank = {"Interleaved1F1B": 2, "BitPipe": 4}
     for r in pp2["runs"]:
         assert r["step_time_s"] > 0
-        assert len(r["peak_activation_bytes"]) == 2 * (
-            2 if r["schedule"].startswith("Inter") else 1
-        )
+        assert len(r["peak_activation_bytes"]) == 2 * per_rank.get(r["schedule"], 1)
         assert all(b > 0 for b in r["peak_activation_bytes"])
         assert r["simulated_bubble_ratio"] >= 0
+    runs = {r["label"]: r for r in pp2["runs"]}
+    # BitPipe holds two replicas: twice the weights of 1F1B over the pipeline
+    assert sum(runs["BitPipe"]["param_bytes_rank"]) == 2 * sum(runs["1F1B"]["param_bytes_rank"])
+    bit = [r for r in sim if r["schedule"] == "BitPipe"]
+    assert bit and all(
+        abs(r["bubble_ratio_equal_cost"] - r["formula_bubble_ratio"]) < 1e-9 for r in bit
+    )
     losses = {round(r["loss"], 4) for r in pp2["runs"]}
     assert len(losses) == 1, losses  # same model, same data: every schedule, the same loss
     pp4 = {r["label"]: r for r in res["measured"]["pp4"]["runs"]}

@@ -16,6 +16,7 @@ from torch.distributed.pipelining.schedules import (
     _ComputationType,
 )
 
+from seq1f1b.bitpipe import build_bitpipe_orders
 from seq1f1b.order import OrderSpec, build_orders
 from seq1f1b.partition import ModelShape, resolve_split
 from seq1f1b.planner import main as planner_main
@@ -59,6 +60,22 @@ def test_interleaved_seq1f1b_bubble() -> None:
     pp, m, k, v = 4, 8, 4, 2
     res = simulate(build_orders(OrderSpec(pp, v, m, k)), unit_cost(k, v))
     assert res.bubble_ratio == pytest.approx((pp - 1) / (v * k * m + pp - 1), rel=0.05)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 4), (4, 8), (6, 12), (8, 16)])
+def test_bitpipe_orders_match_published_bubble(pp: int, m: int) -> None:
+    """Two replicas in one stage id space: with t_b = t_f, (pp-2)/(4M+pp-2) exactly."""
+    order = build_bitpipe_orders(pp, m)
+    equal = simulate(order, lambda a: 1.0, replicas=2)
+    assert equal.bubble_ratio == pytest.approx((pp - 2) / (4 * m + pp - 2))
+    assert equal.makespan == 4 * m + pp - 2
+    # every rank peaks at 2*pp chunk passes (M/2 per replica runs out first below M = pp)
+    assert max(equal.peak_activation_rank.values()) == min(2 * pp, 2 * m)
+    # read as one pipeline, replica B's first stage would wait on replica A's last
+    with pytest.raises(ValueError, match="cannot finish"):
+        simulate(order, lambda a: 1.0)
+    with pytest.raises(ValueError, match="2 pipelines"):
+        simulate({0: [_Action(0, F, 0)], 1: [_Action(2, F, 0)]}, lambda a: 1.0, replicas=2)
 
 
 def test_comm_latency_on_cross_rank_edges_only() -> None:
