@@ -177,3 +177,23 @@ def test_bitpipe_from_toml(seed, reference, tmp_path):
         "--parallelism.pipeline_parallel_microbatch_size", "1", dump=tmp_path,
     )  # fmt: skip
     assert_same_curve(run, reference)
+
+
+BITPIPE = ["--parallelism.pipeline_parallel_schedule", "BitPipe",
+           "--parallelism.pipeline_parallel_microbatch_size", "1"]  # fmt: skip
+
+
+def test_bitpipe_x_fsdp2(seed, reference_dp2, tmp_path):
+    # FSDP reduce-scatters each chunk over dp in REDUCE_GRAD, then the twins sum their shards
+    run = run_titan(
+        4, *PP2, *seed, *BITPIPE, "--parallelism.data_parallel_shard_degree", "2", dump=tmp_path
+    )
+    assert_same_curve(run, reference_dp2)
+
+
+def test_bitpipe_x_tp2(seed, reference, tmp_path):
+    run = run_titan(
+        4, *PP2, *seed, *BITPIPE, "--parallelism.tensor_parallel_degree", "2",
+        "--parallelism.data_parallel_shard_degree", "1", dump=tmp_path,
+    )  # fmt: skip
+    assert_same_curve(run, reference)

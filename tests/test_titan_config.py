@@ -19,6 +19,7 @@ from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.models.llama3 import llama3_args  # noqa: E402
 
 from seq1f1b import ModelShape  # noqa: E402
+from torchtitan_integration.bitpipe import check_bitpipe  # noqa: E402
 from torchtitan_integration.pipeline import check_config, check_schedule_name  # noqa: E402
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "train_configs").glob("*.toml"))
@@ -47,3 +48,18 @@ def test_unknown_schedule_names_the_toml_key() -> None:
     with pytest.raises(ValueError, match=r"\[parallelism\] pipeline_parallel_schedule"):
         check_schedule_name("Seq2F2B")
     check_schedule_name("interleaved1f1b")  # torch's names still work
+
+
+@pytest.mark.parametrize(
+    ("dims", "message"),
+    [
+        ({"pp": 2, "dp_replicate": 2}, "set data_parallel_replicate_degree = 1"),
+        ({"pp": 3, "dp_replicate": 1}, "pipeline_parallel_degree = 3: BitPipe pairs rank r"),
+    ],
+)
+def test_bitpipe_start_up_checks_name_the_key(dims: dict, message: str) -> None:
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        check_bitpipe(SimpleNamespace(**dims))
+    check_bitpipe(SimpleNamespace(pp=4, dp_replicate=1))  # FSDP/TP degrees are not refused

@@ -37,12 +37,12 @@ def _prune(model: nn.Module, keep: list[str]) -> nn.Module:
 
 
 def check_bitpipe(parallel_dims: Any) -> None:
-    if parallel_dims.tp > 1 or parallel_dims.dp_shard > 1 or parallel_dims.dp_replicate > 1:
+    if parallel_dims.dp_replicate > 1:
         raise ValueError(
-            "[parallelism] pipeline_parallel_schedule = 'BitPipe' composes with pipeline "
-            "parallelism and activation checkpointing in this integration: set "
-            "tensor_parallel_degree = 1 and data_parallel_shard_degree = "
-            "data_parallel_replicate_degree = 1 (its pair all-reduce is the data parallelism)"
+            "[parallelism] pipeline_parallel_schedule = 'BitPipe' composes with FSDP "
+            "(data_parallel_shard_degree), tensor_parallel_degree and activation checkpointing "
+            "in this integration: set data_parallel_replicate_degree = 1 (BitPipe's pair "
+            "all-reduce is already a 2-way data parallelism; shard across more ranks instead)"
         )
     if parallel_dims.pp % 2:
         raise ValueError(

@@ -366,10 +366,18 @@ class ScheduleBitPipe(_PipelineScheduleRuntime):
         missing = [mb for mb in mine if mb not in self._mb_losses]
         if missing:
             raise RuntimeError(f"BitPipe: no losses for microbatches {missing}")
-        local = torch.stack([self._mb_losses[mb].detach() for mb in mine])
+        kept = {mb: _plain(self._mb_losses[mb]) for mb in mine}
+        local = torch.stack([kept[mb].detach() for mb in mine])
         both = [torch.empty_like(local) for _ in range(2)]
         dist.all_gather(both, local, group=self.pair_group)
         other = both[1 - dist.get_rank(self.pair_group)]
-        out: dict[int, torch.Tensor] = {mb: self._mb_losses[mb] for mb in mine}
+        out: dict[int, torch.Tensor] = dict(kept)
         out.update({mb: other[i] for i, mb in enumerate(theirs)})
         return [out[mb] for mb in range(m)]
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A DTensor loss (TP's loss parallel) as a plain tensor: c10d collectives and the
+    partner's received losses are plain, and one list must not mix the two."""
+    full = getattr(loss, "full_tensor", None)
+    return full() if callable(full) else loss

@@ -71,8 +71,8 @@ def broadcast_twins(
     me = dist.get_rank(pair_group)
     for stage in sorted(stages, key=lambda s: layout.chunk(s.stage_index)):
         src = me if layout.replica(stage.stage_index) == 0 else 1 - me
-        for t in _tensors(stage.submod):
-            dist.broadcast(t.data, group=pair_group, group_src=src)
+        for t in _tensors(stage.submod):  # FSDP/TP: twins hold the same local shards
+            dist.broadcast(_local(t.data), group=pair_group, group_src=src)
 
 
 class PairGradSync:
