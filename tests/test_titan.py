@@ -197,3 +197,12 @@ def test_bitpipe_x_tp2(seed, reference, tmp_path):
         "--parallelism.data_parallel_shard_degree", "1", dump=tmp_path,
     )  # fmt: skip
     assert_same_curve(run, reference)
+
+
+def test_bitpipe_x_dp_replicate2(seed, reference_dp2, tmp_path):
+    # FSDP2 replicate: all-reduce over dp in REDUCE_GRAD, then the twins sum
+    run = run_titan(
+        4, *PP2, *seed, *BITPIPE, "--parallelism.data_parallel_replicate_degree", "2",
+        "--parallelism.data_parallel_shard_degree", "1", dump=tmp_path,
+    )  # fmt: skip
+    assert_same_curve(run, reference_dp2)

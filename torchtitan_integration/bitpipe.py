@@ -37,13 +37,6 @@ def _prune(model: nn.Module, keep: list[str]) -> nn.Module:
 
 
 def check_bitpipe(parallel_dims: Any) -> None:
-    if parallel_dims.dp_replicate > 1:
-        raise ValueError(
-            "[parallelism] pipeline_parallel_schedule = 'BitPipe' composes with FSDP "
-            "(data_parallel_shard_degree), tensor_parallel_degree and activation checkpointing "
-            "in this integration: set data_parallel_replicate_degree = 1 (BitPipe's pair "
-            "all-reduce is already a 2-way data parallelism; shard across more ranks instead)"
-        )
     if parallel_dims.pp % 2:
         raise ValueError(
             f"[parallelism] pipeline_parallel_degree = {parallel_dims.pp}: BitPipe pairs rank r "
