@@ -68,9 +68,14 @@ class RunSpec:
     def stages_per_rank(self) -> int:
         return _STAGES_PER_RANK[self.schedule]
 
+    @property
+    def replicas(self) -> int:
+        """Independent pipelines in the stage id space (BitPipe's two model replicas)."""
+        return 2 if self.schedule == "BitPipe" else 1
+
     def model_stages(self, pp: int) -> int:
         """Stages one copy of the model is cut into (BitPipe: 2*pp, for each replica)."""
-        return 2 * pp if self.schedule == "BitPipe" else pp * self.stages_per_rank
+        return pp * self.stages_per_rank // self.replicas
 
 
 @dataclass(frozen=True)
@@ -164,7 +169,10 @@ class _Run:
             )
         else:
             raise ValueError(f"unknown schedule {spec.schedule!r}: use one of {_STAGES_PER_RANK}")
-        self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params)
 
     def _bitpipe(self, rank: int, world: int, setting: Setting, probe: RankProbe) -> None:
         """Both replicas from the same seeded chunks (so they start identical, as
@@ -180,7 +188,6 @@ class _Run:
             for g in self.mine
         ]
         self.params = [p for s in stages for p in s.submod.parameters()]
-        self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)
         self.first = self.last = rank in (0, world - 1)  # both ends of both replicas
         self.sched = ScheduleBitPipe(
             stages, setting.microbatches, _loss_fn, pair_group=new_pair_group()
@@ -305,8 +312,7 @@ def _merge(setting: Setting, spec: RunSpec, per_rank: list[dict[str, Any]]) -> d
     times = [max(ts) for ts in zip(*(r["step_times_s"] for r in per_rank), strict=True)]
     median = statistics.median(times) if times else None
     steps = list(zip(*(r["step_traces"] for r in per_rank), strict=True))
-    replicas = 2 if spec.schedule == "BitPipe" else 1
-    replays = [replay_step_time(traces, replicas) for traces in steps]
+    replays = [replay_step_time(traces, spec.replicas) for traces in steps]
     cpu = [sum(ev["cpu"] for t in traces for ev in t) for traces in steps]
     wall = [sum(ev["end"] - ev["start"] for t in traces for ev in t) for traces in steps]
     seq_len = _seq_len(setting, spec)

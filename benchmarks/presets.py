@@ -54,11 +54,11 @@ class Preset:
     seq_lens: tuple[int, ...]  # measured at pp=2, M=2 (timed)
     timed_steps: int
     pp4_seq_len: int  # measured at pp=4, M=4 (memory only)
-    fit_fractions: tuple[float, ...]  # budget fit points, as fractions of seq_lens[0]
-    sim_pps: tuple[int, ...]
-    sim_microbatches: tuple[int, ...]
-    sim_seq_lens: tuple[int, ...]
     pp4_fresh_processes: bool  # one process group per schedule: clean peak RSS, slower
+    fit_fractions: tuple[float, ...] = (0.25, 0.5)  # budget fit points, fractions of seq_lens[0]
+    sim_pps: tuple[int, ...] = (4, 8)  # simulated at the paper's sizes
+    sim_microbatches: tuple[int, ...] = (8, 16)
+    sim_seq_lens: tuple[int, ...] = (32768, 65536)
     verify_budget: bool = True
     pp4_specs: tuple[RunSpec, ...] = PP4_SPECS
     long_specs: tuple[RunSpec, ...] = PP2_SPECS  # measured at seq_lens[1:]
@@ -79,10 +79,6 @@ PRESETS = {
             RunSpec("BitPipe"),
         ),
         pp4_seq_len=4096,
-        fit_fractions=(0.25, 0.5),
-        sim_pps=(4, 8),
-        sim_microbatches=(8, 16),
-        sim_seq_lens=(32768, 65536),
         pp4_fresh_processes=True,
     ),
     # a quarter of the width, half the depth: the same 4096 tokens, in minutes on 2 cores
@@ -93,10 +89,6 @@ PRESETS = {
         seq_lens=(4096,),
         timed_steps=3,
         pp4_seq_len=2048,
-        fit_fractions=(0.25, 0.5),
-        sim_pps=(4, 8),
-        sim_microbatches=(8, 16),
-        sim_seq_lens=(32768, 65536),
         pp4_fresh_processes=False,
         verify_budget=False,
     ),
@@ -107,7 +99,6 @@ PRESETS = {
         seq_lens=(256,),
         timed_steps=1,
         pp4_seq_len=128,
-        fit_fractions=(0.25, 0.5),
         sim_pps=(4,),
         sim_microbatches=(8,),
         sim_seq_lens=(32768,),

@@ -145,8 +145,11 @@ class RankProbe:
 class _Probed:
     """Mixin for a stage class: report each compute action to ``self.probe``."""
 
-    probe: RankProbe
     stage_index: int
+
+    def __init__(self, *args: Any, probe: RankProbe, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.probe = probe
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         with self.probe.span(self.stage_index, "F", fwd_chunk_id):
@@ -171,14 +174,6 @@ class _Probed:
 class ProbedStage(_Probed, PipelineStage):
     """``PipelineStage`` that reports each compute action to a :class:`RankProbe`."""
 
-    def __init__(self, *args: Any, probe: RankProbe, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.probe = probe
-
 
 class ProbedBitPipeStage(_Probed, BitPipeStage):
     """``BitPipeStage`` (per-replica ends, V placement) that reports to a :class:`RankProbe`."""
-
-    def __init__(self, *args: Any, probe: RankProbe, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.probe = probe

@@ -118,36 +118,31 @@ def _budget(preset: Preset, runs: list[dict[str, Any]], budget: float | None) ->
     }
 
 
-def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    sim = [r for r in results["simulation"] if r["schedule"] == "Seq1F1B" and "error" not in r]
+def _formula_target(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """Largest relative deviation of the equal-cost simulated bubble from the closed form."""
     dev = max(
         abs(r["bubble_ratio_equal_cost"] - r["formula_bubble_ratio"]) / r["formula_bubble_ratio"]
-        for r in sim
+        for r in rows
     )
-    out.append(
-        {
-            "name": "simulated Seq1F1B bubble, equal-cost segments, vs (p-1)/(K*M+p-1)",
-            "value": f"max deviation {dev:.1%} over {len(sim)} settings",
-            "target": "within 5%",
-            "met": dev <= 0.05,
-        }
-    )
-    bit = [r for r in results["simulation"] if r["schedule"] == "BitPipe" and "error" not in r]
-    if bit:
-        dev = max(
-            abs(r["bubble_ratio_equal_cost"] - r["formula_bubble_ratio"])
-            / r["formula_bubble_ratio"]
-            for r in bit
-        )
-        out.append(
-            {
-                "name": "simulated BitPipe bubble, t_b = t_f, vs (pp-2)/(4M+pp-2)",
-                "value": f"max deviation {dev:.1%} over {len(bit)} settings",
-                "target": "within 5%",
-                "met": dev <= 0.05,
-            }
-        )
+    return {
+        "name": name,
+        "value": f"max deviation {dev:.1%} over {len(rows)} settings",
+        "target": "within 5%",
+        "met": dev <= 0.05,
+    }
+
+
+def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    def rows(schedule: str) -> list[dict[str, Any]]:
+        return [r for r in results["simulation"] if r["schedule"] == schedule and "error" not in r]
+
+    sim = rows("Seq1F1B")
+    out = [
+        _formula_target(sim, "simulated Seq1F1B bubble, equal-cost segments, vs (p-1)/(K*M+p-1)")
+    ]
+    if rows("BitPipe"):
+        name = "simulated BitPipe bubble, t_b = t_f, vs (pp-2)/(4M+pp-2)"
+        out.append(_formula_target(rows("BitPipe"), name))
     pairs = {}
     for r in sim:
         pairs.setdefault((r["pp"], r["microbatches"], r["seq_len"], r["seq_chunks"]), {})[

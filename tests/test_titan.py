@@ -183,23 +183,21 @@ BITPIPE = ["--parallelism.pipeline_parallel_schedule", "BitPipe",
            "--parallelism.pipeline_parallel_microbatch_size", "1"]  # fmt: skip
 
 
+DP1 = ["--parallelism.data_parallel_shard_degree", "1"]
+
+
 @pytest.mark.parametrize(
     ("dims", "dp2"),
     [
         # FSDP reduce-scatters each chunk over dp in REDUCE_GRAD, then the twins sum their shards
         (["--parallelism.data_parallel_shard_degree", "2"], True),
         # TP: the twins sum their TP shards; loss-parallel losses are DTensors
-        (["--parallelism.tensor_parallel_degree", "2"], False),
+        (["--parallelism.tensor_parallel_degree", "2", *DP1], False),
         # FSDP2 replicate: all-reduce over dp in REDUCE_GRAD, then the twins sum
-        (["--parallelism.data_parallel_replicate_degree", "2"], True),
+        (["--parallelism.data_parallel_replicate_degree", "2", *DP1], True),
     ],
     ids=["fsdp2", "tp2", "dp_replicate2"],
 )
 def test_bitpipe_composes(seed, reference, reference_dp2, tmp_path, dims, dp2):
-    shard = (
-        []
-        if dims[0].endswith("shard_degree")
-        else ["--parallelism.data_parallel_shard_degree", "1"]
-    )
-    run = run_titan(4, *PP2, *seed, *BITPIPE, *dims, *shard, dump=tmp_path)
+    run = run_titan(4, *PP2, *seed, *BITPIPE, *dims, dump=tmp_path)
     assert_same_curve(run, reference_dp2 if dp2 else reference)
