@@ -16,17 +16,15 @@ from torch.distributed.pipelining.schedules import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
-    _Action,
-    _ComputationType,
 )
-from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from seq1f1b._runtime import Action, ComputationType, StandInStage
 from seq1f1b.bitpipe import build_bitpipe_orders
 from seq1f1b.order import OrderSpec, build_orders
 
 __all__ = ["SCHEDULES", "ScheduleSpec", "pipeline_order"]
 
-Order = dict[int, list[_Action | None]]
+Order = dict[int, list[Action | None]]
 
 # name -> stages per rank (V schedules place stages r and 2*pp-1-r on rank r)
 SCHEDULES: dict[str, int] = {
@@ -75,28 +73,6 @@ class ScheduleSpec:
         return self.name
 
 
-class _StandInStage(_PipelineStageBase):
-    """Just the attributes a schedule's constructor reads; no module, no process group."""
-
-    def __init__(self, stage_index: int, num_stages: int, pp: int) -> None:
-        self.stage_index = stage_index
-        self.num_stages = num_stages
-        self.group_size = pp
-        self.group_rank = 0
-        self.group = None
-        self.submod = None
-        self.has_backward = True
-
-    def _create_grad_recv_info(self, *args, **kwargs):  # pragma: no cover - abstract
-        return ()
-
-    def _prepare_forward_infra(self, *args, **kwargs):  # pragma: no cover - abstract
-        return None
-
-    def _prepare_backward_infra(self, *args, **kwargs):  # pragma: no cover - abstract
-        return None
-
-
 def _repair_1f1b(order: Order, n_microbatches: int) -> Order:
     """Fix torch 2.13's ``Schedule1F1B._get_pipeline_order`` on the last rank.
 
@@ -108,12 +84,12 @@ def _repair_1f1b(order: Order, n_microbatches: int) -> Order:
         fwd = sorted(
             a.microbatch_index
             for a in actions
-            if a is not None and a.computation_type == _ComputationType.FORWARD
+            if a is not None and a.computation_type == ComputationType.FORWARD
         )
         if fwd == list(range(1, n_microbatches + 1)):
             actions = [
-                _Action(a.stage_index, a.computation_type, a.microbatch_index - 1)
-                if a is not None and a.computation_type == _ComputationType.FORWARD
+                Action(a.stage_index, a.computation_type, a.microbatch_index - 1)
+                if a is not None and a.computation_type == ComputationType.FORWARD
                 else a
                 for a in actions
             ]
@@ -129,15 +105,15 @@ def pipeline_order(spec: ScheduleSpec) -> Order:
     if spec.name == "BitPipe":
         return dict(build_bitpipe_orders(pp, m))
     if spec.name == "GPipe":
-        return dict(ScheduleGPipe(_StandInStage(0, pp, pp), m).pipeline_order or {})
+        return dict(ScheduleGPipe(StandInStage(0, pp, pp, 0), m).pipeline_order or {})
     if spec.name == "1F1B":
-        order = Schedule1F1B(_StandInStage(0, pp, pp), m).pipeline_order or {}
+        order = Schedule1F1B(StandInStage(0, pp, pp, 0), m).pipeline_order or {}
         return _repair_1f1b(dict(order), m)
     n = spec.num_stages
     if spec.name == "Interleaved1F1B":
-        stages = [_StandInStage(s, n, pp) for s in range(0, n, pp)]
+        stages = [StandInStage(s, n, pp, 0) for s in range(0, n, pp)]
         return dict(ScheduleInterleaved1F1B(stages, m).pipeline_order)
-    v_stages = [_StandInStage(0, n, pp), _StandInStage(n - 1, n, pp)]
+    v_stages = [StandInStage(0, n, pp, 0), StandInStage(n - 1, n, pp, 0)]
     if spec.name == "ZBVZeroBubble":
         return dict(ScheduleZBVZeroBubble(v_stages, m).pipeline_order)
     if spec.name == "DualPipeV":

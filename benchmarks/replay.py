@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch.distributed.pipelining.schedules import _Action, _ComputationType
-
+from seq1f1b._runtime import Action, ComputationType
 from seq1f1b.simulate import simulate
 
 __all__ = ["replay_step_time"]
@@ -24,12 +23,12 @@ __all__ = ["replay_step_time"]
 def replay_step_time(rank_traces: Sequence[Sequence[dict[str, Any]]], replicas: int = 1) -> float:
     """Makespan of one step from per-rank action records (``stage, kind, mb, start, cpu``);
     ``replicas``: independent pipelines in the stage ids (BitPipe: 2)."""
-    order: dict[int, list[_Action | None]] = {}
+    order: dict[int, list[Action | None]] = {}
     cost: dict[tuple[int, str, int], float] = {}
     for rank, trace in enumerate(rank_traces):
         events = sorted(trace, key=lambda ev: ev["start"])
         order[rank] = [
-            _Action(ev["stage"], _ComputationType(ev["kind"]), ev["mb"]) for ev in events
+            Action(ev["stage"], ComputationType(ev["kind"]), ev["mb"]) for ev in events
         ]
         for ev in events:
             cost[(ev["stage"], ev["kind"], ev["mb"])] = ev["cpu"]

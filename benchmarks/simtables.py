@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed.pipelining.schedules import _Action, _ComputationType
-
+from seq1f1b._runtime import Action, ComputationType
 from seq1f1b.partition import ModelShape, resolve_split
 from seq1f1b.simulate import FlopsCosts, SimResult, simulate
 
@@ -65,8 +64,8 @@ def _equal_cost(spec: ScheduleSpec):
     unit = 1.0 / (spec.stages_per_rank * spec.seq_chunks)
     backward = 1.0 if spec.name == "BitPipe" else 2.0
 
-    def cost(a: _Action) -> float:
-        if a.computation_type == _ComputationType.FULL_BACKWARD:
+    def cost(a: Action) -> float:
+        if a.computation_type == ComputationType.FULL_BACKWARD:
             return backward * unit
         return unit
 

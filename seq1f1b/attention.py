@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _runtime as rt
 from .kv import SegmentKV, current_unit
 
 try:  # optional, CUDA only
@@ -71,27 +72,22 @@ def _math_bwd(g, q, k, v, out, lse, causal: bool, scale: float):
 
 
 def _cpu_fwd(q, k, v, causal: bool, scale: float):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=scale
-    )
-    return out, lse
+    return rt.flash_cpu_forward(q, k, v, causal, scale)
 
 
 def _cpu_bwd(g, q, k, v, out, lse, causal: bool, scale: float):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        g.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale
-    )
+    return rt.flash_cpu_backward(g, q, k, v, out, lse, causal, scale)
 
 
 def _cuda_aten_fwd(q, k, v, causal: bool, scale: float):  # pragma: no cover - GPU only
-    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+    res = rt.flash_cuda_forward(q, k, v, causal, scale)
     return res[0], res[1]
 
 
 def _cuda_aten_bwd(g, q, k, v, out, lse, causal, scale):  # pragma: no cover - GPU only
     empty = torch.empty(0, device=q.device)
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+    dq, dk, dv = rt.flash_cuda_backward(
         g.contiguous(),
         q,
         k,

@@ -1,15 +1,15 @@
 """torch's schedule lowering (FSDP, REDUCE_GRAD, send/recv) in linear time, one rank at a time.
 
-``_PipelineScheduleRuntime._prepare_schedule_with_comms`` lowers *every* rank's compute-only
-schedule on every rank at start-up, with passes that do not scale: ``_add_unshard_reshard``
-copies the rest of the list for each action (quadratic per rank) and ``_add_send_recv`` advances
+``ScheduleRuntime._prepare_schedule_with_comms`` lowers *every* rank's compute-only
+schedule on every rank at start-up, with passes that do not scale: ``torch_add_unshard_reshard``
+copies the rest of the list for each action (quadratic per rank) and ``add_send_recv`` advances
 all ranks one action per lock-step round with set look-ups. At pp=64 and 1024 units that takes
 10 s to over a minute per rank, while the runtime only ever executes its own rank's list.
 
 This module produces, for one rank, exactly the list torch's passes produce for it:
 
 * :func:`add_unshard_reshard` is torch's pass with its look-ahead computed in one backward sweep;
-* :class:`SendRecvLowering` computes the lock-step round in which torch's ``_add_send_recv``
+* :class:`SendRecvLowering` computes the lock-step round in which torch's ``add_send_recv``
   schedules each action of each rank, event-driven (work linear in the number of actions),
   then assembles one rank's list from those rounds.
 
@@ -26,37 +26,65 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
-from torch.distributed.pipelining.schedules import (
-    _Action,
-    _add_reduce_grad,
-    _ComputationType,
-)
-
+from . import _runtime as rt
+from ._runtime import Action
 from .order import paused_gc
+from .topology import StageTopology
 
-__all__ = ["LoweredOrders", "SendRecvLowering", "add_unshard_reshard", "is_lowerable"]
+__all__ = [
+    "LoweredOrders",
+    "SendRecvLowering",
+    "add_unshard_reshard",
+    "check_p2p_matching",
+    "fast_path_supported",
+    "is_lowerable",
+    "lower_all",
+]
 
-_F = _ComputationType.FORWARD
-_B = _ComputationType.FULL_BACKWARD
-_I = _ComputationType.BACKWARD_INPUT
-_W = _ComputationType.BACKWARD_WEIGHT
-_UNSHARD = _ComputationType.UNSHARD
-_RESHARD = _ComputationType.RESHARD
-_SEND_F = _ComputationType.SEND_F
-_RECV_F = _ComputationType.RECV_F
-_SEND_B = _ComputationType.SEND_B
-_RECV_B = _ComputationType.RECV_B
+_F = rt.FORWARD
+_B = rt.FULL_BACKWARD
+_I = rt.BACKWARD_INPUT
+_W = rt.BACKWARD_WEIGHT
+_UNSHARD = rt.UNSHARD
+_RESHARD = rt.RESHARD
+_SEND_F = rt.SEND_F
+_RECV_F = rt.RECV_F
+_SEND_B = rt.SEND_B
+_RECV_B = rt.RECV_B
 
-# torch's default for _add_unshard_reshard, which is what its runtime uses
+# torch's default for torch_add_unshard_reshard, which is what its runtime uses
 _MAX_ACTIVE_STAGES = 3
 
 _LOWERABLE = frozenset((_F, _B, _I, _W))
 
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "defer_recv": False,
+    "max_active_stages": _MAX_ACTIVE_STAGES,
+    "unshard_lookahead": "full",
+    "defer_reduce_grad_wait": False,
+    "max_outstanding_sends": None,
+}
 
-def is_lowerable(actions: Mapping[int, Sequence[_Action | None]]) -> bool:
+
+def fast_path_supported(
+    actions: Mapping[int, Sequence[Action | None]], options: Mapping[str, Any], pp: int
+) -> bool:
+    """True if this module reproduces torch's lowering for these actions and options.
+
+    Other cases (OVERLAP_F_B, a partial ``unshard_lookahead``, a send budget) go to torch.
+    """
+    del pp
+    return (
+        is_lowerable(actions)
+        and options.get("unshard_lookahead", "full") == "full"
+        and options.get("max_outstanding_sends") is None
+    )
+
+
+def is_lowerable(actions: Mapping[int, Sequence[Action | None]]) -> bool:
     """True if every action is a plain F/B/I/W; anything else (OVERLAP_F_B, comms) is torch's."""
     return all(
         a is None or (a.computation_type in _LOWERABLE and a.sub_actions is None)
@@ -65,14 +93,17 @@ def is_lowerable(actions: Mapping[int, Sequence[_Action | None]]) -> bool:
     )
 
 
-def add_unshard_reshard(actions: Sequence[_Action | None]) -> list[_Action]:
-    """torch's ``_add_unshard_reshard``, same output, in O(n * stages) instead of O(n^2).
+def add_unshard_reshard(
+    actions: Sequence[Action | None], max_active_stages: int = _MAX_ACTIVE_STAGES
+) -> list[Action]:
+    """torch's ``torch_add_unshard_reshard``, same output, in O(n * stages) instead of O(n^2).
 
-    torch looks ahead from every action for the next 3 distinct stages by scanning (and
-    copying) the rest of the list. The same look-ahead falls out of one backward sweep that
-    keeps the distinct stages ordered by their next use. The forward pass then mirrors
-    torch's set operations one for one, so even the set's iteration order (which decides the
-    order of RESHARDs) is the same.
+    torch looks ahead from every action for the next ``max_active_stages`` distinct stages by
+    scanning (and copying) the rest of the list. The same look-ahead falls out of one backward
+    sweep that keeps the distinct stages ordered by their next use. The forward pass then
+    mirrors torch's container operations one for one, so even the iteration order of its
+    active-stage container (which decides the order of RESHARDs) is the same: a set up to
+    2.14, a dict in insertion order from 2.15.
     """
     compute = [a for a in actions if a is not None]
     ahead: list[tuple[int, ...]] = [()] * len(compute)
@@ -84,10 +115,10 @@ def add_unshard_reshard(actions: Sequence[_Action | None]) -> list[_Action]:
             if stage in upcoming:
                 upcoming.remove(stage)
             upcoming.insert(0, stage)
-            window = tuple(upcoming[:_MAX_ACTIVE_STAGES])
+            window = tuple(upcoming[:max_active_stages])
         ahead[i] = window
-    active: set[int] = set()
-    out: list[_Action] = []
+    active: dict[int, None] | set[int] = {} if rt.UNSHARD_KEEPS_INSERTION_ORDER else set()
+    out: list[Action] = []
     previous: tuple[int, ...] | None = None
     for action, nxt in zip(compute, ahead, strict=True):
         # after each step ``active == set(nxt)``, so an unchanged window changes nothing
@@ -95,16 +126,30 @@ def add_unshard_reshard(actions: Sequence[_Action | None]) -> list[_Action]:
             fetch = [s for s in nxt if s not in active]
             evict = [s for s in active if s not in nxt]
             for s in evict:
-                active.remove(s)
-                out.append(_Action(s, _RESHARD, None))
+                _discard(active, s)
+                out.append(Action(s, _RESHARD, None))
             for s in fetch:
-                active.add(s)
-                out.append(_Action(s, _UNSHARD, None))
+                _insert(active, s)
+                out.append(Action(s, _UNSHARD, None))
             previous = nxt
         out.append(action)
     for s in list(active):
-        out.append(_Action(s, _RESHARD, None))
+        out.append(Action(s, _RESHARD, None))
     return out
+
+
+def _insert(active: dict[int, None] | set[int], stage: int) -> None:
+    if isinstance(active, dict):
+        active[stage] = None
+    else:
+        active.add(stage)
+
+
+def _discard(active: dict[int, None] | set[int], stage: int) -> None:
+    if isinstance(active, dict):
+        del active[stage]
+    else:
+        active.remove(stage)
 
 
 class SendRecvLowering:
@@ -117,47 +162,48 @@ class SendRecvLowering:
 
     def __init__(
         self,
-        actions: Mapping[int, Sequence[_Action | None]],
-        stage_to_rank: Callable[[int], int],
-        num_stages: int,
+        actions: Mapping[int, Sequence[Action | None]],
+        topology: StageTopology,
         n_microbatches: int,
-        defer_recv: bool = False,
+        options: Mapping[str, Any] | None = None,
     ) -> None:
+        opts = {**DEFAULT_OPTIONS, **(options or {})}
         self.ranks = list(actions)
-        self._defer_recv = defer_recv
-        rank_of = [stage_to_rank(s) for s in range(num_stages)]
-        self._stage_rank = rank_of
-        # per stage, torch's rules: the stage an F / a B-or-I sends to on another rank (-1: none)
-        self._send_f = [
-            s + 1 if s + 1 < num_stages and rank_of[s + 1] != rank_of[s] else -1
-            for s in range(num_stages)
-        ]
-        self._send_b = [
-            s - 1 if s > 0 and rank_of[s - 1] != rank_of[s] else -1 for s in range(num_stages)
-        ]
+        self.topology = topology
+        self._defer_recv = bool(opts["defer_recv"])
+        self._stage_rank = list(topology.rank_of)
+        # per stage: the stage an F / a B-or-I sends to on another rank (-1: none)
+        self._send_f = [topology.sends_forward(s) for s in range(topology.num_stages)]
+        self._send_b = [topology.sends_backward(s) for s in range(topology.num_stages)]
+        reduce_kwargs = {"defer_reduce_grad_wait": True} if opts["defer_reduce_grad_wait"] else {}
         with paused_gc():
-            self._lists: dict[int, list[_Action]] = {
-                r: _add_reduce_grad(add_unshard_reshard(a), n_microbatches)  # type: ignore[misc]
+            self._lists: dict[int, list[Action]] = {
+                r: rt.add_reduce_grad(  # type: ignore[misc]
+                    add_unshard_reshard(a, opts["max_active_stages"]),
+                    n_microbatches,
+                    **reduce_kwargs,
+                )
                 for r, a in actions.items()
             }
             self._rounds = self._schedule_rounds()
 
     def _schedule_rounds(self) -> dict[int, list[int]]:
-        """The lock-step round of every action in torch's ``_add_send_recv``.
+        """The lock-step round of every action in torch's ``add_send_recv``.
 
         Event-driven: a rank runs until its head action waits for a RECV not yet produced,
         and is queued again when the sender produces it, so each action is handled once.
         """
         rank_of, send_f, send_b = self._stage_rank, self._send_f, self._send_b
+        prev_of, next_of = self.topology.prev_of, self.topology.next_of
         n = len(rank_of)
-        # F(s) waits for a RECV_F when its previous stage is elsewhere, else for its own F(s-1)
-        recv_f = [s > 0 and rank_of[s - 1] != rank_of[s] for s in range(n)]
-        recv_b = [s < n - 1 and rank_of[s + 1] != rank_of[s] for s in range(n)]
-        local_f = [s > 0 and not recv_f[s] for s in range(n)]
-        local_b = [s < n - 1 and not recv_b[s] for s in range(n)]
+        # F(s) waits for a RECV_F when its previous stage is elsewhere, else for its own F(prev)
+        recv_f = [prev_of[s] >= 0 and rank_of[prev_of[s]] != rank_of[s] for s in range(n)]
+        recv_b = [next_of[s] >= 0 and rank_of[next_of[s]] != rank_of[s] for s in range(n)]
+        local_f = [prev_of[s] >= 0 and not recv_f[s] for s in range(n)]
+        local_b = [next_of[s] >= 0 and not recv_b[s] for s in range(n)]
         # own F / B-or-I to remember: only when the next consumer is on the same rank (pp=1, V)
-        keep_f = [s < n - 1 and local_f[s + 1] for s in range(n)]
-        keep_b = [s > 0 and local_b[s - 1] for s in range(n)]
+        keep_f = [next_of[s] >= 0 and local_f[next_of[s]] for s in range(n)]
+        keep_b = [prev_of[s] >= 0 and local_b[prev_of[s]] for s in range(n)]
         rounds = {r: [0] * len(acts) for r, acts in self._lists.items()}
         # keys are ``unit * n + stage`` (ints: smaller and faster than tuples at 10^5 entries)
         seen_f: dict[int, int] = {}  # RECV_F key -> first round its receiver sees it
@@ -182,7 +228,7 @@ class SendRecvLowering:
                             waiting_f[u * n + s] = rank
                             break
                         t = seen if seen > t else t + 1
-                    elif local_f[s] and u * n + s - 1 not in own_f:
+                    elif local_f[s] and u * n + prev_of[s] not in own_f:
                         break  # waits for its own later action: torch's malformed case
                     else:
                         t += 1
@@ -201,7 +247,7 @@ class SendRecvLowering:
                             waiting_b[u * n + s] = rank
                             break
                         t = seen if seen > t else t + 1
-                    elif local_b[s] and u * n + s + 1 not in own_b:
+                    elif local_b[s] and u * n + next_of[s] not in own_b:
                         break
                     else:
                         t += 1
@@ -222,44 +268,45 @@ class SendRecvLowering:
             raise AssertionError("Malformed compute schedule, can't schedule sends/recvs")
         return rounds
 
-    def _send_of(self, action: _Action) -> _Action | None:
+    def _send_of(self, action: Action) -> Action | None:
         """The SEND torch puts right after ``action``, if any."""
         s, ct, u, _ = action
         if ct is _F and self._send_f[s] >= 0:
-            return _Action(s, _SEND_F, u)
+            return Action(s, _SEND_F, u)
         if (ct is _B or ct is _I) and self._send_b[s] >= 0:
-            return _Action(s, _SEND_B, u)
+            return Action(s, _SEND_B, u)
         return None
 
-    def _incoming(self, rank: int) -> list[tuple[int, int, _Action]]:
+    def _incoming(self, rank: int) -> list[tuple[int, int, Action]]:
         """(round, sender rank, RECV) of every RECV other ranks insert into ``rank``'s list."""
         rank_of = self._stage_rank
+        topo = self.topology
         senders = {
             rank_of[peer]
             for s, r in enumerate(rank_of)
             if r == rank
-            for peer in (s - 1, s + 1)
-            if 0 <= peer < len(rank_of) and rank_of[peer] != rank
+            for peer in (topo.prev_of[s], topo.next_of[s])
+            if peer >= 0 and rank_of[peer] != rank
         }
-        out: list[tuple[int, int, _Action]] = []
+        out: list[tuple[int, int, Action]] = []
         for q in senders:
             for a, t in zip(self._lists[q], self._rounds[q], strict=True):
                 s, ct, u, _ = a
                 if ct is _F:
                     peer = self._send_f[s]
                     if peer >= 0 and rank_of[peer] == rank:
-                        out.append((t, q, _Action(peer, _RECV_F, u)))
+                        out.append((t, q, Action(peer, _RECV_F, u)))
                 elif ct is _B or ct is _I:
                     peer = self._send_b[s]
                     if peer >= 0 and rank_of[peer] == rank:
-                        out.append((t, q, _Action(peer, _RECV_B, u)))
+                        out.append((t, q, Action(peer, _RECV_B, u)))
         out.sort(key=lambda item: item[:2])  # one action per sender per round: keys are unique
         return out
 
-    def lower(self, rank: int) -> list[_Action]:
+    def lower(self, rank: int) -> list[Action]:
         """Rank ``rank``'s lowered list, equal to torch's ``_prepare_schedule_with_comms``."""
         incoming = self._incoming(rank)
-        out: list[_Action] = []
+        out: list[Action] = []
         j = 0
         for a, t in zip(self._lists[rank], self._rounds[rank], strict=True):
             # RECVs of earlier rounds, and of this round from lower ranks (they went first)
@@ -273,16 +320,14 @@ class SendRecvLowering:
             if send is not None:
                 out.append(send)
         out.extend(item[2] for item in incoming[j:])
+        out = rt.add_wait_send(out)  # 2.15: every SEND retired by a WAIT_SEND (torch's pass)
         if self._defer_recv:
-            # imported here: a newer torch API than the rest, needed only with defer_pp_recv
-            from torch.distributed.pipelining.schedules import _defer_recv_ops
-
-            rank_of = self._stage_rank
-            out = _defer_recv_ops({rank: out}, lambda s: rank_of[s])[rank]
+            out = rt.defer_recv_ops(rank, out, self.topology.stage_to_rank)
+        rt.validate_send_waits({rank: out})
         return out
 
 
-class LoweredOrders(MutableMapping[int, list[_Action]]):
+class LoweredOrders(MutableMapping[int, list[Action]]):
     """``pipeline_order_with_comms`` that lowers a rank on first access.
 
     The runtime only reads its own rank; CSV dumps, ``_simulate`` and error messages that read
@@ -292,16 +337,16 @@ class LoweredOrders(MutableMapping[int, list[_Action]]):
     def __init__(self, lowering: SendRecvLowering) -> None:
         self._lowering = lowering
         self._ranks = list(lowering.ranks)
-        self._lowered: dict[int, list[_Action]] = {}
+        self._lowered: dict[int, list[Action]] = {}
 
-    def __getitem__(self, rank: int) -> list[_Action]:
+    def __getitem__(self, rank: int) -> list[Action]:
         if rank not in self._lowered:
             if rank not in self._ranks:
                 raise KeyError(rank)
             self._lowered[rank] = self._lowering.lower(rank)
         return self._lowered[rank]
 
-    def __setitem__(self, rank: int, actions: list[_Action]) -> None:
+    def __setitem__(self, rank: int, actions: list[Action]) -> None:
         if rank not in self._ranks:
             self._ranks.append(rank)
         self._lowered[rank] = actions
@@ -319,9 +364,44 @@ class LoweredOrders(MutableMapping[int, list[_Action]]):
     def __contains__(self, rank: object) -> bool:
         return rank in self._ranks
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> dict[int, list[_Action]]:
-        # torch's _format_pipeline_order deep-copies and then edits the copy as a plain dict
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[int, list[Action]]:
+        # torch's format_pipeline_order deep-copies and then edits the copy as a plain dict
         return {r: copy.deepcopy(self[r], memo) for r in self}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(ranks={self._ranks}, lowered={sorted(self._lowered)})"
+
+
+def check_p2p_matching(lowered: Mapping[int, Sequence[Action]], topology: StageTopology) -> None:
+    """Raise unless, for every pair of ranks, receives are posted in the order of the sends.
+
+    Point-to-point messages between two ranks match in posting order (same tag), so a RECV
+    out of order would silently receive another microbatch's tensor.
+    """
+    sent: dict[tuple[int, int], list[tuple[int, int, bool]]] = {}
+    received: dict[tuple[int, int], list[tuple[int, int, bool]]] = {}
+    for r, acts in lowered.items():
+        for a in acts:
+            if a is None:
+                continue
+            g, mb, kind = a.stage_index, a.microbatch_index, a.computation_type
+            if kind in (_SEND_F, _SEND_B):
+                dst = topology.next_of[g] if kind == _SEND_F else topology.prev_of[g]
+                sent.setdefault((r, topology.rank_of[dst]), []).append((g, mb, kind == _SEND_F))
+            elif kind in (_RECV_F, _RECV_B):
+                src = topology.prev_of[g] if kind == _RECV_F else topology.next_of[g]
+                key = (src, mb, kind == _RECV_F)
+                received.setdefault((topology.rank_of[src], r), []).append(key)
+    if sent != received:
+        bad = sorted(k for k in sent.keys() | received.keys() if sent.get(k) != received.get(k))
+        raise ValueError(f"SEND/RECV order differs between rank pairs {bad}")
+
+
+def lower_all(
+    actions: Mapping[int, Sequence[Action | None]],
+    topology: StageTopology,
+    n_microbatches: int,
+    options: Mapping[str, Any] | None = None,
+) -> dict[int, list[Action]]:
+    """Every rank's lowered list (tests, CSV dumps): what the runtime runs on each rank."""
+    return dict(LoweredOrders(SendRecvLowering(actions, topology, n_microbatches, options)))

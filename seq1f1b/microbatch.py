@@ -17,7 +17,13 @@ from torch.distributed.pipelining.microbatch import (
     split_args_kwargs_into_chunks,
 )
 
-__all__ = ["count_tokens", "merge_unit_outputs", "split_target", "split_units"]
+__all__ = [
+    "count_tokens",
+    "merge_unit_outputs",
+    "split_presplit_units",
+    "split_target",
+    "split_units",
+]
 
 
 def _cut(t: torch.Tensor, dim: int, lengths: Sequence[int], what: str) -> list[torch.Tensor]:
@@ -56,27 +62,66 @@ def split_units(
     arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(
         args, kwargs, n_microbatches, args_chunk_spec, kwargs_chunk_spec
     )
-    seq_dims = dict(kwargs_seq_dims or {})
     unit_args: list[tuple[Any, ...]] = []
     unit_kwargs: list[dict[str, Any]] = []
     for mb_args, mb_kwargs in zip(arg_mbs, kwarg_mbs, strict=True):
-        cut_args = [
-            _cut(a, seq_dim, lengths, f"positional input {i}")
-            if isinstance(a, torch.Tensor)
-            else [a] * k
-            for i, a in enumerate(mb_args)
-        ]
-        cut_kwargs: dict[str, list[Any]] = {}
-        for name, value in mb_kwargs.items():
-            dim = seq_dims.get(name, seq_dim)
-            if isinstance(value, torch.Tensor) and dim is not None:
-                cut_kwargs[name] = _cut(value, dim, lengths, f"kwarg {name!r}")
-            else:
-                cut_kwargs[name] = [value] * k
-        for seg in range(k):
-            unit_args.append(tuple(c[seg] for c in cut_args))
-            unit_kwargs.append({name: c[seg] for name, c in cut_kwargs.items()})
+        a, kw = _cut_sample(mb_args, mb_kwargs, lengths, seq_dim, kwargs_seq_dims)
+        unit_args.extend(a)
+        unit_kwargs.extend(kw)
     return unit_args, unit_kwargs
+
+
+def _cut_sample(
+    mb_args: Sequence[Any],
+    mb_kwargs: Mapping[str, Any],
+    lengths: Sequence[int],
+    seq_dim: int,
+    kwargs_seq_dims: Mapping[str, int | None] | None,
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
+    """One sample's args and kwargs cut into its K segments along the sequence."""
+    k = len(lengths)
+    seq_dims = dict(kwargs_seq_dims or {})
+    cut_args = [
+        _cut(a, seq_dim, lengths, f"positional input {i}")
+        if isinstance(a, torch.Tensor)
+        else [a] * k
+        for i, a in enumerate(mb_args)
+    ]
+    cut_kwargs: dict[str, list[Any]] = {}
+    for name, value in mb_kwargs.items():
+        dim = seq_dims.get(name, seq_dim)
+        if isinstance(value, torch.Tensor) and dim is not None:
+            cut_kwargs[name] = _cut(value, dim, lengths, f"kwarg {name!r}")
+        else:
+            cut_kwargs[name] = [value] * k
+    args = [tuple(c[seg] for c in cut_args) for seg in range(k)]
+    kwargs = [{name: c[seg] for name, c in cut_kwargs.items()} for seg in range(k)]
+    return args, kwargs
+
+
+def split_presplit_units(
+    arg_mbs: Sequence[tuple[Any, ...]],
+    kwarg_mbs: Sequence[dict[str, Any]],
+    target_mbs: Sequence[Any] | None,
+    lengths: Sequence[int],
+    seq_dim: int,
+    kwargs_seq_dims: Mapping[str, int | None] | None = None,
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[Any] | None]:
+    """Samples already split along the batch (torch's ``arg_mbs`` ...) cut into segments."""
+    unit_args: list[tuple[Any, ...]] = []
+    unit_kwargs: list[dict[str, Any]] = []
+    for mb_args, mb_kwargs in zip(arg_mbs, kwarg_mbs, strict=True):
+        if not isinstance(mb_args, tuple | list) or not isinstance(mb_kwargs, dict):
+            raise ValueError(
+                "arg_mbs entries must be tuples and kwarg_mbs entries dicts (one per sample)"
+            )
+        a, kw = _cut_sample(mb_args, mb_kwargs, lengths, seq_dim, kwargs_seq_dims)
+        unit_args.extend(a)
+        unit_kwargs.extend(kw)
+    targets = None
+    if target_mbs is not None:
+        targets = [u for t in target_mbs for u in _cut(t, seq_dim, lengths, "target")]
+    return unit_args, unit_kwargs, targets
 
 
 def split_target(

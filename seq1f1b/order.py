@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from torch.distributed.pipelining.schedules import (
-    _Action,
-    _ComputationType,
-)
+from . import _runtime as rt
+from ._runtime import Action
+from .replay import replay
+from .topology import StageTopology
 
-F = _ComputationType.FORWARD
-B = _ComputationType.FULL_BACKWARD
+F = rt.FORWARD
+B = rt.FULL_BACKWARD
 
 __all__ = [
     "OrderSpec",
@@ -116,22 +115,22 @@ def sample_groups(spec: OrderSpec) -> list[list[int]]:
     return groups
 
 
-def _rank_sequences(spec: OrderSpec, rank: int) -> tuple[list[_Action], list[_Action]]:
+def _rank_sequences(spec: OrderSpec, rank: int) -> tuple[list[Action], list[Action]]:
     """The forward and the backward sequence of one rank (each in the order it runs them)."""
     v, p = spec.stages_per_rank, spec.pp
-    fwd: list[_Action] = []
-    bwd: list[_Action] = []
+    fwd: list[Action] = []
+    bwd: list[Action] = []
     if v == 1:
         units = list(range(spec.n_units))
-        fwd = [_Action(rank, F, u) for u in units]
-        bwd = [_Action(rank, B, u) for u in backward_unit_order(units, spec.seq_chunks)]
+        fwd = [Action(rank, F, u) for u in units]
+        bwd = [Action(rank, B, u) for u in backward_unit_order(units, spec.seq_chunks)]
         return fwd, bwd
     for group in sample_groups(spec):
         back = backward_unit_order(group, spec.seq_chunks)
         for local in range(v):
-            fwd.extend(_Action(local * p + rank, F, u) for u in group)
+            fwd.extend(Action(local * p + rank, F, u) for u in group)
         for local in reversed(range(v)):
-            bwd.extend(_Action(local * p + rank, B, u) for u in back)
+            bwd.extend(Action(local * p + rank, B, u) for u in back)
     return fwd, bwd
 
 
@@ -144,7 +143,7 @@ def _initial_warmup(spec: OrderSpec, rank: int) -> int:
     return min(warm + spec.seq_chunks - 1, n_local_units)
 
 
-def _one_f_one_b(fwd: list[_Action], bwd: list[_Action], warmup: int) -> list[_Action]:
+def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
     """``warmup`` forwards, then forward/backward pairs, then the remaining backwards."""
     order = list(fwd[:warmup])
     f, b = warmup, 0
@@ -157,53 +156,7 @@ def _one_f_one_b(fwd: list[_Action], bwd: list[_Action], warmup: int) -> list[_A
     return order
 
 
-def _stuck_ranks(
-    orders: dict[int, list[_Action]],
-    num_stages: int,
-    stage_to_rank: Callable[[int], int],
-) -> list[int]:
-    """Run the orders against their data dependencies; return the ranks left waiting.
-
-    An empty list means every rank finishes (no deadlock). Dependencies: F(s, u) needs
-    F(s-1, u); B(s, u) needs F(s, u) and B(s+1, u). Per-stage segment order is part of each
-    rank's own sequence, so it needs no extra edge here. Event-driven, so that the work is
-    linear in the number of actions: a rank runs until it waits for an action, and is queued
-    again when that action completes (round-robin passes cost ranks x passes at pp=64).
-    """
-    del stage_to_rank  # dependencies are keyed by stage, placement does not matter here
-    # action keys are ints, (unit * num_stages + stage) * 2 + is_forward: cheap at 10^5 entries
-    n = num_stages
-    done: set[int] = set()
-    waiting: dict[int, list[int]] = {}
-    pos = dict.fromkeys(orders, 0)
-    queue = deque(orders)
-    while queue:
-        rank = queue.popleft()
-        acts = orders[rank]
-        i = pos[rank]
-        while i < len(acts):
-            s, kind, u, _ = acts[i]
-            base = (u * n + s) * 2
-            if kind is F:
-                need = base - 1 if s != 0 else -1  # F(s-1, u)
-                key = base + 1
-            else:
-                need = base + 1  # F(s, u), then B(s+1, u)
-                if need in done:
-                    need = base + 2 if s != n - 1 else -1
-                key = base
-            if need >= 0 and need not in done:
-                waiting.setdefault(need, []).append(rank)
-                break
-            done.add(key)
-            if key in waiting:
-                queue.extend(waiting.pop(key))
-            i += 1
-        pos[rank] = i
-    return [r for r, acts in orders.items() if pos[r] < len(acts)]
-
-
-def build_orders(spec: OrderSpec) -> dict[int, list[_Action]]:
+def build_orders(spec: OrderSpec) -> dict[int, list[Action]]:
     """Compute-only Seq1F1B orders for every rank (single-stage or interleaved/looped).
 
     Single-stage ranks use the published warm-up ``min(pp - r + K - 2, M*K)``. Interleaved ranks
@@ -212,12 +165,13 @@ def build_orders(spec: OrderSpec) -> dict[int, list[_Action]]:
     again. More warm-up only moves forwards earlier, so this ends at the latest in GPipe order,
     which always completes.
     """
+    topology = StageTopology.chain([spec.stage_to_rank(s) for s in range(spec.num_stages)])
     with paused_gc():
         warm = {r: _initial_warmup(spec, r) for r in range(spec.pp)}
         seqs = {r: _rank_sequences(spec, r) for r in range(spec.pp)}
         while True:
             orders = {r: _one_f_one_b(*seqs[r], warm[r]) for r in range(spec.pp)}
-            stuck = _stuck_ranks(orders, spec.num_stages, spec.stage_to_rank)
+            stuck = list(replay(orders, topology).stuck)
             if not stuck:
                 return orders
             bumped = False

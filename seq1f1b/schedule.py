@@ -7,16 +7,15 @@ sample's segments forward 0..K-1 and backward K-1..0, which is what lets a segme
 the K/V of earlier segments (see :mod:`seq1f1b.attention`).
 
 Everything else is torch's: lowering to send/recv, FSDP unshard/reshard, REDUCE_GRAD, gradient
-scaling. The narrow additions, all scoped to one ``step()``:
+scaling. The narrow additions, all scoped to one ``step()`` and reached through the hooks of
+:class:`seq1f1b._runtime.UnitRuntime` (the one module that touches torch internals):
 
-* each stage's ``forward_one_chunk``/``backward_one_chunk`` is wrapped to activate the unit
-  context and enforce the segment order (instance attributes, removed after the step);
-* recv buffers are resized per unit when segments have different lengths;
+* each stage's ``forward_one_chunk``/``backward_one_chunk`` runs inside the unit context, which
+  also enforces the segment order;
+* receives are sized per unit when segments have different lengths, and every received
+  activation's sequence length is checked against its unit's segment before it is used;
 * each unit's loss is weighted by its share of the batch's tokens, so uneven segments give the
   same loss and gradients as one full-sequence run with a mean loss.
-
-Checked against torch 2.13 (the runtime internals used: ``_PipelineScheduleRuntime``,
-``_RecvInfo`` buffers, ``_maybe_compute_loss``, ``_step_microbatches``).
 """
 
 from __future__ import annotations
@@ -30,17 +29,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
-from torch.distributed.pipelining.schedules import (
-    _Action,
-    _ComputationType,
-    _PipelineScheduleRuntime,
-)
-from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.overrides import TorchFunctionMode
 
+from . import _runtime as rt
+from ._runtime import Action, PipelineStageBase
 from .kv import SegmentInfo, StageKVState, UnitContext, activate
-from .lowering import LoweredOrders, SendRecvLowering, is_lowerable
-from .microbatch import count_tokens, merge_unit_outputs, split_target, split_units
+from .microbatch import (
+    count_tokens,
+    merge_unit_outputs,
+    split_presplit_units,
+    split_target,
+    split_units,
+)
 from .order import OrderSpec, build_orders
 from .partition import SPLIT_MODES, ModelShape, resolve_split, segment_offsets
 
@@ -48,8 +48,8 @@ __all__ = ["ScheduleInterleavedSeq1F1B", "ScheduleSeq1F1B"]
 
 logger = logging.getLogger(__name__)
 
-_F = _ComputationType.FORWARD
-_B = _ComputationType.FULL_BACKWARD
+_F = rt.FORWARD
+_B = rt.FULL_BACKWARD
 
 
 def _positive_int(name: str, value: Any, fix: str) -> int:
@@ -76,7 +76,7 @@ class _PlainAttentionGuard(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _check_order_rules(order: Mapping[int, Sequence[_Action | None]], k: int) -> None:
+def _check_order_rules(order: Mapping[int, Sequence[Action | None]], k: int) -> None:
     """Raise ValueError if an order breaks Seq1F1B's rules (split backward, segment order)."""
     for rank, actions in order.items():
         next_f: dict[tuple[int, int], int] = {}
@@ -108,7 +108,7 @@ def _check_order_rules(order: Mapping[int, Sequence[_Action | None]], k: int) ->
                 next_b[key] = seg - 1
 
 
-class ScheduleSeq1F1B(_PipelineScheduleRuntime):
+class ScheduleSeq1F1B(rt.UnitRuntime):
     """Seq1F1B: 1F1B over (sample, sequence segment) units with ordered K/V dependencies.
 
     Args:
@@ -128,11 +128,14 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
         kwargs_seq_dims: per kwarg, the dim to split along the sequence, or None to pass it
             whole to every segment. Default: ``seq_dim`` for every tensor kwarg.
         check_attention: on the first step, raise if the model calls plain SDPA inside a unit.
+        runtime_options: torch's runtime options of the installed release (2.15:
+            ``max_active_stages``, ``unshard_lookahead``, ``defer_reduce_grad_wait``,
+            ``max_outstanding_sends``), passed through.
     """
 
     def __init__(
         self,
-        stages: _PipelineStageBase | Sequence[_PipelineStageBase],
+        stages: PipelineStageBase | Sequence[PipelineStageBase],
         n_microbatches: int,
         seq_chunks: int,
         loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -151,6 +154,7 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
         scale_grads: bool = True,
         backward_requires_autograd: bool = True,
         defer_pp_recv: bool = False,
+        **runtime_options: Any,
     ) -> None:
         stage_list = self._check_stages(stages)
         m = _positive_int("n_microbatches", n_microbatches, "pass the number of samples per step")
@@ -200,21 +204,23 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
             scale_grads=scale_grads,
             backward_requires_autograd=backward_requires_autograd,
             defer_pp_recv=defer_pp_recv,
+            **runtime_options,
         )
         self.order_spec = OrderSpec(self.pp_group_size, len(stage_list), m, k)
         self._kv_states = {s.stage_index: StageKVState(s.stage_index, k) for s in stage_list}
         self._unit_loss_weights: list[float] = [1.0] * (m * k)
         self._lengths: list[int] = []
+        self._recv_base: dict[tuple[int, bool, int, int], int] = {}
+        self._presplit: tuple[list, list, list | None] | None = None
         self._attention_checked = not check_attention or k == 1
-        self.pipeline_order = dict(build_orders(self.order_spec))
-        self._prepare_schedule_with_comms(self.pipeline_order)
+        self._install_order(dict(build_orders(self.order_spec)))
 
     # ------------------------------------------------------------------ construction checks
     @staticmethod
     def _check_stages(
-        stages: _PipelineStageBase | Sequence[_PipelineStageBase],
-    ) -> list[_PipelineStageBase]:
-        stage_list = [stages] if isinstance(stages, _PipelineStageBase) else list(stages)
+        stages: PipelineStageBase | Sequence[PipelineStageBase],
+    ) -> list[PipelineStageBase]:
+        stage_list = [stages] if isinstance(stages, PipelineStageBase) else list(stages)
         if not stage_list:
             raise ValueError("stages is empty: pass this rank's PipelineStage(s)")
         pp = stage_list[0].group_size
@@ -245,38 +251,16 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
             )
         return self._lengths_cache[seq_len]
 
-    def _load_csv(self, filename: str, format: str = "compute_only") -> None:
-        """Load an order like torch does, refusing one that breaks Seq1F1B's rules."""
-        super()._load_csv(filename, format=format)  # type: ignore[arg-type]
-        _check_order_rules(self.pipeline_order, self.seq_chunks)
-
-    def _prepare_schedule_with_comms(
-        self,
-        actions: dict[int, list[_Action | None]],
-        format: str = "compute_only",
-    ) -> None:
-        """torch's lowering, but only this rank's list and in linear time (see lowering.py).
-
-        torch lowers every rank's schedule on every rank, superlinearly: 10 s to minutes at
-        pp=64 with 1024 units. The result is identical; other ranks' lists are lowered on access.
-        """
-        if format != "compute_only" or not is_lowerable(actions):
-            super()._prepare_schedule_with_comms(actions, format=format)  # type: ignore[arg-type]
-            return
-        self._validate_and_set_stage_mapping(actions)
-        stage_rank = dict(self.stage_index_to_group_rank)
-        lowering = SendRecvLowering(
-            actions,
-            stage_rank.__getitem__,
-            self._num_stages,
-            self._n_microbatches,
-            defer_recv=self._defer_pp_recv,
-        )
-        self.pipeline_order_with_comms = LoweredOrders(lowering)  # type: ignore[assignment]
-        self.pipeline_order_with_comms[self.rank]  # this rank's list, at construction
+    def check_loaded_order(self, actions: Mapping[int, Sequence[Action | None]]) -> None:
+        """A loaded CSV order must keep Seq1F1B's rules (full backward, segment order)."""
+        _check_order_rules(actions, self.seq_chunks)
 
     # ------------------------------------------------------------------ step
     def _local_seq_len(self, args: tuple, kwargs: dict, target: Any) -> int:
+        if self._presplit is not None:  # the first sample tells the length
+            arg_mbs, kwarg_mbs, target_mbs = self._presplit
+            args, kwargs = tuple(arg_mbs[0]), dict(kwarg_mbs[0])
+            target = target_mbs[0] if target_mbs else None
         for a in args:
             if isinstance(a, torch.Tensor):
                 return int(a.shape[self.seq_dim])
@@ -293,20 +277,27 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
     ) -> tuple[list, list, list | None]:
         """Cut this rank's inputs into units and set the per-unit loss weights."""
         self._lengths = self.segment_lengths(seq_len)
-        arg_units, kwarg_units = split_units(
-            args,
-            kwargs,
-            self.n_samples,
-            self._lengths,
-            self.seq_dim,
-            args_chunk_spec=self._args_chunk_spec,
-            kwargs_chunk_spec=self._kwargs_chunk_spec,
-            kwargs_seq_dims=self.kwargs_seq_dims,
-        )
-        target_units = None
+        args_spec, kwargs_spec, _ = self.chunk_specs
+        if self._presplit is not None:
+            arg_units, kwarg_units, target_units = split_presplit_units(
+                *self._presplit, self._lengths, self.seq_dim, self.kwargs_seq_dims
+            )
+        else:
+            arg_units, kwarg_units = split_units(
+                args,
+                kwargs,
+                self.n_samples,
+                self._lengths,
+                self.seq_dim,
+                args_chunk_spec=args_spec,
+                kwargs_chunk_spec=kwargs_spec,
+                kwargs_seq_dims=self.kwargs_seq_dims,
+            )
+            target_units = None
+            if target is not None:
+                target_units = split_target(target, self.n_samples, self._lengths, self.seq_dim)
         self._unit_loss_weights = [1.0] * (self.n_samples * self.seq_chunks)
-        if target is not None:
-            target_units = split_target(target, self.n_samples, self._lengths, self.seq_dim)
+        if target_units is not None:
             if self.scale_grads:
                 tokens = [count_tokens(t, self.ignore_index) for t in target_units]
                 total = sum(tokens)
@@ -337,7 +328,7 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
             error = exc
         agreed = fixed or local
         if self.pp_group_size > 1:
-            stage = self._stages[0]
+            stage = self.local_stages[0]
             t = torch.tensor([agreed, error is not None], dtype=torch.int64, device=stage.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=stage.group)
             agreed, failed = int(t[0].item()), bool(t[1].item())
@@ -369,108 +360,152 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
         losses: list | None = None,
         return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
+        arg_mbs: list | None = None,
+        kwarg_mbs: list | None = None,
+        target_mbs: list | None = None,
+        finalize_gradients: bool = True,
         **kwargs: Any,
     ) -> Any:
         """Run one step on whole-batch inputs (split into M samples x K segments here).
 
         ``losses`` receives M*K per-unit losses, token-weighted so that their mean equals the
         full-batch mean loss (with ``scale_grads=True``; their sum with ``scale_grads=False``).
+        As in torch's ``step()``, inputs already split along the batch may be passed as
+        ``arg_mbs``/``kwarg_mbs``/``target_mbs`` (one entry per sample, M entries); each is then
+        cut into the K segments here.
         """
-        if self._has_backward and self._backward_requires_autograd and not torch.is_grad_enabled():
+        if self.has_backward and self.backward_requires_autograd and not torch.is_grad_enabled():
             raise RuntimeError(
                 "step() requires gradients to be enabled for backward computation; "
                 "it should not be used under torch.no_grad() context. Please call eval() instead."
             )
-        for stage in self._stages:
-            stage.has_backward = self._has_backward
+        presplit = (arg_mbs, kwarg_mbs, target_mbs)
+        self._presplit = None
+        if any(x is not None for x in presplit):
+            if args or kwargs or target is not None:
+                raise ValueError(
+                    "step(): pass either whole-batch inputs (args, kwargs, target) or pre-split "
+                    "samples (arg_mbs, kwarg_mbs, target_mbs), not both"
+                )
+            self._presplit = self._check_presplit(*presplit)
+        self.set_finalize_gradients(finalize_gradients)
+        for stage in self.local_stages:
+            stage.has_backward = self.has_backward
             stage.clear_runtime_states()
         arg_units, kwarg_units, target_units = self._prepare_step(args, kwargs, target)
-        self._step_microbatches(
+        self.run_microbatches(
             arg_units, kwarg_units, target_units, losses, return_outputs, loss_kwargs=loss_kwargs
         )
-        for stage in self._stages:
+        for stage in self.local_stages:
             if stage.is_last and return_outputs:
                 return merge_unit_outputs(
-                    stage.output_chunks, self.n_samples, self.seq_dim, self._output_merge_spec
+                    stage.output_chunks, self.n_samples, self.seq_dim, self.chunk_specs[2]
                 )
         return None
 
-    def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
-        """torch's per-unit loss, weighted by the unit's share of the batch's tokens."""
-        if stage.is_last and self._loss_fn is not None:
-            if len(self._internal_losses) != mb_index:
-                raise RuntimeError(
-                    f"Seq1F1B: loss of unit {mb_index} computed out of order "
-                    f"({len(self._internal_losses)} losses so far)"
+    def _check_presplit(
+        self, arg_mbs: list | None, kwarg_mbs: list | None, target_mbs: list | None
+    ) -> tuple[list, list, list | None]:
+        """Pre-split samples: M entries each (torch's contract, with M = n_microbatches)."""
+        m = self.n_samples
+        out: list[list | None] = []
+        for name, mbs, empty in (
+            ("arg_mbs", arg_mbs, ()),
+            ("kwarg_mbs", kwarg_mbs, {}),
+            ("target_mbs", target_mbs, None),
+        ):
+            if mbs is None:
+                out.append(None if name == "target_mbs" else [empty] * m)
+                continue
+            if not isinstance(mbs, list) or len(mbs) != m:
+                raise ValueError(
+                    f"{name} must be a list of n_microbatches={m} samples (got "
+                    f"{type(mbs).__name__}): ScheduleSeq1F1B cuts each sample into its "
+                    "seq_chunks segments itself"
                 )
-            loss = self._compute_loss(output, target_mbs[mb_index], loss_kwargs)
-            weight = self._unit_loss_weights[mb_index]
-            self._internal_losses.append(loss * weight if weight != 1.0 else loss)
+            out.append(mbs)
+        return out[0], out[1], out[2]  # type: ignore[return-value]
 
-    def _initialize_stages(self, args, kwargs, target=None, loss_kwargs=None):
-        super()._initialize_stages(args, kwargs, target, loss_kwargs)
-        self._resize_recv_buffers()
+    def unit_loss(self, stage, output, target, mb_index, loss_kwargs):  # type: ignore[override]
+        """torch's per-unit loss, weighted by the unit's share of the batch's tokens."""
+        loss = super().unit_loss(stage, output, target, mb_index, loss_kwargs)
+        weight = self._unit_loss_weights[mb_index]
+        return loss * weight if weight != 1.0 else loss
 
-    def _resize_recv_buffers(self) -> None:
-        """Give each unit's recv buffers its own segment length (torch sizes them all alike)."""
+    def after_stage_init(self) -> None:
+        """Give each unit's receives its own segment length (torch sizes them all alike)."""
         lengths, dim = self._lengths, self.seq_dim
-        if not lengths or len(set(lengths)) == 1:
+        if not lengths:
             return
-        for stage in self._stages:
-            for table in (stage.args_recv_info, stage.grad_recv_info):
-                for u, infos in table.items():
-                    for info in infos:
-                        buf = getattr(info, "buffer", None)
-                        if info.is_root_arg or not isinstance(buf, torch.Tensor):
+        for stage in self.local_stages:
+            for backward in (False, True):
+                for u, infos in rt.recv_infos(stage, backward).items():
+                    for i, info in enumerate(infos):
+                        shape = rt.recv_shape(info)
+                        if shape is None:
                             continue
-                        if buf.dim() <= dim:
-                            raise ValueError(
-                                f"stage {stage.stage_index} receives a tensor of shape "
-                                f"{tuple(buf.shape)} with no sequence dim {dim}: uneven segment "
-                                "lengths need activations that keep the sequence at seq_dim; "
-                                "use split='uniform' with a divisible seq_len"
-                            )
-                        # buffers were sized for segment 0; a sequence-sharded activation
-                        # (tensor parallel) holds a fixed fraction of each segment
-                        seg = lengths[u % self.seq_chunks]
-                        if not hasattr(info, "_seq1f1b_base"):  # size torch gave it (segment 0)
-                            info._seq1f1b_base = buf.shape[dim]
-                        have = info._seq1f1b_base
-                        if (have * seg) % lengths[0]:
-                            raise ValueError(
-                                f"stage {stage.stage_index} receives activations with "
-                                f"{have} positions for a segment of {lengths[0]} tokens, which "
-                                f"does not scale to a segment of {seg}: set split_multiple_of "
-                                "to the sequence-sharding degree (e.g. the TP size)"
-                            )
-                        want = have * seg // lengths[0]
-                        if buf.shape[dim] == want:
-                            continue
-                        shape = list(buf.shape)
-                        shape[dim] = want
-                        new = torch.empty(shape, dtype=buf.dtype, device=buf.device)
-                        info.buffer = new.requires_grad_(buf.requires_grad)
+                        want = self._recv_length(stage.stage_index, backward, u, i, shape)
+                        if want is not None:
+                            rt.set_recv_length(info, dim, want)
+
+    def _recv_length(
+        self, stage_index: int, backward: bool, unit: int, slot: int, shape: torch.Size
+    ) -> int | None:
+        """Positions unit ``unit`` receives at ``seq_dim`` (None: not a per-token tensor)."""
+        lengths, dim = self._lengths, self.seq_dim
+        key = (stage_index, backward, unit, slot)
+        if len(shape) <= dim:
+            if len(set(lengths)) == 1:
+                return None
+            raise ValueError(
+                f"stage {stage_index} receives a tensor of shape {tuple(shape)} with no "
+                f"sequence dim {dim}: uneven segment lengths need activations that keep the "
+                "sequence at seq_dim; use split='uniform' with a divisible seq_len"
+            )
+        # torch sized every unit like the first one it saw (segment 0); a sequence-sharded
+        # activation (tensor parallel) holds a fixed fraction of each segment
+        base = self._recv_base.setdefault(key, int(shape[dim]))
+        seg = lengths[unit % self.seq_chunks]
+        if (base * seg) % lengths[0]:
+            raise ValueError(
+                f"stage {stage_index} receives activations with {base} positions for a "
+                f"segment of {lengths[0]} tokens, which does not scale to a segment of {seg}: "
+                "set split_multiple_of to the sequence-sharding degree (e.g. the TP size)"
+            )
+        return base * seg // lengths[0]
+
+    def _check_received(self, stage: PipelineStageBase, unit: int) -> None:
+        """Every received activation has its unit's segment length (never silently wrong)."""
+        for slot, buf in enumerate(rt.received_tensors(stage, unit)):
+            want = self._recv_length(stage.stage_index, False, unit, slot, buf.shape)
+            if want is not None and buf.shape[self.seq_dim] != want:
+                raise RuntimeError(
+                    f"stage {stage.stage_index}, unit {unit}: received an activation with "
+                    f"{buf.shape[self.seq_dim]} positions at dim {self.seq_dim}, expected {want} "
+                    "(its segment). The receive was not sized per unit: this torch release "
+                    "changed how receive buffers are allocated (see seq1f1b/_runtime.py)."
+                )
 
     @contextlib.contextmanager
-    def _units_installed(self) -> Iterator[None]:
-        """Wrap each stage's per-chunk methods with the unit context for one step."""
-        patched: list[tuple[Any, str]] = []
+    def _run_units(self) -> Iterator[None]:
+        if not self._lengths:
+            raise RuntimeError("call step() or eval(): Seq1F1B splits the sequence itself")
         guard_first_step = not self._attention_checked
-        for stage in self._stages:
+        replacements = {}
+        for stage in self.local_stages:
             state = self._kv_states[stage.stage_index]
             state.clear()
-            for name, fn in self._stage_wrappers(stage, state, guard_first_step).items():
-                setattr(stage, name, fn)
-                patched.append((stage, name))
+            replacements[stage] = self._stage_wrappers(stage, state, guard_first_step)
         try:
-            yield
+            with rt.stage_methods_replaced(replacements):
+                yield
             self._attention_checked = True
         finally:
-            for stage, name in patched:
-                with contextlib.suppress(AttributeError):
-                    delattr(stage, name)
             for state in self._kv_states.values():
                 state.clear()
+
+    def unit_scope(self) -> contextlib.AbstractContextManager[None]:
+        return self._run_units()
 
     def _segment_info(self, unit: int) -> SegmentInfo:
         m, seg = divmod(unit, self.seq_chunks)
@@ -485,12 +520,14 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
         )
 
     def _stage_wrappers(
-        self, stage: _PipelineStageBase, state: StageKVState, guard: bool
+        self, stage: PipelineStageBase, state: StageKVState, guard: bool
     ) -> dict[str, Callable[..., Any]]:
         cls = type(stage)
 
         def forward_one_chunk(fwd_chunk_id, args, kwargs=None, save_forward_output=True):
             info = self._segment_info(fwd_chunk_id)
+            if not stage.is_first:
+                self._check_received(stage, fwd_chunk_id)
             keep = stage.has_backward and torch.is_grad_enabled()
             state.begin_forward(info.microbatch, info.segment)
             ctx = UnitContext(state, info, "forward", keep)
@@ -529,39 +566,11 @@ class ScheduleSeq1F1B(_PipelineScheduleRuntime):
                 "backward would skip the K/V gradients that later segments leave for earlier ones"
             )
 
-        def get_local_bwd_output(mb_index):
-            if not stage.has_backward:  # eval(): same-rank neighbours pass nothing backward
-                return ()
-            return cls.get_local_bwd_output(stage, mb_index)
-
-        def set_local_bwd_input(next_stage_bwd_outputs, mb_index):
-            if not stage.has_backward:
-                return None
-            return cls.set_local_bwd_input(stage, next_stage_bwd_outputs, mb_index)
-
         return {
             "forward_one_chunk": forward_one_chunk,
             "backward_one_chunk": backward_one_chunk,
             "backward_weight_one_chunk": backward_weight_one_chunk,
-            "get_local_bwd_output": get_local_bwd_output,
-            "set_local_bwd_input": set_local_bwd_input,
         }
-
-    def _step_microbatches(
-        self,
-        arg_mbs: list | None = None,
-        kwarg_mbs: list | None = None,
-        target_mbs: list | None = None,
-        losses: list | None = None,
-        return_outputs: bool = True,
-        loss_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        if not self._lengths:
-            raise RuntimeError("call step() or eval(): Seq1F1B splits the sequence itself")
-        with self._units_installed():
-            super()._step_microbatches(
-                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
-            )
 
     def kv_state_bytes(self) -> int:
         """Bytes of K/V still cached (0 between steps; for tests and memory checks)."""
@@ -578,8 +587,8 @@ class ScheduleInterleavedSeq1F1B(ScheduleSeq1F1B):
     that configs can ask for the interleaved variant explicitly, and it insists on >= 2 stages.
     """
 
-    def __init__(self, stages: Sequence[_PipelineStageBase], *args: Any, **kwargs: Any) -> None:
-        if isinstance(stages, _PipelineStageBase) or len(stages) < 2:
+    def __init__(self, stages: Sequence[PipelineStageBase], *args: Any, **kwargs: Any) -> None:
+        if isinstance(stages, PipelineStageBase) or len(stages) < 2:
             raise ValueError(
                 "ScheduleInterleavedSeq1F1B needs >= 2 stages per rank (looped placement): "
                 "build pp * v stages, or use ScheduleSeq1F1B for one stage per rank"

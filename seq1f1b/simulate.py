@@ -9,7 +9,7 @@ Model (no processes, pure Python, event-driven in each rank's program order):
 
 * a rank runs its actions in order, one at a time; an action starts when the rank is free and
   its data dependencies are done (plus ``comm_latency`` when the producer is on another rank);
-* dependencies as in torch's ``_simulate_comms_compute``: ``F(s, u)`` needs ``F(s-1, u)``;
+* dependencies as in torch's ``simulate_comms_compute``: ``F(s, u)`` needs ``F(s-1, u)``;
   ``B``/``I(s, u)`` need ``F(s, u)`` and the input gradient of stage ``s+1`` (its ``B`` or
   ``I``); ``W(s, u)`` needs ``I(s, u)``;
 * ``OVERLAP_F_B`` runs its sub-actions one after the other (what torch's runtime does on one
@@ -25,26 +25,24 @@ Model (no processes, pure Python, event-driven in each rank's program order):
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from torch.distributed.pipelining.schedules import _Action, _ComputationType
-
+from . import _runtime as rt
+from ._runtime import Action
 from .partition import ModelShape, segment_flops
+from .replay import replay
+from .topology import StageTopology
 
 __all__ = ["FlopsCosts", "Interval", "SimResult", "compute_actions", "simulate"]
 
-_F = _ComputationType.FORWARD
-_B = _ComputationType.FULL_BACKWARD
-_I = _ComputationType.BACKWARD_INPUT
-_W = _ComputationType.BACKWARD_WEIGHT
-_OVERLAP = _ComputationType.OVERLAP_F_B
+_F = rt.FORWARD
+_B = rt.FULL_BACKWARD
+_I = rt.BACKWARD_INPUT
+_W = rt.BACKWARD_WEIGHT
+_OVERLAP = rt.OVERLAP_F_B
 _COMPUTE = (_F, _B, _I, _W)
-
-# Dependency keys: (stage, kind, microbatch); "G" = input gradient produced (by B or I).
-_Key = tuple[int, str, int]
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,7 @@ class Interval:
 
     start: float
     end: float
-    action: _Action
+    action: Action
 
 
 @dataclass
@@ -84,9 +82,9 @@ class SimResult:
         return 0.0 if busy <= 0 else (self.n_ranks * self.makespan - busy) / busy
 
 
-def compute_actions(actions: Iterable[_Action | None]) -> list[_Action]:
+def compute_actions(actions: Iterable[Action | None]) -> list[Action]:
     """The compute actions of one rank in order; ``OVERLAP_F_B`` expanded into its parts."""
-    out: list[_Action] = []
+    out: list[Action] = []
     for a in actions:
         if a is None:
             continue
@@ -97,36 +95,11 @@ def compute_actions(actions: Iterable[_Action | None]) -> list[_Action]:
     return out
 
 
-def _deps(a: _Action, per_pipeline: int) -> list[_Key]:
-    s, t, u = a.stage_index, a.computation_type, a.microbatch_index
-    assert u is not None
-    if t == _F:
-        return [(s - 1, "F", u)] if s % per_pipeline else []
-    if t == _W:
-        return [(s, "I", u)]
-    deps: list[_Key] = [(s, "F", u)]
-    if s % per_pipeline < per_pipeline - 1:
-        deps.append((s + 1, "G", u))
-    return deps
-
-
-def _produces(a: _Action) -> list[_Key]:
-    s, t, u = a.stage_index, a.computation_type, a.microbatch_index
-    assert u is not None
-    if t == _F:
-        return [(s, "F", u)]
-    if t == _I:
-        return [(s, "I", u), (s, "G", u)]
-    if t == _B:
-        return [(s, "G", u)]
-    return [(s, "W", u)]
-
-
 def simulate(
-    pipeline_order: Mapping[int, Sequence[_Action | None]],
-    cost: Callable[[_Action], float],
+    pipeline_order: Mapping[int, Sequence[Action | None]],
+    cost: Callable[[Action], float],
     *,
-    activation: Callable[[_Action], float] | None = None,
+    activation: Callable[[Action], float] | None = None,
     comm_latency: float = 0.0,
     replicas: int = 1,
 ) -> SimResult:
@@ -156,49 +129,16 @@ def simulate(
     n_stages = max(stage_to_rank, default=0) + 1
     if replicas < 1 or n_stages % replicas:
         raise ValueError(f"{n_stages} stages cannot form {replicas} pipelines of equal length")
-    per_pipeline = n_stages // replicas
-
-    done: dict[_Key, float] = {}
-    waiting: dict[_Key, list[int]] = {}
-    pos = dict.fromkeys(ops, 0)
-    clock = dict.fromkeys(ops, 0.0)
-    timelines: dict[int, list[Interval]] = {r: [] for r in ops}
-    queue = deque(ops)
-    queued = set(ops)
-    while queue:
-        r = queue.popleft()
-        queued.discard(r)
-        acts = ops[r]
-        while pos[r] < len(acts):
-            a = acts[pos[r]]
-            start = clock[r]
-            blocked: _Key | None = None
-            for key in _deps(a, per_pipeline):
-                t = done.get(key)
-                if t is None:
-                    blocked = key
-                    break
-                if stage_to_rank.get(key[0], r) != r:
-                    t += comm_latency
-                start = max(start, t)
-            if blocked is not None:
-                waiting.setdefault(blocked, []).append(r)
-                break
-            end = start + float(cost(a))
-            timelines[r].append(Interval(start, end, a))
-            clock[r] = end
-            pos[r] += 1
-            for key in _produces(a):
-                done[key] = end
-                for w in waiting.pop(key, ()):
-                    if w not in queued:
-                        queue.append(w)
-                        queued.add(w)
-    stuck = {r: ops[r][pos[r]] for r in ops if pos[r] < len(ops[r])}
-    if stuck:
-        detail = ", ".join(f"rank {r} at {a}" for r, a in sorted(stuck.items()))
+    topology = StageTopology.chains(
+        n_stages, lambda s: stage_to_rank.get(s, -1), n_stages // replicas
+    )
+    result = replay(ops, topology, cost, comm_latency=comm_latency)
+    if result.stuck:
+        detail = ", ".join(f"rank {r} at {a}" for r, a in sorted(result.stuck.items()))
         raise ValueError(f"pipeline order cannot finish: {detail} wait forever")
-
+    timelines = {
+        r: [Interval(start, end, a) for start, end, a in tl] for r, tl in result.timelines.items()
+    }
     peak_stage, peak_rank = _peak_activations(timelines, act)
     makespan = max((iv.end for tl in timelines.values() for iv in tl), default=0.0)
     busy = {r: sum(iv.end - iv.start for iv in tl) for r, tl in timelines.items()}
@@ -206,7 +146,7 @@ def simulate(
 
 
 def _peak_activations(
-    timelines: Mapping[int, list[Interval]], act: Callable[[_Action], float]
+    timelines: Mapping[int, list[Interval]], act: Callable[[Action], float]
 ) -> tuple[dict[int, float], dict[int, float]]:
     """Peak in-flight activations per stage and per rank, along each rank's own order."""
     peak_stage: dict[int, float] = {}
@@ -269,7 +209,7 @@ class FlopsCosts:
             out.append(segment_flops(s, end, self.shape) / self.num_stages)
         return out
 
-    def cost(self, a: _Action) -> float:
+    def cost(self, a: Action) -> float:
         """Duration of ``a`` in FLOPs (callback for :func:`simulate`)."""
         f = self.segment_costs[(a.microbatch_index or 0) % len(self.lengths)]
         t = a.computation_type
@@ -279,7 +219,7 @@ class FlopsCosts:
             return self.backward_factor * f
         return self.backward_factor * f / 2
 
-    def activation(self, a: _Action) -> float:
+    def activation(self, a: Action) -> float:
         """Activation a forward of ``a`` leaves on its stage, in units of A."""
         k = (a.microbatch_index or 0) % len(self.lengths)
         return self.lengths[k] / sum(self.lengths) * self.ranks / self.num_stages

@@ -14,21 +14,22 @@ import torch.nn.functional as F
 from dist_utils import run_ranks
 from mockstages import MockStage
 from torch import nn
-from torch.distributed.pipelining.schedules import (
-    _Action,
-    _add_send_recv,
-    _ComputationType,
-    _simulate_comms_compute,
-    _validate_schedule,
-)
 
 from seq1f1b import ScheduleBitPipe, build_bitpipe_stages
+from seq1f1b._runtime import (
+    Action,
+    ComputationType,
+    add_send_recv,
+    simulate_comms_compute,
+    validate_schedule,
+)
 from seq1f1b.bitpipe import BitPipeLayout, ReplicaBoundaries, build_bitpipe_orders
-from seq1f1b.bitpipe.lowering import check_p2p_matching, lower_bitpipe, simulate_comms
 from seq1f1b.bitpipe.order import stuck_ranks, unit_time_steps
+from seq1f1b.lowering import check_p2p_matching, lower_all
+from seq1f1b.replay import replay
 from seq1f1b.testing import TinyConfig, build_stages, full_model
 
-FWD, BWD = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
+FWD, BWD = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
 CFG = TinyConfig(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=8, ffn=64)
 SEQ = 16
 
@@ -39,12 +40,12 @@ def _grid(pp: int) -> list[int]:
 
 
 def _replica_projection(
-    orders: dict[int, list[_Action]], layout: BitPipeLayout, replica: int
-) -> dict[int, list[_Action]]:
+    orders: dict[int, list[Action]], layout: BitPipeLayout, replica: int
+) -> dict[int, list[Action]]:
     """One replica's actions, relabelled to its own stage ids 0..2pp-1 (a plain V pipeline)."""
     return {
         r: [
-            _Action(layout.chunk(a.stage_index), a.computation_type, a.microbatch_index)
+            Action(layout.chunk(a.stage_index), a.computation_type, a.microbatch_index)
             for a in acts
             if layout.replica(a.stage_index) == replica
         ]
@@ -58,19 +59,19 @@ def test_orders_pass_torch_validators_and_replays(pp: int) -> None:
     for m in _grid(pp):
         orders = build_bitpipe_orders(pp, m)
         # torch: every stage runs its replica's M/2 microbatches F then B, on BitPipe's ranks
-        assert _validate_schedule(orders, pp, 4 * pp, m // 2) == layout.stage_to_rank()
+        assert validate_schedule(orders, pp, 4 * pp, m // 2) == layout.stage_to_rank()
         # torch's lowering and replay on each replica alone (a V pipeline of 2pp stages)
         for replica in (0, 1):
             proj = _replica_projection(orders, layout, replica)
-            _validate_schedule(proj, pp, 2 * pp, m // 2)
+            validate_schedule(proj, pp, 2 * pp, m // 2)
             to_rank = {s: layout.rank_of(layout.stage_id(replica, s)) for s in range(2 * pp)}
-            lowered = _add_send_recv(proj, to_rank.__getitem__, 2 * pp)
-            _simulate_comms_compute(lowered, to_rank.__getitem__, 2 * pp)
+            lowered = add_send_recv(proj, to_rank.__getitem__, 2 * pp)
+            simulate_comms_compute(lowered, to_rank.__getitem__, 2 * pp)
         # both replicas together: dependency replay, replica-aware lowering and its replay
         assert not stuck_ranks(orders, layout)
-        lowered = lower_bitpipe(orders, layout, m // 2)
-        simulate_comms(lowered, layout)
-        check_p2p_matching(lowered, layout)
+        lowered = lower_all(orders, layout.topology(), m // 2)
+        assert replay(lowered, layout.topology()).finished
+        check_p2p_matching(lowered, layout.topology())
         # partners are mirror images (A <-> B): their gradient all-reduces line up
         for r in range(pp):
             mirrored = [
@@ -87,8 +88,8 @@ def test_orders_pass_torch_validators_and_replays(pp: int) -> None:
 
 def test_lowering_never_crosses_replicas() -> None:
     layout = BitPipeLayout(4)
-    lowered = lower_bitpipe(build_bitpipe_orders(4, 8), layout, 4)
-    kinds = _ComputationType
+    lowered = lower_all(build_bitpipe_orders(4, 8), layout.topology(), 4)
+    kinds = ComputationType
     for acts in lowered.values():
         for a in acts:
             g = a.stage_index
@@ -114,7 +115,7 @@ def test_published_example_p4_m4_rank0() -> None:
     layout = BitPipeLayout(4)
     chunk_of = {0: 0, 11: 1, 7: 2, 12: 3}
 
-    def label(a: _Action) -> str:
+    def label(a: Action) -> str:
         c = chunk_of[a.stage_index]
         j = a.microbatch_index - 2 * layout.replica(a.stage_index)
         return f"{a.computation_type.value}{2 * c + j}c{c}"
@@ -305,8 +306,8 @@ def _check_csv_round_trip(rank: int, pp: int) -> None:
     lowered = dict(sched.pipeline_order_with_comms)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "order.csv")
-        sched._dump_csv(path, format="compute_only")
-        sched._load_csv(path)
+        sched.dump_csv(path, format="compute_only")
+        sched.load_csv(path)
     assert sched.pipeline_order_with_comms == lowered
 
 

@@ -6,22 +6,23 @@ import itertools
 
 import pytest
 from mockstages import mock_stages
-from torch.distributed.pipelining.schedules import (
-    _Action,
-    _add_send_recv,
-    _ComputationType,
-    _PipelineScheduleRuntime,
-    _simulate_comms_compute,
-    _validate_schedule,
-)
 
+import seq1f1b._runtime as rt
 from seq1f1b import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B
+from seq1f1b._runtime import (
+    Action,
+    ComputationType,
+    ScheduleRuntime,
+    add_send_recv,
+    simulate_comms_compute,
+    validate_schedule,
+)
 from seq1f1b.order import OrderSpec, build_orders, seq1f1b_warmup
 
-F, B = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
+F, B = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
 
 
-def _fmt(a: _Action, k: int) -> str:
+def _fmt(a: Action, k: int) -> str:
     m, s = divmod(a.microbatch_index, k)
     return f"{a.computation_type.value}{m}.{s}"
 
@@ -37,7 +38,7 @@ def test_published_example_p4_m3_k2() -> None:
     )
 
 
-def _check_rules(order: dict[int, list[_Action]], spec: OrderSpec) -> None:
+def _check_rules(order: dict[int, list[Action]], spec: OrderSpec) -> None:
     k = spec.seq_chunks
     for rank, actions in order.items():
         assert all(a.computation_type in (F, B) for a in actions)
@@ -67,6 +68,18 @@ def _check_rules(order: dict[int, list[_Action]], spec: OrderSpec) -> None:
             assert ms == sorted(ms)
 
 
+# FSDP and gradient-reduction actions (torch's replay knows none of them), and send waits
+FSDP = {
+    k
+    for k in (
+        ComputationType.UNSHARD,
+        ComputationType.RESHARD,
+        ComputationType.REDUCE_GRAD,
+        rt.WAIT_REDUCE_GRAD,
+    )
+    if k is not None
+}
+NOT_IN_SEND_RECV = FSDP | {k for k in (rt.WAIT_SEND_F, rt.WAIT_SEND_B) if k is not None}
 GRID = list(itertools.product(range(1, 9), range(1, 4), range(1, 9), range(1, 9)))
 
 
@@ -76,16 +89,22 @@ def test_grid_passes_torch_validators_and_rules(pp: int) -> None:
         sched = ScheduleSeq1F1B(mock_stages(pp, spr), n_microbatches=m, seq_chunks=k)
         spec = sched.order_spec
         order = sched.pipeline_order
-        assert sched._n_microbatches == m * k
-        _validate_schedule(order, pp, pp * spr, m * k)
-        comms = _add_send_recv(
+        assert sched.n_units == m * k
+        validate_schedule(order, pp, pp * spr, m * k)
+        comms = add_send_recv(
             {r: list(a) for r, a in order.items()}, spec.stage_to_rank, spec.num_stages
         )
-        _simulate_comms_compute(comms, spec.stage_to_rank, spec.num_stages)
+        simulate_comms_compute(comms, spec.stage_to_rank, spec.num_stages)
         _check_rules(order, spec)
-        fsdp = (_ComputationType.UNSHARD, _ComputationType.RESHARD, _ComputationType.REDUCE_GRAD)
-        lowered = [a for a in sched.pipeline_order_with_comms[0] if a.computation_type not in fsdp]
-        assert lowered == comms[0]
+        # ours, fully lowered on every rank (with 2.15's WAIT_SEND), passes torch's replay, and
+        # its SEND/RECV placement is torch's
+        lowered = {
+            r: [a for a in acts if a.computation_type not in FSDP]
+            for r, acts in sched.pipeline_order_with_comms.items()
+        }
+        simulate_comms_compute(lowered, spec.stage_to_rank, spec.num_stages)
+        p2p = [a for a in lowered[0] if a.computation_type not in NOT_IN_SEND_RECV]
+        assert p2p == comms[0]
 
 
 def test_interleaved_when_k_does_not_divide_pp() -> None:
@@ -99,8 +118,8 @@ def test_bubble_shrinks_with_k() -> None:
     # unit-cost replay: more segments -> fewer idle steps relative to work
     def idle_ratio(k: int) -> float:
         order = build_orders(OrderSpec(4, 1, 4, k))
-        comms = _add_send_recv({r: list(a) for r, a in order.items()}, lambda s: s, 4)
-        sim = _simulate_comms_compute(comms, lambda s: s, 4)
+        comms = add_send_recv({r: list(a) for r, a in order.items()}, lambda s: s, 4)
+        sim = simulate_comms_compute(comms, lambda s: s, 4)
         compute = [[a for a in sim[r] if a is None or a.computation_type in (F, B)] for r in sim]
         steps = max(len(s) for s in sim.values())
         busy = sum(1 for r in compute for a in r if a is not None)
@@ -112,16 +131,16 @@ def test_bubble_shrinks_with_k() -> None:
 def test_csv_round_trip(tmp_path) -> None:
     sched = ScheduleSeq1F1B(mock_stages(4, 2, rank=1), n_microbatches=3, seq_chunks=4)
     path = tmp_path / "order.csv"
-    sched._dump_csv(str(path), format="compute_only")
+    sched.dump_csv(str(path), format="compute_only")
     other = ScheduleSeq1F1B(mock_stages(4, 2, rank=1), n_microbatches=3, seq_chunks=4)
     other.pipeline_order = {}
-    other._load_csv(str(path))
+    other.load_csv(str(path))
     assert other.pipeline_order == sched.pipeline_order
     assert other.pipeline_order_with_comms == sched.pipeline_order_with_comms
     # torch's plain runtime loads the same file too
-    rt = _PipelineScheduleRuntime(mock_stages(4, 2, rank=1), n_microbatches=12)
-    rt._load_csv(str(path))
-    assert rt.pipeline_order == sched.pipeline_order
+    plain = ScheduleRuntime(mock_stages(4, 2, rank=1), n_microbatches=12)
+    rt.load_csv(plain, str(path))
+    assert plain.pipeline_order == sched.pipeline_order
 
 
 def test_csv_with_wrong_segment_order_is_refused(tmp_path) -> None:
@@ -129,22 +148,22 @@ def test_csv_with_wrong_segment_order_is_refused(tmp_path) -> None:
     order = sched.pipeline_order
     # GPipe-style ascending backward on every rank: F0 F1 B0 B1
     bad = {
-        r: [_Action(r, F, 0), _Action(r, F, 1), _Action(r, B, 0), _Action(r, B, 1)] for r in order
+        r: [Action(r, F, 0), Action(r, F, 1), Action(r, B, 0), Action(r, B, 1)] for r in order
     }
     path = tmp_path / "bad.csv"
     path.write_text("\n".join(",".join(str(a) for a in bad[r]) for r in sorted(bad)) + "\n")
     with pytest.raises(ValueError, match="backward out of order"):
-        sched._load_csv(str(path))
+        sched.load_csv(str(path))
     split = {
         r: [
-            _Action(r, F, 0),
-            _Action(r, F, 1),
-            _Action(r, _ComputationType.BACKWARD_INPUT, 1),
-            _Action(r, _ComputationType.BACKWARD_WEIGHT, 1),
-            _Action(r, B, 0),
+            Action(r, F, 0),
+            Action(r, F, 1),
+            Action(r, ComputationType.BACKWARD_INPUT, 1),
+            Action(r, ComputationType.BACKWARD_WEIGHT, 1),
+            Action(r, B, 0),
         ]
         for r in order
     }
     path.write_text("\n".join(",".join(str(a) for a in split[r]) for r in sorted(split)) + "\n")
     with pytest.raises(ValueError, match="full backward"):
-        sched._load_csv(str(path))
+        sched.load_csv(str(path))

@@ -17,34 +17,36 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
-    _Action,
-    _add_unshard_reshard,
-    _ComputationType,
-    _format_pipeline_order,
-    _PipelineScheduleRuntime,
-    _simulate_comms_compute,
-    _validate_schedule,
 )
 
 import seq1f1b.lowering as lowering
-import seq1f1b.order as order
+import seq1f1b.replay as replay_mod
 from seq1f1b import ScheduleSeq1F1B
+from seq1f1b._runtime import (
+    WAIT_REDUCE_GRAD,
+    Action,
+    ComputationType,
+    format_pipeline_order,
+    simulate_comms_compute,
+    torch_add_unshard_reshard,
+    torch_lowering,
+    validate_schedule,
+)
 from seq1f1b.lowering import LoweredOrders, SendRecvLowering, add_unshard_reshard, is_lowerable
 from seq1f1b.order import OrderSpec, build_orders
+from seq1f1b.topology import StageTopology
 
-C = _ComputationType
-FSDP = (C.UNSHARD, C.RESHARD, C.REDUCE_GRAD)
+C = ComputationType
+FSDP = tuple(
+    k for k in (C.UNSHARD, C.RESHARD, C.REDUCE_GRAD, WAIT_REDUCE_GRAD) if k is not None
+)
 
 
 def _torch_lowering(
-    order: dict[int, list[_Action | None]], stages: list[MockStage], n_units: int, defer: bool
-) -> dict[int, list[_Action]]:
-    """torch's own _prepare_schedule_with_comms (all ranks), on a plain runtime."""
-    rt = _PipelineScheduleRuntime(stages, n_units, defer_pp_recv=defer)
-    _PipelineScheduleRuntime._prepare_schedule_with_comms(
-        rt, {r: list(a) for r, a in order.items()}
-    )
-    return rt.pipeline_order_with_comms
+    order: dict[int, list[Action | None]], stages: list[MockStage], n_units: int, defer: bool
+) -> dict[int, list[Action]]:
+    """torch's own lowering (all ranks), on a plain runtime."""
+    return torch_lowering(stages, order, n_units, defer_pp_recv=defer)
 
 
 @pytest.mark.parametrize("pp", range(1, 9))
@@ -90,13 +92,11 @@ def test_torch_schedules_lower_identically() -> None:
             except ValueError:
                 continue  # a combination torch's schedule refuses
             assert is_lowerable(sched.pipeline_order)
-            low = SendRecvLowering(
-                sched.pipeline_order,
-                sched.stage_index_to_group_rank.__getitem__,
-                sched._num_stages,
-                sched._n_microbatches,
-                defer_recv=defer,
+            n_stages = stages[0].num_stages
+            topology = StageTopology.chain(
+                [sched.stage_index_to_group_rank[s] for s in range(n_stages)]
             )
+            low = SendRecvLowering(sched.pipeline_order, topology, m, {"defer_recv": defer})
             for rank in sched.pipeline_order:
                 assert low.lower(rank) == sched.pipeline_order_with_comms[rank], (cls, pp, m)
             checked += 1
@@ -107,36 +107,36 @@ def test_add_unshard_reshard_equals_torch() -> None:
     rng = random.Random(0)
     for n_stages in (1, 2, 3, 4, 6):
         for length in (0, 1, 5, 40):
-            acts: list[_Action | None] = [
+            acts: list[Action | None] = [
                 None
                 if rng.random() < 0.1
-                else _Action(rng.randrange(n_stages), rng.choice((C.FORWARD, C.FULL_BACKWARD)), i)
+                else Action(rng.randrange(n_stages), rng.choice((C.FORWARD, C.FULL_BACKWARD)), i)
                 for i in range(length)
             ]
-            assert add_unshard_reshard(acts) == _add_unshard_reshard(list(acts))
+            assert add_unshard_reshard(acts) == torch_add_unshard_reshard(list(acts))
 
 
 def test_deadlock_is_reported_like_torch() -> None:
     f, b = C.FORWARD, C.FULL_BACKWARD
     # rank 0 waits for B(0) before its F(0) reached rank 1: torch's lowering cannot schedule it
-    bad = {0: [_Action(0, b, 0), _Action(0, f, 0)], 1: [_Action(1, f, 0), _Action(1, b, 0)]}
+    bad = {0: [Action(0, b, 0), Action(0, f, 0)], 1: [Action(1, f, 0), Action(1, b, 0)]}
     with pytest.raises(AssertionError, match="Malformed compute schedule"):
-        SendRecvLowering(bad, lambda s: s, 2, 1)
+        SendRecvLowering(bad, StageTopology.chain([0, 1]), 1)
 
 
 def test_fallback_to_torch_for_other_formats(tmp_path) -> None:
     sched = ScheduleSeq1F1B(mock_stages(4, 2, rank=3), 3, 2)
     path = tmp_path / "comms.csv"
-    sched._dump_csv(str(path), format="compute_comms")  # reads every rank
+    sched.dump_csv(str(path), format="compute_comms")  # reads every rank
     other = ScheduleSeq1F1B(mock_stages(4, 2, rank=3), 3, 2)
-    other._load_csv(str(path), format="compute_comms")  # torch's path: a plain dict
+    other.load_csv(str(path), format="compute_comms")  # torch's path: a plain dict
     assert not isinstance(other.pipeline_order_with_comms, LoweredOrders)
     assert other.pipeline_order_with_comms == sched.pipeline_order_with_comms
     # compute-only input with comms in it: torch's error
     bad = {r: list(a) for r, a in sched.pipeline_order.items()}
-    bad[0].append(_Action(0, C.SEND_F, 0))
+    bad[0].append(Action(0, C.SEND_F, 0))
     with pytest.raises(ValueError, match="compute-only"):
-        sched._prepare_schedule_with_comms(bad)
+        sched.lower(bad)
 
 
 def test_lowered_orders_mapping() -> None:
@@ -147,7 +147,7 @@ def test_lowered_orders_mapping() -> None:
     assert "lowered=[2]" in repr(lowered)  # only this rank at construction
     plain = copy.deepcopy(lowered)
     assert type(plain) is dict and plain == lowered
-    assert "Rank 3" in _format_pipeline_order(lowered, error_step_number=1)
+    assert "Rank 3" in format_pipeline_order(lowered, error_step_number=1)
     with pytest.raises(KeyError):
         lowered[4]
     lowered[4] = []
@@ -159,7 +159,7 @@ def test_lowered_orders_mapping() -> None:
 @pytest.mark.parametrize(("pp", "spr", "m", "k"), [(64, 1, 64, 16), (32, 2, 32, 8)])
 def test_large_schedules_validate_and_run_in_simulation(pp: int, spr: int, m: int, k: int) -> None:
     sched = ScheduleSeq1F1B(mock_stages(pp, spr, rank=pp - 1), m, k)
-    _validate_schedule(sched.pipeline_order, pp, pp * spr, m * k)
+    validate_schedule(sched.pipeline_order, pp, pp * spr, m * k)
     comms = {
         r: [a for a in sched.pipeline_order_with_comms[r] if a.computation_type not in FSDP]
         for r in sched.pipeline_order_with_comms
@@ -170,7 +170,7 @@ def test_large_schedules_validate_and_run_in_simulation(pp: int, spr: int, m: in
     assert sum(a.computation_type == C.FORWARD for a in mine) == spr * n_units
     assert sum(a.computation_type == C.RECV_F for a in mine) == spr * n_units
     assert sum(a.computation_type == C.SEND_B for a in mine) == spr * n_units
-    _simulate_comms_compute(comms, sched.order_spec.stage_to_rank, pp * spr)
+    simulate_comms_compute(comms, sched.order_spec.stage_to_rank, pp * spr)
 
 
 class _CountingDeque(deque):
@@ -184,7 +184,7 @@ class _CountingDeque(deque):
 def test_replays_are_event_driven(monkeypatch: pytest.MonkeyPatch) -> None:
     # a rank is re-run only when something it waits for completes: at most one run per rank
     # plus one per wait, however many ranks (round-robin passes would be ranks x passes)
-    monkeypatch.setattr(order, "deque", _CountingDeque)
+    monkeypatch.setattr(replay_mod, "deque", _CountingDeque)
     monkeypatch.setattr(lowering, "deque", _CountingDeque)
     for pp, spr, m, k in ((16, 1, 16, 8), (16, 2, 8, 4)):
         _CountingDeque.pops = 0
@@ -192,5 +192,5 @@ def test_replays_are_event_driven(monkeypatch: pytest.MonkeyPatch) -> None:
         n_actions = sum(len(a) for a in orders.values())
         assert _CountingDeque.pops <= pp + n_actions
         _CountingDeque.pops = 0
-        SendRecvLowering(orders, lambda s, pp=pp: s % pp, pp * spr, m * k)
+        SendRecvLowering(orders, StageTopology.chain([s % pp for s in range(pp * spr)]), m * k)
         assert _CountingDeque.pops <= pp + n_actions

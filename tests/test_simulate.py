@@ -12,10 +12,9 @@ from torch.distributed.pipelining.schedules import (
     ScheduleDualPipeV,
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
-    _Action,
-    _ComputationType,
 )
 
+from seq1f1b._runtime import Action, ComputationType
 from seq1f1b.bitpipe import build_bitpipe_orders
 from seq1f1b.order import OrderSpec, build_orders
 from seq1f1b.partition import ModelShape, resolve_split
@@ -23,15 +22,15 @@ from seq1f1b.planner import main as planner_main
 from seq1f1b.planner import plan
 from seq1f1b.simulate import FlopsCosts, compute_actions, simulate
 
-F, B = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
-BI, BW = _ComputationType.BACKWARD_INPUT, _ComputationType.BACKWARD_WEIGHT
+F, B = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
+BI, BW = ComputationType.BACKWARD_INPUT, ComputationType.BACKWARD_WEIGHT
 SHAPE_7B = ModelShape(hidden=4096, n_heads=32, n_layers=32, vocab=50304)
 
 
 def unit_cost(k: int = 1, v: int = 1):
     """Equal costs: F = 1/(v*k), B = 2F, I = W = F (a sample's work is the same for any K)."""
 
-    def cost(a: _Action) -> float:
+    def cost(a: Action) -> float:
         base = 1.0 / (k * v)
         return 2 * base if a.computation_type == B else base
 
@@ -75,7 +74,7 @@ def test_bitpipe_orders_match_published_bubble(pp: int, m: int) -> None:
     with pytest.raises(ValueError, match="cannot finish"):
         simulate(order, lambda a: 1.0)
     with pytest.raises(ValueError, match="2 pipelines"):
-        simulate({0: [_Action(0, F, 0)], 1: [_Action(2, F, 0)]}, lambda a: 1.0, replicas=2)
+        simulate({0: [Action(0, F, 0)], 1: [Action(2, F, 0)]}, lambda a: 1.0, replicas=2)
 
 
 def test_comm_latency_on_cross_rank_edges_only() -> None:
@@ -102,8 +101,8 @@ def test_flops_costs_later_uniform_segments_cost_more() -> None:
     costs = FlopsCosts(SHAPE_7B, (8192,) * 4, 4, 4)
     c = costs.segment_costs
     assert c == sorted(c) and c[-1] > 1.2 * c[0]
-    f = _Action(0, F, 3)
-    assert costs.cost(_Action(0, B, 3)) == pytest.approx(2 * costs.cost(f))
+    f = Action(0, F, 3)
+    assert costs.cost(Action(0, B, 3)) == pytest.approx(2 * costs.cost(f))
     assert costs.activation(f) == pytest.approx(0.25)
 
 
@@ -129,7 +128,7 @@ def test_overlap_f_b_is_expanded_into_its_sub_actions() -> None:
     stages = [MockStage(0, 8, 4, 0), MockStage(7, 8, 4, 0)]
     order = ScheduleDualPipeV(stages, 8).pipeline_order
     assert any(
-        a is not None and a.computation_type == _ComputationType.OVERLAP_F_B for a in order[0]
+        a is not None and a.computation_type == ComputationType.OVERLAP_F_B for a in order[0]
     )
     res = simulate(order, unit_cost(1, 2))
     n_f = sum(iv.action.computation_type == F for tl in res.timelines.values() for iv in tl)
@@ -144,11 +143,11 @@ def test_torch_interleaved_order_matches_formula() -> None:
 
 
 def test_deadlock_and_missing_actions_raise() -> None:
-    order = {0: [_Action(0, B, 0), _Action(0, F, 0)], 1: [_Action(1, F, 0), _Action(1, B, 0)]}
+    order = {0: [Action(0, B, 0), Action(0, F, 0)], 1: [Action(1, F, 0), Action(1, B, 0)]}
     with pytest.raises(ValueError, match="cannot finish"):
         simulate(order, unit_cost())
     with pytest.raises(ValueError, match="cannot finish"):
-        simulate({0: [_Action(0, F, 0)], 1: [_Action(1, F, 1)]}, unit_cost())
+        simulate({0: [Action(0, F, 0)], 1: [Action(1, F, 1)]}, unit_cost())
 
 
 def test_large_pipeline_runs_in_seconds() -> None:

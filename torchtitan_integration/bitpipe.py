@@ -89,7 +89,7 @@ def sync_twins_once(schedule: Any) -> None:
     if twins is None or getattr(schedule, "titan_twins_synced", False):
         return
     layout, pair_group = twins
-    broadcast_twins(schedule._stages, layout, pair_group)
+    broadcast_twins(schedule.local_stages, layout, pair_group)
     schedule.titan_twins_synced = True
 
 
@@ -102,7 +102,7 @@ def clip_counting_each_chunk_once(clip: Callable[..., torch.Tensor], schedule: A
     layout = schedule.titan_twins[0]
     a_params = {
         id(p)
-        for s in schedule._stages
+        for s in schedule.local_stages
         if layout.replica(s.stage_index) == 0
         for p in s.submod.parameters()
     }

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from seq1f1b._runtime import device_type_reported_as, set_pg_timeout
+
 logger = logging.getLogger(__name__)
 
 _INSTALLED = False
@@ -83,7 +85,7 @@ def _set_pg_timeouts(timeout: timedelta, parallel_dims: Any) -> None:
     torch.distributed.barrier()
     groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()]
     for group in [*groups, None]:
-        torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+        set_pg_timeout(timeout, group)
 
 
 def install() -> bool:
@@ -97,16 +99,10 @@ def install() -> bool:
         return True
     if torch.cuda.is_available():
         return False
-    import torch._utils as tu
-
-    original = tu._get_available_device_type
-    tu._get_available_device_type = lambda: "cpu"
-    try:
+    with device_type_reported_as("cpu"):
         import torchtitan.distributed.dual_pipe_v  # reads the device at import, like tools.utils
         import torchtitan.tools.utils
         import torchtitan.train
-    finally:
-        tu._get_available_device_type = original
     # if torchtitan was imported before us, its modules hold "cuda": rebind them
     for name in _DEVICE_MODULES:
         module = sys.modules.get(name)

@@ -39,7 +39,9 @@ def build_loss_fn(job_config: Any, **kwargs: Any) -> Any:
 
 def _replicate(model: nn.Module, mesh: Any) -> None:
     """FSDP2-style replicate (what the pipelining runtime knows how to reduce) per block + root."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from seq1f1b._runtime import fsdp_replicate
+
+    replicate = fsdp_replicate()
 
     layers = getattr(model, "layers", None)
     for block in layers.values() if layers is not None else ():

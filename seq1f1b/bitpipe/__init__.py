@@ -1,8 +1,9 @@
 """BitPipe: two V-shaped model replicas in opposite directions over the same pipeline ranks.
 
-See :class:`ScheduleBitPipe` and :func:`build_bitpipe_stages`. The pieces: placement and the
-replica-aware stage (``layout``), orders (``order``), lowering to SEND/RECV and its replay
-(``lowering``), pair groups and gradient sync (``sync``).
+See :class:`ScheduleBitPipe` and :func:`build_bitpipe_stages`. The pieces: placement, the
+replica-aware stage and the two-chain stage topology (``layout``), orders (``order``), pair
+groups and gradient sync (``sync``). Lowering and replay are the library's shared ones
+(:mod:`seq1f1b.lowering`, :mod:`seq1f1b.replay`).
 """
 
 from .build import BitPipeStages, build_bitpipe_stages

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from ..topology import StageTopology
+
 __all__ = ["BitPipeLayout", "BitPipeStage", "ReplicaBoundaries"]
 
 
@@ -81,6 +83,10 @@ class BitPipeLayout:
 
     def stage_to_rank(self) -> dict[int, int]:
         return {g: self.rank_of(g) for g in range(self.num_stages)}
+
+    def topology(self) -> StageTopology:
+        """Two chains of ``2*pp`` stages (one per replica) on BitPipe's ranks."""
+        return StageTopology.chains(self.num_stages, self.rank_of, self.replica_stages)
 
     def partner(self, rank: int) -> int:
         return self.pp - 1 - rank

@@ -28,17 +28,17 @@ start right after its last backward on both sides in the same collective order.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Mapping, Sequence
 
-from torch.distributed.pipelining.schedules import _Action, _ComputationType
-
+from .. import _runtime as rt
+from .._runtime import Action
+from ..replay import replay
 from .layout import BitPipeLayout
 
 __all__ = ["bitpipe_warmup", "build_bitpipe_orders", "stuck_ranks", "unit_time_steps"]
 
-F = _ComputationType.FORWARD
-B = _ComputationType.FULL_BACKWARD
+F = rt.FORWARD
+B = rt.FULL_BACKWARD
 
 _Pass = tuple[int, int]  # (global stage id, global microbatch id)
 
@@ -68,7 +68,7 @@ class _Timeline:
         last = self.layout.replica_stages - 1
         return (j // self.group, last - s + j % self.group, s)
 
-    def run(self, limits: Mapping[int, int]) -> tuple[dict[int, list[_Action]], list[int]]:
+    def run(self, limits: Mapping[int, int]) -> tuple[dict[int, list[Action]], list[int]]:
         lay, pp = self.layout, self.layout.pp
         # per rank: ready first-visit forwards, ready second-visit forwards, ready backwards
         ready: dict[int, tuple[list, list, list]] = {r: ([], [], []) for r in range(pp)}
@@ -80,11 +80,11 @@ class _Timeline:
         bwd_done: set[_Pass] = set()
         live = dict.fromkeys(range(pp), 0)
         n_fwd = dict.fromkeys(range(pp), 0)
-        orders: dict[int, list[_Action]] = {r: [] for r in range(pp)}
+        orders: dict[int, list[Action]] = {r: [] for r in range(pp)}
         total = 2 * self.half * lay.replica_stages * 2
         done = 0
         while done < total:
-            picks: list[tuple[int, _Action]] = []
+            picks: list[tuple[int, Action]] = []
             for r in range(pp):
                 first_f, second_f, bwds = ready[r]
                 warm = n_fwd[r] < limits[r] - 1
@@ -93,11 +93,11 @@ class _Timeline:
                 best_f = min((h[0] for h in fwd_heaps), default=None)
                 if bwds and (not warm or best_f is None):
                     _, g, mb = heapq.heappop(bwds)
-                    picks.append((r, _Action(g, B, mb)))
+                    picks.append((r, Action(g, B, mb)))
                 elif best_f is not None:
                     heap = first_f if first_f and first_f[0] == best_f else second_f
                     _, g, mb = heapq.heappop(heap)
-                    picks.append((r, _Action(g, F, mb)))
+                    picks.append((r, Action(g, F, mb)))
             if not picks:
                 return orders, [r for r in range(pp) if len(orders[r]) < total // pp]
             for r, a in picks:  # results become usable at the next step
@@ -128,75 +128,23 @@ class _Timeline:
                 heapq.heappush(ready[lay.rank_of(prev)][2], (self.bkey(prev, mb), prev, mb))
 
 
-def stuck_ranks(orders: Mapping[int, Sequence[_Action]], layout: BitPipeLayout) -> list[int]:
-    """Replay compute orders against their data dependencies; return ranks left waiting.
-
-    F(g, mb) needs F(g-1, mb) unless g starts its replica; B(g, mb) needs F(g, mb) and
-    B(g+1, mb) unless g ends it. Event-driven: a rank runs until it waits and is re-queued
-    when the action it waits for completes.
-    """
-    done: set[tuple[int, _ComputationType, int]] = set()
-    waiting: dict[tuple[int, _ComputationType, int], list[int]] = {}
-    pos = dict.fromkeys(orders, 0)
-    queue = deque(orders)
-    while queue:
-        rank = queue.popleft()
-        acts = orders[rank]
-        i = pos[rank]
-        while i < len(acts):
-            g, kind, mb = acts[i].stage_index, acts[i].computation_type, acts[i].microbatch_index
-            if kind == F:
-                prev = layout.prev_stage(g)
-                needs = [] if prev is None else [(prev, F, mb)]
-            else:
-                nxt = layout.next_stage(g)
-                needs = [(g, F, mb)] + ([] if nxt is None else [(nxt, B, mb)])
-            missing = next((n for n in needs if n not in done), None)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(rank)
-                break
-            key = (g, kind, mb)
-            done.add(key)
-            queue.extend(waiting.pop(key, ()))
-            i += 1
-        pos[rank] = i
-    return [r for r, acts in orders.items() if pos[r] < len(acts)]
+def stuck_ranks(orders: Mapping[int, Sequence[Action]], layout: BitPipeLayout) -> list[int]:
+    """Ranks left waiting when the orders run against their data dependencies (replay)."""
+    return sorted(replay(orders, layout.topology()).stuck)
 
 
-def unit_time_steps(orders: Mapping[int, Sequence[_Action]], layout: BitPipeLayout) -> int:
+def unit_time_steps(orders: Mapping[int, Sequence[Action]], layout: BitPipeLayout) -> int:
     """Steps to run the lists with forward = backward = 1 and free communication.
 
-    Each step every rank runs its next action if its dependencies finished in an earlier step;
-    the bubble is ``1 - (actions per rank) / steps``. Raises on a deadlock.
+    The bubble is ``1 - (actions per rank) / steps``. Raises on a deadlock.
     """
-    done: set[tuple[int, _ComputationType, int]] = set()
-    pos = dict.fromkeys(orders, 0)
-    steps = 0
-    while any(pos[r] < len(a) for r, a in orders.items()):
-        ran = []
-        for r, acts in orders.items():
-            if pos[r] == len(acts):
-                continue
-            a = acts[pos[r]]
-            g, mb = a.stage_index, a.microbatch_index
-            if a.computation_type == F:
-                prev = layout.prev_stage(g)
-                ok = prev is None or (prev, F, mb) in done
-            else:
-                nxt = layout.next_stage(g)
-                ok = (g, F, mb) in done and (nxt is None or (nxt, B, mb) in done)
-            if ok:
-                ran.append((r, (g, a.computation_type, mb)))
-        if not ran:
-            raise RuntimeError("BitPipe orders deadlock")
-        for r, key in ran:
-            done.add(key)
-            pos[r] += 1
-        steps += 1
-    return steps
+    result = replay(orders, layout.topology())
+    if not result.finished:
+        raise RuntimeError(f"BitPipe orders deadlock: {result.stuck}")
+    return int(result.makespan)
 
 
-def build_bitpipe_orders(pp: int, n_microbatches: int) -> dict[int, list[_Action]]:
+def build_bitpipe_orders(pp: int, n_microbatches: int) -> dict[int, list[Action]]:
     """Compute-only BitPipe orders of every rank (see the module docstring).
 
     If the list schedule ever stalls, the stalled ranks and their partners (to keep partners

@@ -8,23 +8,20 @@ layers and sum their (pre-scaled) gradients, each chunk as soon as its last back
 torch's runtime does the rest, with these replica-aware pieces:
 
 * stages whose ``is_first``/``is_last`` hold at each replica's ends (``BitPipeStage``);
-* the order (:mod:`~seq1f1b.bitpipe.order`) and its lowering to SEND/RECV
-  (:mod:`~seq1f1b.bitpipe.lowering`), since torch's lowering would send across replicas;
-* per-microbatch losses kept by microbatch id (a rank may hold the last stage of one replica,
-  whose microbatches are not ``0..M/2-1``), and exchanged between ranks ``0`` and ``pp-1`` so
-  that both return all ``M`` losses;
+* the order (:mod:`~seq1f1b.bitpipe.order`), lowered by the shared lowering
+  (:mod:`seq1f1b.lowering`) over a two-chain stage topology, since torch's lowering would send
+  across replicas;
+* per-microbatch losses (kept by microbatch id by :class:`~seq1f1b._runtime.UnitRuntime`: a
+  rank may hold the last stage of one replica, whose microbatches are not ``0..M/2-1``),
+  exchanged between ranks ``0`` and ``pp-1`` so that both return all ``M`` losses;
 * REDUCE_GRAD as a custom function: torch's ``perform_reduce_grad`` (FSDP post-backward), then
   the chunk's gradients scaled by ``1/M`` and all-reduced (SUM) with the twin chunk. Each
   replica's stage accumulated ``M/2`` microbatch gradients of a mean loss, so the sum over the
   pair is exactly the gradient of the mean loss over all ``M`` microbatches.
-
-Checked on torch 2.13 (``_PipelineScheduleRuntime`` internals: ``_prepare_schedule_with_comms``,
-``_maybe_compute_loss``/``_maybe_get_loss``/``_update_losses``, ``_warmup_p2p``, custom functions).
 """
 
 from __future__ import annotations
 
-import csv
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -32,17 +29,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
-from torch.distributed.pipelining.schedules import (
-    _Action,
-    _ComputationType,
-    _PipelineContext,
-    _PipelineScheduleRuntime,
-    _validate_schedule,
-)
-from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from .. import _runtime as rt
+from .._runtime import Action, PipelineContext, PipelineStageBase
+from ..topology import StageTopology
 from .layout import BitPipeLayout
-from .lowering import lower_bitpipe
 from .order import build_bitpipe_orders
 from .sync import PairGradSync
 
@@ -50,19 +41,23 @@ __all__ = ["ScheduleBitPipe"]
 
 logger = logging.getLogger(__name__)
 
-_F = _ComputationType.FORWARD
-_B = _ComputationType.FULL_BACKWARD
-_REDUCE_GRAD = _ComputationType.REDUCE_GRAD
+_F = rt.FORWARD
+_B = rt.FULL_BACKWARD
 
 
-def _reduce_grad_action(action: _Action, ctx: _PipelineContext) -> None:
+def _reduce_grad_action(action: Action, ctx: PipelineContext) -> None:
     """REDUCE_GRAD hook (a plain function: the runtime already hands us the schedule)."""
     schedule = ctx.schedule_ref
     assert isinstance(schedule, ScheduleBitPipe)
     schedule._reduce_grad(action.stage_index)
 
 
-def reduce_order(actions: Sequence[_Action | None], per_stage: int) -> list[int]:
+def _wait_reduce_grad_action(action: Action, ctx: PipelineContext) -> None:
+    """2.15's WAIT_REDUCE_GRAD: our REDUCE_GRAD already finished FSDP's reduction."""
+    del action, ctx
+
+
+def reduce_order(actions: Sequence[Action | None], per_stage: int) -> list[int]:
     """Stages in the order their last backward runs (when their gradients are final)."""
     counts: dict[int, int] = {}
     out: list[int] = []
@@ -75,7 +70,7 @@ def reduce_order(actions: Sequence[_Action | None], per_stage: int) -> list[int]
     return out
 
 
-class ScheduleBitPipe(_PipelineScheduleRuntime):
+class ScheduleBitPipe(rt.UnitRuntime):
     """BitPipe: two V-shaped replicas in opposite directions, with eager pair gradient sync.
 
     Args:
@@ -94,7 +89,7 @@ class ScheduleBitPipe(_PipelineScheduleRuntime):
 
     def __init__(
         self,
-        stages: Sequence[_PipelineStageBase],
+        stages: Sequence[PipelineStageBase],
         n_microbatches: int,
         loss_fn: Callable[..., torch.Tensor] | None = None,
         *,
@@ -120,19 +115,19 @@ class ScheduleBitPipe(_PipelineScheduleRuntime):
         )
         self.layout = layout
         self.pair_group = pair_group
-        self._mb_losses: dict[int, torch.Tensor] = {}
         self._twins_checked = False
         self._grad_sync: PairGradSync | None = None
-        self.pipeline_order = dict(build_bitpipe_orders(layout.pp, n_microbatches))
-        self._prepare_schedule_with_comms(self.pipeline_order)
-        self.register_custom_function(_REDUCE_GRAD, _reduce_grad_action)
+        self._install_order(dict(build_bitpipe_orders(layout.pp, n_microbatches)))
+        self.register_custom_function(rt.REDUCE_GRAD, _reduce_grad_action)
+        if rt.WAIT_REDUCE_GRAD is not None:
+            self.register_custom_function(rt.WAIT_REDUCE_GRAD, _wait_reduce_grad_action)
 
     # ------------------------------------------------------------------ construction checks
     @staticmethod
     def _check_stages(
-        stages: Sequence[_PipelineStageBase],
-    ) -> tuple[list[_PipelineStageBase], BitPipeLayout]:
-        if isinstance(stages, _PipelineStageBase):
+        stages: Sequence[PipelineStageBase],
+    ) -> tuple[list[PipelineStageBase], BitPipeLayout]:
+        if isinstance(stages, PipelineStageBase):
             stages = [stages]
         stage_list = sorted(stages, key=lambda s: s.stage_index)
         if not stage_list:
@@ -184,14 +179,14 @@ class ScheduleBitPipe(_PipelineScheduleRuntime):
 
     @staticmethod
     def _check_pair_group(
-        pair_group: dist.ProcessGroup | None, stage: _PipelineStageBase, layout: BitPipeLayout
+        pair_group: dist.ProcessGroup | None, stage: PipelineStageBase, layout: BitPipeLayout
     ) -> None:
         if pair_group is None:
             raise ValueError(
                 "pair_group is required: the 2-rank process group of this rank and its "
                 "partner pp-1-r, which hold the same layers (build_bitpipe_stages returns it)"
             )
-        pp_group = stage.group or dist.distributed_c10d._get_default_group()
+        pp_group = stage.group or rt.default_process_group()
         want = sorted(
             dist.get_global_rank(pp_group, r)
             for r in (stage.group_rank, layout.partner(stage.group_rank))
@@ -204,10 +199,10 @@ class ScheduleBitPipe(_PipelineScheduleRuntime):
                 "(use seq1f1b.bitpipe.new_pair_group or build_bitpipe_stages)"
             )
 
-    def _check_order(self, actions: Mapping[int, Sequence[_Action | None]]) -> dict[int, int]:
+    def stage_mapping(self, actions: Mapping[int, Sequence[Action | None]]) -> dict[int, int]:
         """torch's per-stage checks, replica halves, and mirror-symmetric gradient readiness."""
-        lay, m = self.layout, self._n_microbatches
-        mapping = _validate_schedule(dict(actions), lay.pp, lay.num_stages, m // 2)  # type: ignore[arg-type]
+        lay, m = self.layout, self.n_units
+        mapping = rt.validate_schedule(dict(actions), lay.pp, lay.num_stages, m // 2)  # type: ignore[arg-type]
         if mapping != lay.stage_to_rank():
             raise ValueError(f"stages are not on BitPipe's ranks: {mapping}")
         for acts in actions.values():
@@ -224,42 +219,25 @@ class ScheduleBitPipe(_PipelineScheduleRuntime):
                     f"({chunks} vs {ready[lay.partner(r)]}); the gradient all-reduces would not "
                     "match. BitPipe orders must be mirror images across partner ranks."
                 )
+        self._grad_sync = self._make_grad_sync(reduce_order(actions[self.rank], m // 2))
         return mapping
 
     # ------------------------------------------------------------------ lowering
-    def _prepare_schedule_with_comms(
-        self,
-        actions: dict[int, list[_Action | None]],
-        format: str = "compute_only",
-    ) -> None:
-        """Replica-aware lowering (torch's would send from replica A's end into B's start)."""
-        if format != "compute_only":
-            raise ValueError("ScheduleBitPipe lowers compute-only orders itself")
-        mapping = self._check_order(actions)
-        self.stage_index_to_group_rank = mapping
-        for stage in self._stages:
-            stage.stage_index_to_group_rank = mapping
-        self.pipeline_order_with_comms = lower_bitpipe(
-            actions, self.layout, self._n_microbatches // 2
+    def stage_topology(self, stage_to_rank: Mapping[int, int]) -> StageTopology:
+        """Two chains of 2*pp stages: nothing crosses from replica A's end into B's start."""
+        return StageTopology.chains(
+            self.layout.num_stages, stage_to_rank.__getitem__, self.layout.replica_stages
         )
-        self._grad_sync = self._make_grad_sync(
-            reduce_order(actions[self.rank], self._n_microbatches // 2)
-        )
-        self._forward_only: dict[int, list[_Action]] | None = None
 
-    def _forward_only_order(self) -> dict[int, list[_Action]]:
-        """eval(): the forwards alone, in the same order (torch's runtime would still run the
-        backward actions and fail handing gradients between same-rank V stages)."""
-        if self._forward_only is None:
-            fwd = {
-                r: [a for a in acts if a is not None and a.computation_type == _F]
-                for r, acts in self.pipeline_order.items()
-            }
-            self._forward_only = lower_bitpipe(fwd, self.layout, self._n_microbatches // 2)
-        return self._forward_only
+    def microbatches_per_stage(self) -> int:
+        return self.n_units // 2  # each replica runs half of the microbatches
+
+    def lowering_options(self) -> dict[str, Any]:
+        # REDUCE_GRAD is ours (pair sync) and waits in place; a deferred wait cannot apply
+        return {**super().lowering_options(), "defer_reduce_grad_wait": False}
 
     def _make_grad_sync(self, order: list[int]) -> PairGradSync:
-        by_index = {s.stage_index: s for s in self._stages}
+        by_index = {s.stage_index: s for s in self.local_stages}
         owned: dict[int, list[torch.nn.Parameter]] = {}
         taken: set[int] = set()
         for g in reversed(order):  # a shared parameter belongs to the stage reduced last
@@ -269,104 +247,50 @@ class ScheduleBitPipe(_PipelineScheduleRuntime):
         assert self.pair_group is not None
         return PairGradSync(self.pair_group, order, owned)
 
-    def _load_csv(self, filename: str, format: str = "compute_only") -> None:
-        """Load a compute-only order (one row per rank) and lower it the BitPipe way."""
-        if format != "compute_only":
-            raise ValueError("ScheduleBitPipe loads compute-only orders")
-        with open(filename, newline="") as f:
-            rows = list(csv.reader(f))
-        self.pipeline_order = {r: [_Action.from_str(s) for s in row] for r, row in enumerate(rows)}
-        self._prepare_schedule_with_comms(self.pipeline_order)
-
     # ------------------------------------------------------------------ runtime hooks
-    def _warmup_p2p(
-        self, stages: list[_PipelineStageBase], has_backward: bool, p2p_done: bool
-    ) -> None:
-        """torch's warm-up vote, once per replica: each replica is its own pipeline chain."""
-        for replica in (0, 1):
-            mine = [s for s in stages if self.layout.replica(s.stage_index) == replica]
-            super()._warmup_p2p(mine, has_backward, p2p_done)
-
-    def _maybe_compute_loss(
-        self,
-        stage: _PipelineStageBase,
-        output: Any,
-        target_mbs: list | None,
-        mb_index: int,
-        loss_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        if stage.is_last and self._loss_fn is not None:
-            self._mb_losses[mb_index] = self._compute_loss(
-                output,
-                target_mbs[mb_index],  # type: ignore[index]
-                loss_kwargs,
-            )
-
-    def _maybe_get_loss(self, stage: _PipelineStageBase, mb_index: int) -> torch.Tensor | None:
-        if stage.is_last and self._loss_fn is not None:
-            if mb_index not in self._mb_losses:
-                raise RuntimeError(f"BitPipe: no loss for microbatch {mb_index} yet")
-            return self._mb_losses[mb_index]
-        return None
+    def stage_chain(self, stage: PipelineStageBase) -> int:
+        return self.layout.replica(stage.stage_index)
 
     def _reduce_grad(self, stage_index: int) -> None:
-        if not self._has_backward:  # eval(): nothing to reduce
+        if not self.has_backward:  # eval(): nothing to reduce
             return
-        stage = next(s for s in self._stages if s.stage_index == stage_index)
+        stage = next(s for s in self.local_stages if s.stage_index == stage_index)
         stage.perform_reduce_grad(1)  # FSDP post-backward; scaling is ours (once per param)
         assert self._grad_sync is not None
-        self._grad_sync.start(stage_index, self._n_microbatches if self.scale_grads else 1)
+        self._grad_sync.start(stage_index, self.n_units if self.scale_grads else 1)
 
-    def _step_microbatches(
-        self,
-        arg_mbs: list | None = None,
-        kwarg_mbs: list | None = None,
-        target_mbs: list | None = None,
-        losses: list | None = None,
-        return_outputs: bool = True,
-        loss_kwargs: dict[str, Any] | None = None,
-    ) -> None:
+    def unit_scope(self) -> Any:
+        """Per step: re-read the parameters and check the twins once before any traffic."""
         assert self._grad_sync is not None
-        self._mb_losses.clear()
-        # re-read the parameters every step: a module moved off the meta device or re-wrapped
-        # after construction (torchtitan's to_empty/init) holds new Parameter objects
+        # a module moved off the meta device or re-wrapped after construction (torchtitan's
+        # to_empty/init) holds new Parameter objects
         self._grad_sync = self._make_grad_sync(self._grad_sync.order)
         if not self._twins_checked:
-            self._grad_sync.check_twins(self._stages[0].device)
+            self._grad_sync.check_twins(self.local_stages[0].device)
             self._twins_checked = True
-        lowered = self.pipeline_order_with_comms
-        if not self._has_backward:
-            self.pipeline_order_with_comms = self._forward_only_order()
-        try:
-            super()._step_microbatches(
-                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
-            )
-        finally:
-            self.pipeline_order_with_comms = lowered
+        return super().unit_scope()
 
-    def _update_losses(self, stages: Any, losses: list | None) -> None:
-        """End of step: finish the gradient sync, then gather all M losses on ranks 0, pp-1."""
+    def collect_losses(self, unit_losses: dict[int, torch.Tensor], losses: list) -> None:
+        """All M losses on ranks 0 and pp-1 (each computed one replica's half)."""
+        lasts = [s for s in self.local_stages if s.is_last]
+        losses.extend(self._exchange_losses(self.layout.replica(lasts[0].stage_index), unit_losses))
+
+    def finish_step(self) -> None:
+        """End of step: the pair gradient all-reduces complete before the losses are read."""
         assert self._grad_sync is not None
         self._grad_sync.finish()
-        lasts = [s for s in self._stages if s.is_last]
-        if self._loss_fn is None or not lasts:
-            self._mb_losses.clear()
-            return
-        all_losses = self._exchange_losses(self.layout.replica(lasts[0].stage_index))
-        if losses is not None:
-            losses.clear()
-            losses.extend(all_losses)
-        self._mb_losses.clear()
 
-    def _exchange_losses(self, replica: int) -> list[torch.Tensor]:
+    def _exchange_losses(
+        self, replica: int, unit_losses: dict[int, torch.Tensor]
+    ) -> list[torch.Tensor]:
         """This replica's losses (kept as computed) and the partner's (received, detached)."""
-        m = self._n_microbatches
+        m = self.n_units
         mine = self.layout.microbatches(replica, m)
         theirs = self.layout.microbatches(1 - replica, m)
-        missing = [mb for mb in mine if mb not in self._mb_losses]
+        missing = [mb for mb in mine if mb not in unit_losses]
         if missing:
             raise RuntimeError(f"BitPipe: no losses for microbatches {missing}")
-        kept = {mb: _plain(self._mb_losses[mb]) for mb in mine}
+        kept = {mb: _plain(unit_losses[mb]) for mb in mine}
         local = torch.stack([kept[mb].detach() for mb in mine])
         both = [torch.empty_like(local) for _ in range(2)]
         dist.all_gather(both, local, group=self.pair_group)

@@ -15,9 +15,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from .._runtime import PipelineStageBase, flatten_dense_tensors, unflatten_dense_tensors
 from .layout import BitPipeLayout
 
 __all__ = ["PairGradSync", "broadcast_twins", "new_pair_group", "pair_ranks"]
@@ -62,7 +61,7 @@ def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def broadcast_twins(
-    stages: Sequence[_PipelineStageBase], layout: BitPipeLayout, pair_group: dist.ProcessGroup
+    stages: Sequence[PipelineStageBase], layout: BitPipeLayout, pair_group: dist.ProcessGroup
 ) -> None:
     """Copy every chunk's parameters and buffers from its replica-A copy to its B twin.
 
@@ -120,7 +119,7 @@ class PairGradSync:
             by_dtype.setdefault(p.dtype, []).append(p)
         for group in by_dtype.values():
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
-            flat = _flatten_dense_tensors([_local(g) for g in grads])
+            flat = flatten_dense_tensors([_local(g) for g in grads])
             if scale != 1:
                 flat.div_(scale)
             work = dist.all_reduce(flat, group=self.pair_group, async_op=True)
@@ -133,7 +132,7 @@ class PairGradSync:
             work.wait()
             local = [_local(g) for g in grads]
             for p, g, dst, synced in zip(
-                params, grads, local, _unflatten_dense_tensors(flat, local), strict=True
+                params, grads, local, unflatten_dense_tensors(flat, local), strict=True
             ):
                 dst.copy_(synced)
                 if p.grad is None:  # unused here: the sum of zeros and the twin's gradient
