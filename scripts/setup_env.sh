@@ -3,12 +3,12 @@
 # records what was installed); pip runs again only when pyproject.toml, the constraints or this
 # script change, or a different torch is asked for. Works offline once the venv is complete.
 #
-#   scripts/setup_env.sh [VENV] [TORCH_VERSION] [EXTRAS]     (defaults: .venv 2.13.0 titan,test)
+#   scripts/setup_env.sh [VENV] [TORCH_VERSION] [EXTRAS]     (defaults: .venv 2.13.0 titan,test,bench)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.venv}"
 TORCH="${2:-${TORCH_VERSION:-2.13.0}}"
-EXTRAS="${3:-titan,test}"
+EXTRAS="${3:-titan,test,bench}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.seq1f1b-setup"
 WANT="$(cat pyproject.toml scripts/constraints.txt scripts/setup_env.sh | sha256sum | cut -c1-16)"

@@ -301,8 +301,13 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
             if self.scale_grads:
                 tokens = [count_tokens(t, self.ignore_index) for t in target_units]
                 total = sum(tokens)
-                if total > 0:
-                    self._unit_loss_weights = [len(tokens) * t / total for t in tokens]
+                if total == 0:
+                    raise ValueError(
+                        f"every target of this batch is ignore_index={self.ignore_index}: a mean "
+                        "loss over zero tokens is undefined. Drop the batch, or pass "
+                        "scale_grads=False with a sum loss"
+                    )
+                self._unit_loss_weights = [len(tokens) * t / total for t in tokens]
         return arg_units, kwarg_units, target_units
 
     def _prepare_step(self, args: tuple, kwargs: dict, target: Any) -> tuple[list, list, Any]:
@@ -430,6 +435,10 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         """torch's per-unit loss, weighted by the unit's share of the batch's tokens."""
         loss = super().unit_loss(stage, output, target, mb_index, loss_kwargs)
         weight = self._unit_loss_weights[mb_index]
+        if weight == 0.0:
+            # no token counts (all ignore_index): a mean loss is 0/0 = NaN; the unit adds
+            # nothing to the batch loss and its gradient is zero either way
+            return torch.where(loss.isnan(), torch.zeros_like(loss), loss) * 0.0
         return loss * weight if weight != 1.0 else loss
 
     def after_stage_init(self) -> None:
