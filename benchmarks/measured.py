@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from seq1f1b import ModelShape, ScheduleBitPipe, ScheduleSeq1F1B
+from seq1f1b import ModelShape, ScheduleBitPipe
 from seq1f1b.bitpipe import BitPipeLayout, new_pair_group
+from seq1f1b.registry import ScheduleEntry, lookup
 from seq1f1b.testing import TinyConfig, build_stages
 
 from .probe import ActionRecord, ProbedBitPipeStage, ProbedStage, RankProbe, SavedTensorMeter
@@ -44,7 +44,6 @@ from .replay import replay_step_time
 __all__ = ["RunSpec", "Setting", "measure", "model_shape"]
 
 TIMEOUT = timedelta(seconds=600)
-_STAGES_PER_RANK = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2, "Seq1F1B": 1, "BitPipe": 4}
 
 
 @dataclass(frozen=True)
@@ -58,24 +57,28 @@ class RunSpec:
     memory_only: bool = False  # one step, memory only (no timed steps)
 
     @property
+    def entry(self) -> ScheduleEntry:
+        return lookup(self.schedule)
+
+    @property
     def label(self) -> str:
         name = self.schedule
-        if self.schedule == "Seq1F1B":
-            name = f"Seq1F1B K={self.seq_chunks} {self.split}"
+        if self.entry.seq_chunked:
+            name = f"{self.schedule} K={self.seq_chunks} {self.split}"
         return name if self.seq_len is None else f"{name} @{self.seq_len}"
 
     @property
     def stages_per_rank(self) -> int:
-        return _STAGES_PER_RANK[self.schedule]
+        return self.entry.stages_per_rank
 
     @property
     def replicas(self) -> int:
         """Independent pipelines in the stage id space (BitPipe's two model replicas)."""
-        return 2 if self.schedule == "BitPipe" else 1
+        return self.entry.replicas
 
     def model_stages(self, pp: int) -> int:
         """Stages one copy of the model is cut into (BitPipe: 2*pp, for each replica)."""
-        return pp * self.stages_per_rank // self.replicas
+        return self.entry.model_stages(pp)
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,8 @@ class _Run:
         self.spec = spec
         self.result = RunResult(spec.label)
         self.x, self.y = _data(setting, _seq_len(setting, spec))
-        if spec.schedule == "BitPipe":
+        entry = spec.entry
+        if entry.replicas == 2:
             self._bitpipe(rank, world, setting, probe)
             return
         n = world * spec.stages_per_rank
@@ -151,14 +155,9 @@ class _Run:
         self.params = [p for s in self.mine for p in mods[s].parameters()]
         self.first, self.last = 0 in self.mine, n - 1 in self.mine
         m = setting.microbatches
-        if spec.schedule == "1F1B":
-            self.sched: Any = Schedule1F1B(stages[0], m, loss_fn=_loss_fn)
-        elif spec.schedule == "GPipe":
-            self.sched = ScheduleGPipe(stages[0], m, loss_fn=_loss_fn)
-        elif spec.schedule == "Interleaved1F1B":
-            self.sched = ScheduleInterleaved1F1B(stages, m, loss_fn=_loss_fn)
-        elif spec.schedule == "Seq1F1B":
-            self.sched = ScheduleSeq1F1B(
+        cls = entry.schedule_class()
+        if entry.seq_chunked:
+            self.sched: Any = cls(
                 stages,
                 m,
                 spec.seq_chunks,
@@ -168,7 +167,7 @@ class _Run:
                 seq_len=_seq_len(setting, spec),
             )
         else:
-            raise ValueError(f"unknown schedule {spec.schedule!r}: use one of {_STAGES_PER_RANK}")
+            self.sched = cls(stages[0] if entry.single_stage else stages, m, loss_fn=_loss_fn)
 
     @property
     def param_bytes(self) -> int:
@@ -208,7 +207,7 @@ class _Run:
 
 
 def _trace(records: list[ActionRecord], spec: RunSpec) -> list[dict[str, Any]]:
-    k = spec.seq_chunks if spec.schedule == "Seq1F1B" else 1
+    k = spec.seq_chunks if spec.entry.seq_chunked else 1
     out = []
     for r in records:
         m, seg = divmod(r.microbatch, k)
@@ -326,7 +325,7 @@ def _merge(setting: Setting, spec: RunSpec, per_rank: list[dict[str, Any]]) -> d
         "label": spec.label,
         "schedule": spec.schedule,
         "seq_chunks": spec.seq_chunks,
-        "split": spec.split if spec.schedule == "Seq1F1B" else None,
+        "split": spec.split if spec.entry.seq_chunked else None,
         "pp": setting.pp,
         "microbatches": setting.microbatches,
         "seq_len": seq_len,

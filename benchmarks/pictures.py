@@ -24,7 +24,7 @@ def _sim_panel(
     spec: ScheduleSpec, split: str, shape: ModelShape, seq_len: int, base: float | None
 ) -> tuple[Panel, float]:
     res, _ = simulate_spec(spec, shape, seq_len, split)
-    k = spec.seq_chunks if spec.name.endswith("Seq1F1B") else 1
+    k = spec.seq_chunks if spec.entry.seq_chunked else 1
     name = spec.label + (f" {split}" if k > 1 else "")
     rel = f", time {res.makespan / base:.2f}x 1F1B" if base else ""
     title = f"{name}: bubble {res.bubble_ratio:.3f}{rel}"

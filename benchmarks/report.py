@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from seq1f1b.registry import BASELINE_NAME, is_baseline
+
 __all__ = ["markdown_report"]
 
 MIB = 1024 * 1024
@@ -39,7 +41,7 @@ def measured_table(runs: Sequence[dict[str, Any]], timed: bool) -> list[str]:
     hold two stages per rank, BitPipe four, and per-stage numbers are in results.json).
     Weights: parameter bytes per rank, averaged over ranks (BitPipe holds two replicas).
     """
-    base = next((r for r in runs if r["schedule"] == "1F1B"), None)
+    base = next((r for r in runs if is_baseline(r["schedule"])), None)
     n_ranks = max(len(r["peak_activation_rank_bytes"]) for r in runs)
     rss = any(r.get("peak_rss_bytes") for r in runs)
     head = ["schedule"]
@@ -109,7 +111,7 @@ def simulation_table(rows: Sequence[dict[str, Any]], pp: int, m: int, seq_len: i
 
 
 def budget_table(rows: Sequence[dict[str, Any]]) -> list[str]:
-    base = next((r for r in rows if r["label"] == "1F1B"), None)
+    base = next((r for r in rows if r["label"] == BASELINE_NAME), None)
     head = [
         "schedule",
         "KiB / token (fit)",

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from seq1f1b.planner import MemoryModel, plan
+from seq1f1b.registry import is_baseline, lookup
 
 from .budget import budget_rows, verify_rows
 from .measured import RunSpec, Setting, measure, model_shape
@@ -54,12 +55,12 @@ def _simulated(runs: list[dict[str, Any]], preset: Preset) -> None:
     shape = model_shape(preset.model)
     spans = {}
     for r in runs:
-        k = r["seq_chunks"] if r["schedule"] == "Seq1F1B" else 1
+        k = r["seq_chunks"] if lookup(r["schedule"]).seq_chunked else 1
         spec = ScheduleSpec(r["schedule"], r["pp"], r["microbatches"], k)
         res, _ = simulate_spec(spec, shape, r["seq_len"], r["split"] or "uniform")
         r["simulated_bubble_ratio"] = res.bubble_ratio
         spans[r["label"]] = res.makespan
-    base = next((spans[r["label"]] for r in runs if r["schedule"] == "1F1B"), None)
+    base = next((spans[r["label"]] for r in runs if is_baseline(r["schedule"])), None)
     for r in runs:
         r["simulated_time_vs_1f1b"] = spans[r["label"]] / base if base else None
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from seq1f1b._runtime import Action, ComputationType
 from seq1f1b.partition import ModelShape, resolve_split
+from seq1f1b.registry import is_baseline
 from seq1f1b.simulate import FlopsCosts, SimResult, simulate
 
 from .orders import ScheduleSpec, pipeline_order
@@ -32,37 +33,24 @@ PAPER_SHAPE = ModelShape(hidden=4096, n_heads=32, n_layers=32, vocab=50304)
 
 def formula_bubble(spec: ScheduleSpec) -> float | None:
     """Closed-form idle fraction with equal costs; None where there is no simple form."""
-    p, m, k, v = spec.pp, spec.microbatches, spec.seq_chunks, spec.stages_per_rank
-    if spec.name == "BitPipe":  # published, with t_b = t_f (REFERENCE section 2)
-        return (p - 2) / (4 * m + p - 2)
-    units = {
-        "GPipe": m,
-        "1F1B": m,
-        "Interleaved1F1B": v * m,
-        "Seq1F1B": k * m,
-        "InterleavedSeq1F1B": v * k * m,
-    }.get(spec.name)
-    return None if units is None else (p - 1) / (units + p - 1)
+    f = spec.entry.bubble_formula
+    return (
+        None if f is None else f(spec.pp, spec.microbatches, spec.seq_chunks, spec.stages_per_rank)
+    )
 
 
 def formula_memory(spec: ScheduleSpec) -> float | None:
     """Closed-form peak activations on rank 0 (= stage 0), in units of one sample's (A)."""
-    p, m, k = spec.pp, spec.microbatches, spec.seq_chunks
-    if spec.name == "GPipe":
-        return float(m)
-    if spec.name == "1F1B":
-        return float(min(p, m))
-    if spec.name == "Seq1F1B":
-        return min(p + k - 1, m * k) / k
-    if spec.name == "BitPipe":  # 2*pp chunk passes of A/2 (fewer when M/2 per replica runs out)
-        return float(min(p, m))
-    return None
+    f = spec.entry.memory_formula
+    return (
+        None if f is None else f(spec.pp, spec.microbatches, spec.seq_chunks, spec.stages_per_rank)
+    )
 
 
 def _equal_cost(spec: ScheduleSpec):
-    """Equal-cost units, backward = 2 forwards; BitPipe's formula assumes backward = forward."""
+    """Equal-cost units with the backward cost the schedule's published formula assumes."""
     unit = 1.0 / (spec.stages_per_rank * spec.seq_chunks)
-    backward = 1.0 if spec.name == "BitPipe" else 2.0
+    backward = spec.entry.formula_backward_cost
 
     def cost(a: Action) -> float:
         if a.computation_type == ComputationType.FULL_BACKWARD:
@@ -76,7 +64,7 @@ def simulate_spec(
     spec: ScheduleSpec, shape: ModelShape, seq_len: int, split: str = "compute"
 ) -> tuple[SimResult, FlopsCosts]:
     """Simulate ``spec`` with FLOPs costs of ``shape`` at ``seq_len`` (split for Seq1F1B)."""
-    k = spec.seq_chunks if spec.name.endswith("Seq1F1B") else 1
+    k = spec.seq_chunks if spec.entry.seq_chunked else 1
     lengths = resolve_split(split, seq_len, k, shape=shape) if k > 1 else [seq_len]
     costs = FlopsCosts(shape, tuple(lengths), spec.model_stages, spec.pp)
     order = pipeline_order(spec)
@@ -142,7 +130,7 @@ def simulation_table(
                         ],
                     )
                     group.append(row)
-                base = next(r["makespan_flops"] for r in group if r["schedule"] == "1F1B")
+                base = next(r["makespan_flops"] for r in group if is_baseline(r["schedule"]))
                 for r in group:
                     if "makespan_flops" in r:
                         r["time_vs_1f1b"] = r["makespan_flops"] / base

@@ -1,4 +1,1 @@
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
+"""pytest: helper modules and benchmarks/ come from ``pythonpath`` in pyproject.toml."""

@@ -96,9 +96,18 @@ def grid(world: int) -> list[Case]:
     return cases
 
 
-def run_grid(rank: int, world: int) -> None:
+def run_grid(rank: int, world: int, stages_per_rank: int) -> None:
+    """Every case of the grid with this many stages per rank; all mismatches reported at once
+    (an assertion comes after the step, so the ranks stay in step after a failed case)."""
+    failures = []
     for case in grid(world):
-        run_case(rank, world, case)
+        if case.stages_per_rank != stages_per_rank:
+            continue
+        try:
+            run_case(rank, world, case)
+        except AssertionError as exc:
+            failures.append(f"{case}: {exc}")
+    assert not failures, f"{len(failures)} cases differ from the reference:\n" + "\n".join(failures)
 
 
 def run_eval_case(rank: int, world: int, case: Case) -> None:

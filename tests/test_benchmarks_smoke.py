@@ -86,8 +86,6 @@ def test_pictures(smoke_out: Path) -> None:
 
 
 def test_budget_fit_and_step_down() -> None:
-    if str(ROOT) not in sys.path:  # benchmarks/ is not an installed package
-        sys.path.insert(0, str(ROOT))
     from benchmarks.budget import budget_rows, fit_line, verify_rows
 
     a, b, worst = fit_line([(1024, 1124.0), (2048, 2148.0), (4096, 4196.0)])

@@ -132,20 +132,16 @@ def test_repeated_steps_do_not_grow_memory() -> None:
 
 
 def _bad_input_fails_every_rank(rank: int, world: int) -> None:
-    import time
-
     mods = build_stages(CFG, world)
     stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
     sched = ScheduleSeq1F1B([stage], 2, 2, loss_fn)
     x, y = data_case()
-    start = time.monotonic()
     if rank == 0:  # batch 5 is not divisible by n_microbatches=2
         with pytest.raises(ValueError, match="not divisible by n_microbatches=2"):
             sched.step(x[:5])
     else:
         with pytest.raises(RuntimeError, match="another pipeline rank rejected its inputs"):
-            sched.step(target=y)
-    assert time.monotonic() - start < 30  # no rank waits for a timeout
+            sched.step(target=y)  # this message, not a timeout: no rank waited for traffic
     # the schedule stays usable after the rejected step
     sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
 

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import time
-from pathlib import Path
-
 import pytest
 from mockstages import MockStage, mock_stages
 from torch.distributed.pipelining.schedules import (
@@ -20,6 +16,7 @@ from seq1f1b.order import OrderSpec, build_orders
 from seq1f1b.partition import ModelShape, resolve_split
 from seq1f1b.planner import main as planner_main
 from seq1f1b.planner import plan
+from seq1f1b.registry import lookup
 from seq1f1b.simulate import FlopsCosts, compute_actions, simulate
 
 F, B = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
@@ -49,8 +46,9 @@ def test_1f1b_bubble_and_memory_match_closed_form(pp: int, m: int) -> None:
 @pytest.mark.parametrize("pp,m,k", [(2, 2, 4), (4, 8, 2), (4, 8, 4), (8, 8, 8), (8, 16, 4)])
 def test_seq1f1b_equal_cost_bubble_matches_formula(pp: int, m: int, k: int) -> None:
     res = simulate(build_orders(OrderSpec(pp, 1, m, k)), unit_cost(k))
-    expected = (pp - 1) / (k * m + pp - 1)
-    assert abs(res.bubble_ratio - expected) <= 0.05 * expected
+    # the simulator is exact: equal-cost units give the formula to rounding error
+    assert res.bubble_ratio == pytest.approx((pp - 1) / (k * m + pp - 1), rel=1e-9)
+    assert res.makespan == pytest.approx((k * m + pp - 1) * 3 / k)  # F + B = 3 per sample
     # stage 0 holds the published warm-up plus one: (pp + K - 1) units of 1/K sample each
     assert res.peak_activation_stage[0] == min(pp + k - 1, m * k)
 
@@ -58,7 +56,7 @@ def test_seq1f1b_equal_cost_bubble_matches_formula(pp: int, m: int, k: int) -> N
 def test_interleaved_seq1f1b_bubble() -> None:
     pp, m, k, v = 4, 8, 4, 2
     res = simulate(build_orders(OrderSpec(pp, v, m, k)), unit_cost(k, v))
-    assert res.bubble_ratio == pytest.approx((pp - 1) / (v * k * m + pp - 1), rel=0.05)
+    assert res.bubble_ratio == pytest.approx((pp - 1) / (v * k * m + pp - 1), rel=1e-9)
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 4), (4, 8), (6, 12), (8, 16)])
@@ -94,7 +92,8 @@ def test_causal_costs_compute_split_beats_uniform() -> None:
         costs = FlopsCosts(SHAPE_7B, tuple(lengths), pp, pp)
         bubbles[split] = simulate(order, costs.cost, activation=costs.activation).bubble_ratio
     assert bubbles["compute"] < bubbles["uniform"]
-    assert bubbles["compute"] == pytest.approx((pp - 1) / (k * m + pp - 1), rel=0.05)
+    # equal FLOPs up to whole-token segment lengths: the formula to 0.1%
+    assert bubbles["compute"] == pytest.approx((pp - 1) / (k * m + pp - 1), rel=1e-3)
 
 
 def test_flops_costs_later_uniform_segments_cost_more() -> None:
@@ -150,28 +149,23 @@ def test_deadlock_and_missing_actions_raise() -> None:
         simulate({0: [Action(0, F, 0)], 1: [Action(1, F, 1)]}, unit_cost())
 
 
-def test_large_pipeline_runs_in_seconds() -> None:
+def test_large_pipeline_simulates_exactly() -> None:
     order = build_orders(OrderSpec(64, 1, 128, 8))  # 1024 units on 64 ranks
-    t0 = time.perf_counter()
     res = simulate(order, unit_cost(8))
-    assert time.perf_counter() - t0 < 10
-    assert res.bubble_ratio == pytest.approx(63 / (1024 + 63))
+    assert res.bubble_ratio == pytest.approx(63 / (1024 + 63), rel=1e-9)
 
 
 def test_torch_1f1b_order_is_repaired_and_matches_formula() -> None:
-    root = str(Path(__file__).resolve().parents[1])
-    if root not in sys.path:  # benchmarks/ is not an installed package
-        sys.path.insert(0, root)
-    from benchmarks.orders import ScheduleSpec, pipeline_order
-
-    order = pipeline_order(ScheduleSpec("1F1B", 4, 6))
+    order = lookup("1F1B").compute_orders(4, 6)
     res = simulate(order, unit_cost())
     assert res.bubble_ratio == pytest.approx(3 / 9)
 
 
 def test_planner_recommends_and_prints_toml(capsys: pytest.CaptureFixture[str]) -> None:
     p = plan(SHAPE_7B, 32768, 8, 8, 40e9, chunks=(1, 2, 4, 8))
-    assert p.recommended is None or p.recommended.max_bytes <= 40e9
+    # 7B at 32k on pp=8 without recomputation does not fit 40 GB at any K: nothing recommended
+    assert p.recommended is None
+    assert min(c.max_bytes for c in p.candidates) > 40e9
     big = plan(SHAPE_7B, 32768, 8, 8, 1e12, chunks=(1, 2, 4, 8))
     assert big.recommended is not None and big.recommended.seq_chunks == 8
     mems = [c.max_bytes for c in big.candidates]

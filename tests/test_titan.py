@@ -201,3 +201,30 @@ DP1 = ["--parallelism.data_parallel_shard_degree", "1"]
 def test_bitpipe_composes(seed, reference, reference_dp2, tmp_path, dims, dp2):
     run = run_titan(4, *PP2, *seed, *BITPIPE, *dims, dump=tmp_path)
     assert_same_curve(run, reference_dp2 if dp2 else reference)
+
+
+def test_launcher_runs_from_another_directory(tmp_path: Path) -> None:
+    # a user's project: their own TOML, a relative CONFIG_FILE, outputs where they asked
+    import os
+    import subprocess
+
+    from titan_utils import CONFIG, FAST, ROOT
+
+    shutil.copy(CONFIG, tmp_path / "my.toml")
+    env = dict(os.environ, CONFIG_FILE="./my.toml", NGPU="2", OMP_NUM_THREADS="1")
+    args = [*FAST, "--training.steps", "2", "--job.dump_folder", "./my_outputs"]
+    proc = subprocess.run(
+        ["bash", str(ROOT / "run_train.sh"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "+ " in out and "--job.config_file ./my.toml" in out  # the command is echoed
+    assert "setting up" not in out  # .venv is set up: no pip on a later launch
+    assert (tmp_path / "my_outputs" / "tb").is_dir(), sorted(p.name for p in tmp_path.iterdir())
+    assert not (ROOT / "my_outputs").exists()

@@ -7,4 +7,6 @@ a ``llama3`` train spec whose pipelining function understands the ``Seq1F1B`` an
 ``InterleavedSeq1F1B`` schedule names (:mod:`.spec`, :mod:`.pipeline`).
 """
 
-SCHEDULE_NAMES = ("Seq1F1B", "InterleavedSeq1F1B")
+from seq1f1b.registry import schedule_names
+
+SCHEDULE_NAMES = tuple(schedule_names(ours=True))  # the names this integration adds

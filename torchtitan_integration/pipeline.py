@@ -13,31 +13,23 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining.schedules import get_schedule_class
 
-from seq1f1b import ModelShape, ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B, resolve_split
+from seq1f1b import ModelShape, resolve_split
+from seq1f1b.registry import ScheduleEntry, lookup, schedule_names
 
-from . import SCHEDULE_NAMES
 from .model import make_chunk_aware
 
 logger = logging.getLogger(__name__)
 
 
-def is_seq1f1b(name: str) -> bool:
-    return name.lower() in (n.lower() for n in SCHEDULE_NAMES)
-
-
-def check_schedule_name(name: str) -> None:
-    """Fail at start-up, naming the TOML key, for a schedule nobody knows."""
-    if is_seq1f1b(name) or name.lower() == "bitpipe":
-        return
+def check_schedule_name(name: str) -> ScheduleEntry:
+    """The registry entry of a TOML schedule name; fails at start-up, naming the TOML key."""
     try:
-        get_schedule_class(name)
+        return lookup(name)
     except ValueError:
         raise ValueError(
             f"[parallelism] pipeline_parallel_schedule = {name!r} is unknown: use one of "
-            f"{[*SCHEDULE_NAMES, 'BitPipe']} or torch's 1F1B, Interleaved1F1B, GPipe, LoopedBFS, "
-            "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV"
+            f"{schedule_names(ours=True)} or torch's {schedule_names(ours=False)}"
         ) from None
 
 
@@ -70,8 +62,8 @@ def model_shape(model: nn.Module, model_args: Any) -> ModelShape:
 
 
 def stages_per_rank(job_config: Any, n_layers: int, pp: int) -> int:
-    name = job_config.parallelism.pipeline_parallel_schedule
-    if name.lower() == "seq1f1b":
+    entry = check_schedule_name(job_config.parallelism.pipeline_parallel_schedule)
+    if entry.max_stages_per_rank == 1:
         return 1
     layers_per_stage = job_config.parallelism.pipeline_parallel_layers_per_stage
     if layers_per_stage is not None:
@@ -94,17 +86,19 @@ def check_config(
 ) -> list[int]:
     """Validate the Seq1F1B settings at start-up; returns the segment lengths."""
     cfg = job_config.seq1f1b
-    name = job_config.parallelism.pipeline_parallel_schedule
+    entry = check_schedule_name(job_config.parallelism.pipeline_parallel_schedule)
     if isinstance(cfg.seq_chunks, bool) or cfg.seq_chunks < 1:
         raise ValueError(
             f"[seq1f1b] seq_chunks = {cfg.seq_chunks} must be >= 1 (1 = plain 1F1B over samples)"
         )
     v = stages_per_rank(job_config, n_layers, pp)
-    if name.lower() == "interleavedseq1f1b" and v < 2:
+    try:
+        entry.check_stages_per_rank(v)
+    except ValueError as exc:
         raise ValueError(
-            f"[seq1f1b] stages_per_rank = {v}: InterleavedSeq1F1B needs >= 2 stages per rank; "
-            "use pipeline_parallel_schedule = 'Seq1F1B' for one"
-        )
+            f"[seq1f1b] stages_per_rank = {v}: {exc}; use pipeline_parallel_schedule = "
+            "'Seq1F1B' for one stage per rank"
+        ) from None
     if pp * v > n_layers + 2:
         raise ValueError(
             f"{pp * v} pipeline stages (pipeline_parallel_degree = {pp} x {v} per rank) cannot be "
@@ -141,15 +135,14 @@ def pipeline_seq1f1b(
         pipeline_module_split,
     )
 
-    name = job_config.parallelism.pipeline_parallel_schedule
-    check_schedule_name(name)
-    if name.lower() == "bitpipe":
+    entry = check_schedule_name(job_config.parallelism.pipeline_parallel_schedule)
+    if entry.replicas == 2:
         from .bitpipe import pipeline_bitpipe
 
         return pipeline_bitpipe(
             model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn
         )
-    if not is_seq1f1b(name):
+    if not entry.seq_chunked:
         return pipeline_llm(
             model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn
         )
@@ -182,7 +175,7 @@ def pipeline_seq1f1b(
             f"[training] local_batch_size = {batch} is not divisible by [parallelism] "
             f"pipeline_parallel_microbatch_size = {mb_size}"
         )
-    cls = ScheduleSeq1F1B if v == 1 else ScheduleInterleavedSeq1F1B
+    cls = entry.schedule_class()
     schedule = cls(
         stages,
         batch // mb_size,
