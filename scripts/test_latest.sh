@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_LATEST="${TORCH_LATEST:-2.15.0}"
-bash scripts/setup_env.sh .venv-latest "$TORCH_LATEST" test
+bash scripts/setup_env.sh .venv-latest "$TORCH_LATEST" test,bench
 export OMP_NUM_THREADS=1
 exec .venv-latest/bin/python -m pytest -q "$@"

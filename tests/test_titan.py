@@ -7,11 +7,22 @@ torchtitan's own PP gradient scaling by the global token count (its issue 2972) 
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
-from titan_utils import assert_same_curve, run_titan, titan_available
+from titan_utils import (
+    CONFIG,
+    FAST,
+    ROOT,
+    assert_same_curve,
+    run_titan,
+    titan_available,
+    titan_command,
+)
 
 titan_available()
 
@@ -160,7 +171,7 @@ def test_checkpoint_resume_reproduces_loss_curve(seed, tmp_path):
                 "--seq1f1b.stages_per_rank",
                 "8",
             ],
-            "cannot be placed on a model with 6 layers",
+            "cannot be placed on a model with 6 layers: at most n_layers + 2 = 8",
         ),
     ],
 )
@@ -205,11 +216,6 @@ def test_bitpipe_composes(seed, reference, reference_dp2, tmp_path, dims, dp2):
 
 def test_launcher_runs_from_another_directory(tmp_path: Path) -> None:
     # a user's project: their own TOML, a relative CONFIG_FILE, outputs where they asked
-    import os
-    import subprocess
-
-    from titan_utils import CONFIG, FAST, ROOT
-
     shutil.copy(CONFIG, tmp_path / "my.toml")
     env = dict(os.environ, CONFIG_FILE="./my.toml", NGPU="2", OMP_NUM_THREADS="1")
     args = [*FAST, "--training.steps", "2", "--job.dump_folder", "./my_outputs"]
@@ -228,3 +234,27 @@ def test_launcher_runs_from_another_directory(tmp_path: Path) -> None:
     assert "setting up" not in out  # .venv is set up: no pip on a later launch
     assert (tmp_path / "my_outputs" / "tb").is_dir(), sorted(p.name for p in tmp_path.iterdir())
     assert not (ROOT / "my_outputs").exists()
+
+
+def test_default_run_visibly_learns(tmp_path: Path) -> None:
+    # the README's promise for `./run_train.sh`: loss 8.11 at step 1, about 5.7 by step 30
+    import subprocess
+
+    from titan_utils import CONFIG
+
+    cmd, env = titan_command(2, dump=tmp_path)
+    cmd = cmd[: cmd.index("--job.dump_folder") + 2]  # the default TOML as it is, no FAST overrides
+    cmd += ["--metrics.disable_color_printing"]
+    assert str(CONFIG) in cmd
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    losses = {
+        int(s): float(v)
+        for s, v in re.findall(r"step:\s*(\d+)\s+loss:\s*([\d.]+)", out)
+        if float(v) >= 0
+    }
+    assert sorted(losses) == list(range(1, 31)), out[-3000:]
+    assert abs(losses[1] - 8.11) < 0.05, losses[1]
+    last5 = sum(losses[s] for s in range(26, 31)) / 5
+    assert last5 <= losses[1] - 2.0, (losses[1], last5)  # the README's stated margin

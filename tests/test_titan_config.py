@@ -13,7 +13,7 @@ if importlib.util.find_spec("torchtitan") is None:
 
 from torchtitan_integration import cpu
 
-cpu.install()
+_CPU = cpu.install()  # torchtitan must see "cpu" when it is first imported (undone below)
 
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.models.llama3 import llama3_args  # noqa: E402
@@ -56,3 +56,25 @@ def test_bitpipe_start_up_check_names_the_key() -> None:
     with pytest.raises(ValueError, match="pipeline_parallel_degree = 3: BitPipe pairs rank r"):
         check_bitpipe(SimpleNamespace(pp=3))
     check_bitpipe(SimpleNamespace(pp=4))  # FSDP/TP/DP-replicate degrees are not refused
+
+
+def teardown_module() -> None:
+    if _CPU is not None:
+        _CPU.uninstall()
+
+
+def test_cpu_patches_are_undone_and_redone() -> None:
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.utils as dist_utils
+
+    patched = (metrics.DeviceMemoryMonitor, dist_utils.set_pg_timeouts)
+    with cpu.cpu_support() as patches:
+        assert patches is not None  # no CUDA here
+        assert metrics.DeviceMemoryMonitor is cpu.CPUMemoryMonitor
+    # leaving the block restores what was there before it (the module-level install)
+    assert (metrics.DeviceMemoryMonitor, dist_utils.set_pg_timeouts) == patched
+    patches = cpu.install()
+    assert patches is not None
+    patches.uninstall()
+    patches.uninstall()  # twice is harmless
+    assert metrics.DeviceMemoryMonitor is cpu.CPUMemoryMonitor  # the module-level one remains

@@ -22,6 +22,10 @@ FAST = [
     "4",
     "--training.steps",
     "5",
+    "--optimizer.lr",  # the equivalence runs keep the small learning rate they were tuned at
+    "8e-4",
+    "--lr_scheduler.warmup_steps",
+    "2",
     "--metrics.disable_color_printing",
 ]
 _STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.]+)\s+grad_norm:\s*([-\d.]+)")

@@ -4,7 +4,7 @@ BitPipe keeps two copies of every layer chunk (one per replica, on partner ranks
 In torchtitan the model is built on the meta device and initialised (or loaded) after the
 pipelining function returns, so the twins cannot be made identical at build time: the trainer
 copies each chunk from its replica-A copy to its B copy once, before the first step
-(:func:`sync_twins_once`). Gradient clipping must count each chunk once, not twice
+(:func:`sync_twins`). Gradient clipping must count each chunk once, not twice
 (:func:`clip_counting_each_chunk_once`), so that grad_norm and clipping match an unpipelined run.
 """
 
@@ -79,27 +79,24 @@ def pipeline_bitpipe(
     schedule = ScheduleBitPipe(
         stages, batch // mb, loss_fn, pair_group=pair_group, scale_grads=False
     )
-    schedule.titan_twins = (layout, pair_group)  # read by sync_twins_once
     return schedule, parts, any(s.is_first for s in stages), any(s.is_last for s in stages)
 
 
-def sync_twins_once(schedule: Any) -> None:
+def sync_twins(schedule: ScheduleBitPipe) -> None:
     """Make both replicas identical after torchtitan initialised or loaded the weights."""
-    twins = getattr(schedule, "titan_twins", None)
-    if twins is None or getattr(schedule, "titan_twins_synced", False):
-        return
-    layout, pair_group = twins
-    broadcast_twins(schedule.local_stages, layout, pair_group)
-    schedule.titan_twins_synced = True
+    assert schedule.pair_group is not None
+    broadcast_twins(schedule.local_stages, schedule.layout, schedule.pair_group)
 
 
-def clip_counting_each_chunk_once(clip: Callable[..., torch.Tensor], schedule: Any) -> Callable:
+def clip_counting_each_chunk_once(
+    clip: Callable[..., torch.Tensor], schedule: ScheduleBitPipe
+) -> Callable:
     """torchtitan's clip_grad_norm_, with the norm taken over replica A's chunks only.
 
     Every chunk exists on two ranks with identical (summed) gradients; counting both would
     report and clip at sqrt(2) times the model's gradient norm.
     """
-    layout = schedule.titan_twins[0]
+    layout = schedule.layout
     a_params = {
         id(p)
         for s in schedule.local_stages

@@ -1,23 +1,32 @@
-"""CPU/gloo support for torchtitan 0.2.2 — the one place where torchtitan is patched.
+"""CPU/gloo support for torchtitan 0.2.2, and the list of every patch this integration makes.
 
 torchtitan picks its device once, at import (``tools.utils.device_type`` falls back to "cuda"
-when no accelerator is found) and then assumes the CUDA allocator and NCCL. Without a GPU we:
+when no accelerator is found) and then assumes the CUDA allocator and NCCL. The patches, all
+made by :func:`install` (called only by the train entry, ``train.run``) and undone by the
+handle it returns:
 
-1. import torchtitan while torch reports "cpu" as the available device type, so torchtitan's
-   own code selects the CPU device and the gloo backend (``default_device_backend_map``);
-2. replace its device memory monitor with one that reads the process's real resident memory
-   (``/proc/self/status``: VmRSS now, VmHWM peak; the peak is reset through
-   ``/proc/self/clear_refs``), so the memory metrics are measurements, not zeros;
-3. replace ``set_pg_timeouts``, whose barrier passes CUDA ``device_ids`` that gloo rejects.
+1. torchtitan is imported while torch reports "cpu" as the available device type, so its own
+   code selects the CPU device and the gloo backend; modules that copied the device choice
+   before are rebound to "cpu" (and back on undo);
+2. its device memory monitor reads the process's real resident memory (``/proc/self/status``:
+   VmRSS now, VmHWM peak, reset through ``/proc/self/clear_refs``), so the memory metrics are
+   measurements, not zeros;
+3. ``set_pg_timeouts``, whose barrier passes CUDA ``device_ids`` that gloo rejects, is replaced;
+4. (any device, BitPipe only) for the length of one ``train_step``, torchtitan's
+   ``clip_grad_norm_`` takes the norm over each layer chunk once (``trainer.py``), since BitPipe
+   holds every chunk twice; torchtitan offers no hook for the norm.
 
-Nothing is changed when CUDA is available. Checked against torchtitan 0.2.2.
+Nothing is changed when CUDA is available (patch 4 apart). Checked against torchtitan 0.2.2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +36,6 @@ from seq1f1b._runtime import device_type_reported_as, set_pg_timeout
 
 logger = logging.getLogger(__name__)
 
-_INSTALLED = False
 # modules that bind torchtitan.tools.utils.device_type / device_module at import
 _DEVICE_MODULES = (
     "torchtitan.tools.utils",
@@ -88,34 +96,65 @@ def _set_pg_timeouts(timeout: timedelta, parallel_dims: Any) -> None:
         set_pg_timeout(timeout, group)
 
 
-def install() -> bool:
-    """Make torchtitan run on CPU with gloo when there is no GPU; True if it did anything.
+@dataclass
+class CPUSupport:
+    """What :func:`install` changed, so that :meth:`uninstall` can put it back."""
+
+    saved: list[tuple[Any, str, Any]] = field(default_factory=list)
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        self.saved.append((obj, name, getattr(obj, name, _MISSING)))
+        setattr(obj, name, value)
+
+    def uninstall(self) -> None:
+        for obj, name, value in reversed(self.saved):
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+        self.saved.clear()
+
+
+_MISSING = object()
+
+
+def install() -> CPUSupport | None:
+    """Make torchtitan run on CPU with gloo when there is no GPU; None if nothing was needed.
 
     Best called before anything imports torchtitan; if it was imported earlier, the modules
     that copied its device choice are rebound.
     """
-    global _INSTALLED
-    if _INSTALLED:
-        return True
     if torch.cuda.is_available():
-        return False
+        return None
     with device_type_reported_as("cpu"):
         import torchtitan.distributed.dual_pipe_v  # reads the device at import, like tools.utils
         import torchtitan.tools.utils
         import torchtitan.train
+    patches = CPUSupport()
     # if torchtitan was imported before us, its modules hold "cuda": rebind them
     for name in _DEVICE_MODULES:
         module = sys.modules.get(name)
         if module is not None and hasattr(module, "device_type"):
-            module.device_type, module.device_module = "cpu", torch.cpu
+            patches.set(module, "device_type", "cpu")
+            patches.set(module, "device_module", torch.cpu)
 
     import torchtitan.components.metrics as metrics
     import torchtitan.distributed.utils as dist_utils
 
-    metrics.DeviceMemoryMonitor = CPUMemoryMonitor
-    metrics.build_device_memory_monitor = CPUMemoryMonitor
-    dist_utils.set_pg_timeouts = _set_pg_timeouts
+    patches.set(metrics, "DeviceMemoryMonitor", CPUMemoryMonitor)
+    patches.set(metrics, "build_device_memory_monitor", CPUMemoryMonitor)
+    patches.set(dist_utils, "set_pg_timeouts", _set_pg_timeouts)
     assert torchtitan.tools.utils.device_type == "cpu"
-    _INSTALLED = True
     logger.info("torchtitan runs on CPU with gloo (no CUDA device found)")
-    return True
+    return patches
+
+
+@contextlib.contextmanager
+def cpu_support() -> Iterator[CPUSupport | None]:
+    """The patches for the duration of a ``with`` block (the train entry's whole run)."""
+    patches = install()
+    try:
+        yield patches
+    finally:
+        if patches is not None:
+            patches.uninstall()

@@ -102,8 +102,9 @@ def check_config(
     if pp * v > n_layers + 2:
         raise ValueError(
             f"{pp * v} pipeline stages (pipeline_parallel_degree = {pp} x {v} per rank) cannot be "
-            f"placed on a model with {n_layers} layers: lower [seq1f1b] stages_per_rank or the "
-            "PP degree"
+            f"placed on a model with {n_layers} layers: at most n_layers + 2 = {n_layers + 2} "
+            "stages (one per layer, plus the embedding and the output head on stages of their "
+            "own). Lower [seq1f1b] stages_per_rank or the PP degree"
         )
     seq_len = job_config.training.seq_len
     try:

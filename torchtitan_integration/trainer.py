@@ -1,0 +1,73 @@
+"""torchtitan's Trainer with Seq1F1B's PP step (imports torchtitan: load after CPU support)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torchtitan.distributed.utils as dist_utils
+from torchtitan.train import Trainer
+
+from seq1f1b import ScheduleBitPipe
+
+from .bitpipe import clip_counting_each_chunk_once, sync_twins
+
+
+class Seq1F1BTrainer(Trainer):
+    """torchtitan's Trainer with a PP step that backpropagates the token-mean loss."""
+
+    _twins_synced = False
+
+    def forward_backward_step(
+        self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: Any
+    ) -> torch.Tensor:
+        if not self.parallel_dims.pp_enabled:
+            return super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
+        schedule = self.pp_schedule
+        if isinstance(schedule, ScheduleBitPipe) and not self._twins_synced:
+            sync_twins(schedule)  # replicas identical after torchtitan's init/load
+            self._twins_synced = True
+        inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
+            input_dict, labels
+        )
+        last = self.pp_has_last_stage
+        targets, losses = (labels, []) if last else (None, None)
+        loss_kwargs = {"global_valid_tokens": global_valid_tokens} if last else None
+        with self.train_context():
+            if self.pp_has_first_stage:
+                schedule.step(
+                    inputs,
+                    **extra_inputs,
+                    **extra_kwargs,
+                    target=targets,
+                    losses=losses,
+                    return_outputs=False,
+                    loss_kwargs=loss_kwargs,
+                )
+            else:
+                schedule.step(
+                    **extra_kwargs,
+                    target=targets,
+                    losses=losses,
+                    return_outputs=False,
+                    loss_kwargs=loss_kwargs,
+                )
+        if not last:
+            return torch.tensor([-1.0], device=self.device)
+        # each unit's loss is already (token-sum / global tokens): the sum is the mean loss
+        return torch.sum(torch.stack(losses)).to(self.device)
+
+    def train_step(self, data_iterator: Any) -> None:
+        schedule = getattr(self, "pp_schedule", None)
+        if not isinstance(schedule, ScheduleBitPipe):
+            return super().train_step(data_iterator)
+        # BitPipe: clip by the norm of the model (each chunk once), for this step only
+        # (patch 4 in torchtitan_integration/cpu.py's list: torchtitan has no hook for it)
+        original = dist_utils.clip_grad_norm_
+        dist_utils.clip_grad_norm_ = clip_counting_each_chunk_once(original, schedule)
+        try:
+            return super().train_step(data_iterator)
+        finally:
+            dist_utils.clip_grad_norm_ = original
