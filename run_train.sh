@@ -25,7 +25,7 @@ else
   NGPU="${NGPU:-2}"                                  # CPU: 2 processes with gloo
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"     # one core per rank, no oversubscription
 fi
-export LOG_RANK="${LOG_RANK:-$((NGPU - 1))}"         # a last-stage rank prints the loss
+export LOG_RANK="${LOG_RANK:-0}"                        # as torchtitan: rank 0 logs (every PP rank has the loss)
 "$PY" -m torchtitan_integration.assets >/dev/null    # tokenizer + corpus in ./assets (once)
 CMD=("$PY" -m torch.distributed.run --nproc-per-node="$NGPU" --rdzv-backend c10d
   --rdzv-endpoint="localhost:0" --local-ranks-filter "$LOG_RANK" --role rank --tee 3

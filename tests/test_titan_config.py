@@ -78,3 +78,10 @@ def test_cpu_patches_are_undone_and_redone() -> None:
     patches.uninstall()
     patches.uninstall()  # twice is harmless
     assert metrics.DeviceMemoryMonitor is cpu.CPUMemoryMonitor  # the module-level one remains
+
+
+def test_cpu_peak_flops_is_measured() -> None:
+    import torchtitan.tools.utils as utils
+
+    assert utils.get_peak_flops is cpu.measured_peak_flops
+    assert 1e8 < cpu.measured_peak_flops("cpu", size=128, seconds=0.05) < 1e14

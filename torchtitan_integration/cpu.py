@@ -12,11 +12,14 @@ handle it returns:
    VmRSS now, VmHWM peak, reset through ``/proc/self/clear_refs``), so the memory metrics are
    measurements, not zeros;
 3. ``set_pg_timeouts``, whose barrier passes CUDA ``device_ids`` that gloo rejects, is replaced;
-4. (any device, BitPipe only) for the length of one ``train_step``, torchtitan's
+4. ``get_peak_flops`` (which knows GPUs only and falls back to an A100's 312 TFLOP/s, so the
+   logged MFU read 0.00%) returns this process's measured fp32 GEMM throughput, so MFU is
+   relative to what one rank's cores can actually do;
+5. (any device, BitPipe only) for the length of one ``train_step``, torchtitan's
    ``clip_grad_norm_`` takes the norm over each layer chunk once (``trainer.py``), since BitPipe
    holds every chunk twice; torchtitan offers no hook for the norm.
 
-Nothing is changed when CUDA is available (patch 4 apart). Checked against torchtitan 0.2.2.
+Nothing is changed when CUDA is available (patch 5 apart). Checked against torchtitan 0.2.2.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -89,6 +93,25 @@ class CPUMemoryMonitor:
             pass
 
 
+def measured_peak_flops(device_name: str = "cpu", size: int = 512, seconds: float = 0.2) -> float:
+    """fp32 GEMM FLOP/s of this process on the CPU (its threads), timed for ~``seconds``."""
+    del device_name
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)  # warm-up
+    n, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        torch.mm(a, b)
+        n += 1
+    flops = 2 * size**3 * n / elapsed
+    logger.info(
+        "CPU peak for MFU: %.1f GFLOP/s (measured fp32 %d^3 GEMM, %d threads)",
+        flops / 1e9,
+        size,
+        torch.get_num_threads(),
+    )
+    return flops
+
+
 def _set_pg_timeouts(timeout: timedelta, parallel_dims: Any) -> None:
     torch.distributed.barrier()
     groups = [m.get_group() for m in parallel_dims.get_all_one_dimensional_meshes().values()]
@@ -144,6 +167,7 @@ def install() -> CPUSupport | None:
     patches.set(metrics, "DeviceMemoryMonitor", CPUMemoryMonitor)
     patches.set(metrics, "build_device_memory_monitor", CPUMemoryMonitor)
     patches.set(dist_utils, "set_pg_timeouts", _set_pg_timeouts)
+    patches.set(torchtitan.tools.utils, "get_peak_flops", measured_peak_flops)
     assert torchtitan.tools.utils.device_type == "cpu"
     logger.info("torchtitan runs on CPU with gloo (no CUDA device found)")
     return patches

@@ -202,3 +202,26 @@ def pipeline_seq1f1b(
         any(s.is_first for s in stages),
         any(s.is_last for s in stages),
     )
+
+
+def validate_before_start(job_config: Any, parallel_dims: Any, model_args: Any) -> None:
+    """The start-up checks of this module, before torchtitan builds anything for the run.
+
+    Uses the model's configured widths (the FFN width is read off the built model later), so
+    it refuses exactly the settings that cannot run; the build repeats the precise check.
+    """
+    entry = check_schedule_name(job_config.parallelism.pipeline_parallel_schedule)
+    if not parallel_dims.pp_enabled:
+        return
+    if entry.replicas == 2:
+        from .bitpipe import check_bitpipe
+
+        check_bitpipe(parallel_dims)
+    elif entry.seq_chunked:
+        shape = ModelShape(
+            hidden=model_args.dim,
+            n_heads=model_args.n_heads,
+            n_layers=model_args.n_layers,
+            vocab=model_args.vocab_size,
+        )
+        check_config(job_config, parallel_dims.pp, model_args.n_layers, parallel_dims.tp, shape)

@@ -8,12 +8,40 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
-from .pipeline import pipeline_seq1f1b
+from .pipeline import pipeline_seq1f1b, validate_before_start
+
+
+def validated_metrics_processor(
+    job_config: Any, parallel_dims: Any, model_args: Any = None, tag: str | None = None
+) -> Any:
+    """torchtitan's metrics processor, created only once the pipeline settings are valid (so a
+    config error leaves no empty TensorBoard run), in a TensorBoard directory of its own.
+
+    torchtitan names the directory by the minute; two runs in one minute would share it, so the
+    run's start time to the second and rank 0's pid (the same on every rank) are added.
+    """
+    import time
+
+    import torch.distributed as dist
+    from torchtitan.components.metrics import build_metrics_processor
+
+    if model_args is not None:
+        validate_before_start(job_config, parallel_dims, model_args)
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
+    stamp = torch.tensor([int(time.time()), os.getpid()], dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.broadcast(stamp, src=0)
+    run = time.strftime("%Y%m%d-%H%M%S", time.localtime(int(stamp[0]))) + f"-{int(stamp[1])}"
+    job_config.metrics.save_tb_folder = os.path.join(job_config.metrics.save_tb_folder, run)
+    return build_metrics_processor(job_config, parallel_dims, model_args, tag)
 
 
 def build_loss_fn(job_config: Any, **kwargs: Any) -> Any:
@@ -105,5 +133,6 @@ def register() -> None:
             pipelining_fn=pipeline_seq1f1b,
             parallelize_fn=parallelize_with_pp_replicate(base.parallelize_fn),
             build_loss_fn=build_loss_fn,
+            build_metrics_processor_fn=validated_metrics_processor,
         ),
     )

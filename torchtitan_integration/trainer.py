@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torchtitan.distributed.utils as dist_utils
 from torchtitan.train import Trainer
 
@@ -54,17 +55,27 @@ class Seq1F1BTrainer(Trainer):
                     return_outputs=False,
                     loss_kwargs=loss_kwargs,
                 )
-        if not last:
-            return torch.tensor([-1.0], device=self.device)
         # each unit's loss is already (token-sum / global tokens): the sum is the mean loss
-        return torch.sum(torch.stack(losses)).to(self.device)
+        loss = torch.sum(torch.stack(losses)).to(self.device) if last else None
+        return self._loss_on_every_pp_rank(loss)
+
+    def _loss_on_every_pp_rank(self, loss: torch.Tensor | None) -> torch.Tensor:
+        """The last PP rank's loss on every PP rank, so that rank 0 logs it like torchtitan's
+        unpipelined runs (torchtitan logs -1 on ranks without the last stage)."""
+        group = self.parallel_dims.get_mesh("pp").get_group()
+        value = (
+            loss.detach().reshape(()) if loss is not None else torch.zeros((), device=self.device)
+        )
+        value = value.clone()
+        dist.broadcast(value, group=group, group_src=dist.get_world_size(group) - 1)
+        return value
 
     def train_step(self, data_iterator: Any) -> None:
         schedule = getattr(self, "pp_schedule", None)
         if not isinstance(schedule, ScheduleBitPipe):
             return super().train_step(data_iterator)
         # BitPipe: clip by the norm of the model (each chunk once), for this step only
-        # (patch 4 in torchtitan_integration/cpu.py's list: torchtitan has no hook for it)
+        # (patch 5 in torchtitan_integration/cpu.py's list: torchtitan has no hook for it)
         original = dist_utils.clip_grad_norm_
         dist_utils.clip_grad_norm_ = clip_counting_each_chunk_once(original, schedule)
         try:
