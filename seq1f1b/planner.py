@@ -92,17 +92,27 @@ class Plan:
     budget_bytes: float
     pp: int
     min_segment: int = 1
+    tp: int = 1
+    microbatches: int = 1
+    seq_len: int = 0
 
     def toml(self) -> str:
-        """Lines to paste into a torchtitan TOML (the recommended K, or the smallest-memory)."""
+        """Lines to paste into a torchtitan TOML (the recommended K, or the smallest-memory):
+        every setting the plan assumed, so the pasted config reproduces it."""
         c = self.recommended or min(self.candidates, key=lambda c: c.max_bytes)
         note = [] if self.recommended else ["# no K fits the budget: this is the lowest-memory K"]
         return "\n".join(
             [
                 *note,
+                "[training]",
+                f"seq_len = {self.seq_len}",
+                f"local_batch_size = {self.microbatches}   # M microbatches of one sequence",
+                "",
                 "[parallelism]",
                 f"pipeline_parallel_degree = {self.pp}",
+                f"tensor_parallel_degree = {self.tp}",
                 'pipeline_parallel_schedule = "Seq1F1B"',
+                "pipeline_parallel_microbatch_size = 1",
                 "",
                 "[seq1f1b]",
                 f"seq_chunks = {c.seq_chunks}",
@@ -190,7 +200,7 @@ def plan(
             (c for c in fitting if c.time_vs_1f1b <= best * (1 + tolerance)),
             key=lambda c: c.seq_chunks,
         )
-    return Plan(cands, rec, budget_bytes, pp, min_segment)
+    return Plan(cands, rec, budget_bytes, pp, min_segment, memory.tp, microbatches, seq_len)
 
 
 def format_plan(p: Plan, seq_len: int) -> str:
@@ -232,7 +242,9 @@ def format_plan(p: Plan, seq_len: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m seq1f1b.planner", description=__doc__.split("\n")[0]
+        prog="python -m seq1f1b.planner",
+        description="Pick seq_chunks (K) and the split for a model, sequence length, pipeline "
+        "degree and memory budget; prints the simulated candidates and TOML lines.",
     )
     ap.add_argument("--hidden", type=int, required=True)
     ap.add_argument("--heads", type=int, required=True)
@@ -243,7 +255,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, required=True)
     ap.add_argument("--microbatches", type=int, required=True, help="M per step")
     ap.add_argument("--memory-gb", type=float, required=True, help="per-GPU budget (1e9 bytes)")
-    ap.add_argument("--chunks", default=",".join(map(str, DEFAULT_CHUNKS)))
+    ap.add_argument(
+        "--chunks",
+        default=",".join(map(str, DEFAULT_CHUNKS)),
+        help="comma-separated K values to try (segments per sample)",
+    )
     ap.add_argument("--split", choices=("compute", "uniform"), default="compute")
     ap.add_argument(
         "--min-segment", type=int, default=4096, help="shortest average segment to recommend"

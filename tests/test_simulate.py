@@ -177,3 +177,6 @@ def test_planner_recommends_and_prints_toml(capsys: pytest.CaptureFixture[str]) 
     out = capsys.readouterr().out
     assert 'pipeline_parallel_schedule = "Seq1F1B"' in out
     assert "[seq1f1b]" in out and 'split = "compute"' in out and "seq_chunks = " in out
+    # the TOML reproduces the plan: TP degree, microbatches and sequence length included
+    assert "tensor_parallel_degree = 4" in out and "pipeline_parallel_microbatch_size = 1" in out
+    assert "local_batch_size = 8" in out and "seq_len = 32768" in out
