@@ -245,10 +245,6 @@ def test_launcher_runs_from_another_directory(tmp_path: Path) -> None:
 
 def test_default_run_visibly_learns(tmp_path: Path) -> None:
     # the README's promise for `./run_train.sh`: loss 8.11 at step 1, about 5.7 by step 30
-    import subprocess
-
-    from titan_utils import CONFIG
-
     cmd, env = titan_command(2, dump=tmp_path)
     cmd = cmd[: cmd.index("--job.dump_folder") + 2]  # the default TOML as it is, no FAST overrides
     cmd += ["--metrics.disable_color_printing"]

@@ -84,4 +84,8 @@ def test_cpu_peak_flops_is_measured() -> None:
     import torchtitan.tools.utils as utils
 
     assert utils.get_peak_flops is cpu.measured_peak_flops
+    import torch
+
+    rng = torch.get_rng_state()
     assert 1e8 < cpu.measured_peak_flops("cpu", size=128, seconds=0.05) < 1e14
+    assert torch.equal(rng, torch.get_rng_state())  # the model's seeded init is untouched

@@ -96,7 +96,8 @@ class CPUMemoryMonitor:
 def measured_peak_flops(device_name: str = "cpu", size: int = 512, seconds: float = 0.2) -> float:
     """fp32 GEMM FLOP/s of this process on the CPU (its threads), timed for ~``seconds``."""
     del device_name
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    g = torch.Generator().manual_seed(0)  # leaves the global RNG (model init) untouched
+    a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
     torch.mm(a, b)  # warm-up
     n, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:

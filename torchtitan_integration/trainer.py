@@ -63,6 +63,9 @@ class Seq1F1BTrainer(Trainer):
         """The last PP rank's loss on every PP rank, so that rank 0 logs it like torchtitan's
         unpipelined runs (torchtitan logs -1 on ranks without the last stage)."""
         group = self.parallel_dims.get_mesh("pp").get_group()
+        full = getattr(loss, "full_tensor", None)  # TP's loss parallel: a replicated DTensor
+        if callable(full):
+            loss = full()
         value = (
             loss.detach().reshape(()) if loss is not None else torch.zeros((), device=self.device)
         )
