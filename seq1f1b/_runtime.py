@@ -64,8 +64,6 @@ __all__ = [
     "unflatten_dense_tensors",
 ]
 
-CHECKED_RELEASES = ("2.13.0", "2.14.1", "2.15.0")
-
 # ---------------------------------------------------------------------------- the action IR
 Action = _schedules._Action
 ComputationType = _schedules._ComputationType
@@ -167,10 +165,14 @@ HAS_WARMUP_P2P = hasattr(ScheduleRuntime, "_warmup_p2p")
 _STEP_PARAMS = inspect.signature(_schedules.PipelineScheduleMulti.step).parameters
 STEP_TAKES_FINALIZE = "finalize_gradients" in _STEP_PARAMS
 #: runtime options of 2.15's ``_PipelineScheduleRuntime`` (none of them exist before).
+_NEWER_OPTIONS = (
+    "max_active_stages",
+    "unshard_lookahead",
+    "defer_reduce_grad_wait",
+    "max_outstanding_sends",
+)
 RUNTIME_OPTIONS: tuple[str, ...] = (
-    ("max_active_stages", "unshard_lookahead", "defer_reduce_grad_wait", "max_outstanding_sends")
-    if hasattr(_schedules, "_resolve_unshard_lookahead")
-    else ()
+    _NEWER_OPTIONS if hasattr(_schedules, "_resolve_unshard_lookahead") else ()
 )
 
 
@@ -191,12 +193,6 @@ def defer_recv_ops(
 ) -> list[Action]:
     """torch's ``_defer_recv_ops`` for one rank (it treats each rank's list on its own)."""
     return _schedules._defer_recv_ops({rank: rank_actions}, stage_to_rank)[rank]
-
-
-def is_comm_type(kind: ComputationType) -> bool:
-    return kind in (SEND_F, RECV_F, SEND_B, RECV_B) or (
-        kind is not None and kind in (WAIT_SEND_F, WAIT_SEND_B)
-    )
 
 
 class StandInStage(PipelineStageBase):
@@ -463,7 +459,7 @@ class UnitRuntime(ScheduleRuntime):
         if (
             mapping is None
             or topology is None
-            or not fast_path_supported(actions, options, self.pp_group_size)
+            or not fast_path_supported(actions, options)
         ):
             if topology is not None and not topology.is_chain:
                 raise ValueError(
@@ -600,11 +596,3 @@ def torch_lowering(
     runtime = ScheduleRuntime(list(stages), n_microbatches, **options)
     ScheduleRuntime._prepare_schedule_with_comms(runtime, {r: list(a) for r, a in actions.items()})
     return dict(runtime.pipeline_order_with_comms)
-
-
-_NEWER_OPTIONS = (
-    "max_active_stages",
-    "unshard_lookahead",
-    "defer_reduce_grad_wait",
-    "max_outstanding_sends",
-)

@@ -70,13 +70,12 @@ DEFAULT_OPTIONS: dict[str, Any] = {
 
 
 def fast_path_supported(
-    actions: Mapping[int, Sequence[Action | None]], options: Mapping[str, Any], pp: int
+    actions: Mapping[int, Sequence[Action | None]], options: Mapping[str, Any]
 ) -> bool:
     """True if this module reproduces torch's lowering for these actions and options.
 
     Other cases (OVERLAP_F_B, a partial ``unshard_lookahead``, a send budget) go to torch.
     """
-    del pp
     return (
         is_lowerable(actions)
         and options.get("unshard_lookahead", "full") == "full"

@@ -32,7 +32,7 @@ from functools import cached_property
 from . import _runtime as rt
 from ._runtime import Action
 from .partition import ModelShape, segment_flops
-from .replay import replay
+from .replay import expand, replay
 from .topology import StageTopology
 
 __all__ = ["FlopsCosts", "Interval", "SimResult", "compute_actions", "simulate"]
@@ -84,15 +84,7 @@ class SimResult:
 
 def compute_actions(actions: Iterable[Action | None]) -> list[Action]:
     """The compute actions of one rank in order; ``OVERLAP_F_B`` expanded into its parts."""
-    out: list[Action] = []
-    for a in actions:
-        if a is None:
-            continue
-        if a.computation_type == _OVERLAP:
-            out.extend(compute_actions(a.sub_actions or ()))
-        elif a.computation_type in _COMPUTE:
-            out.append(a)
-    return out
+    return [a for a in expand(list(actions)) if a.computation_type in _COMPUTE]
 
 
 def simulate(
