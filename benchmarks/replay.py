@@ -27,9 +27,7 @@ def replay_step_time(rank_traces: Sequence[Sequence[dict[str, Any]]], replicas: 
     cost: dict[tuple[int, str, int], float] = {}
     for rank, trace in enumerate(rank_traces):
         events = sorted(trace, key=lambda ev: ev["start"])
-        order[rank] = [
-            Action(ev["stage"], ComputationType(ev["kind"]), ev["mb"]) for ev in events
-        ]
+        order[rank] = [Action(ev["stage"], ComputationType(ev["kind"]), ev["mb"]) for ev in events]
         for ev in events:
             cost[(ev["stage"], ev["kind"], ev["mb"])] = ev["cpu"]
     res = simulate(

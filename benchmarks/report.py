@@ -155,4 +155,23 @@ def markdown_report(results: dict[str, Any]) -> str:
         out += [f"## Simulated: 7B-like, pp={pp}, M={m}, {seq // 1024}k tokens", ""]
         out += simulation_table(results["simulation"], pp, m, seq)
         out.append("")
+    if results.get("planner_example"):
+        out += ["## Planner vs the published 7B memory (32 GPUs of 80 GB, pp 8 x tp 4, M = 8)", ""]
+        out += planner_table(results["planner_example"])
+        out.append("")
     return "\n".join(out)
+
+
+def planner_table(example: dict[str, Any]) -> list[str]:
+    """Predicted peak GB per GPU for each K next to the paper's measured memory."""
+    published = example["published_gb"]
+    rows = []
+    for seq in ("65536", "131072"):
+        for k, v in example[seq].items():
+            paper = published.get(seq, {}).get("1F1B" if k == "K=1" else "Seq1F1B", "")
+            rows.append([seq, k, f"{v['gb']:.1f}", "yes" if v["fits"] else "no", str(paper)])
+    return [
+        f"`python -m seq1f1b.planner {example['args']} --seq-len <tokens>`",
+        "",
+        *_table(["tokens", "K", "planner GB", "fits", "paper GB (K not stated)"], rows),
+    ]

@@ -149,6 +149,7 @@ def flash_cuda_forward(q, k, v, causal: bool, scale: float):  # type: ignore[no-
 def flash_cuda_backward(*args: Any, **kwargs: Any):  # type: ignore[no-untyped-def]  # pragma: no cover
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(*args, **kwargs)
 
+
 # ---------------------------------------------------------------------------- detected features
 _UNSHARD_PARAMS = inspect.signature(_schedules._add_unshard_reshard).parameters
 #: 2.15 keeps active FSDP stages in insertion order (a dict) and takes ``unshard_lookahead``;
@@ -456,11 +457,7 @@ class UnitRuntime(ScheduleRuntime):
         options = self.lowering_options()
         mapping = self.stage_mapping(actions) if format == "compute_only" else None
         topology = None if mapping is None else self.stage_topology(mapping)
-        if (
-            mapping is None
-            or topology is None
-            or not fast_path_supported(actions, options)
-        ):
+        if mapping is None or topology is None or not fast_path_supported(actions, options):
             if topology is not None and not topology.is_chain:
                 raise ValueError(
                     f"{type(self).__name__} lowers compute-only orders itself (its stages do "

@@ -37,8 +37,10 @@ def _as_int(name: str, value: object) -> int:
 class ModelShape:
     """Transformer shape for the FLOPs model.
 
-    ``ffn_hidden`` defaults to ``4 * hidden`` and ``head_dim`` to ``hidden // n_heads``;
-    both are resolved to ints at construction so readers never see ``None``.
+    ``ffn_hidden`` defaults to ``4 * hidden``, ``head_dim`` to ``hidden // n_heads`` and
+    ``n_kv_heads`` to ``n_heads`` (grouped-query attention when fewer); all are resolved to ints
+    at construction so readers never see ``None``. ``gated_ffn`` is a SwiGLU FFN (Llama: three
+    ``H x F`` matrices instead of two).
     """
 
     hidden: int
@@ -47,6 +49,8 @@ class ModelShape:
     vocab: int
     ffn_hidden: int | None = None
     head_dim: int | None = None
+    n_kv_heads: int | None = None
+    gated_ffn: bool = False
 
     def __post_init__(self) -> None:
         """Validate eagerly so a bad shape fails at config time, not mid-solve."""
@@ -67,7 +71,9 @@ class ModelShape:
                     f"pass head_dim explicitly"
                 )
             object.__setattr__(self, "head_dim", self.hidden // self.n_heads)
-        for name in ("ffn_hidden", "head_dim"):
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        for name in ("ffn_hidden", "head_dim", "n_kv_heads"):
             value = _as_int(f"ModelShape.{name}", getattr(self, name))
             if value < 1:
                 raise ValueError(
@@ -75,6 +81,18 @@ class ModelShape:
                     f"pass a positive int or leave it as None for the default"
                 )
             object.__setattr__(self, name, value)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"ModelShape.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
+                "(grouped-query attention shares each K/V head among n_heads // n_kv_heads "
+                "query heads)"
+            )
+
+    @property
+    def params_per_layer(self) -> int:
+        """Weights of one transformer block (norms excluded): Q, K, V, O and the FFN."""
+        attn = self.hidden * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        return attn + (3 if self.gated_ffn else 2) * self.hidden * self.ffn_hidden
 
 
 def _coefficients(end: float, shape: ModelShape) -> tuple[float, float]:
@@ -84,7 +102,9 @@ def _coefficients(end: float, shape: ModelShape) -> tuple[float, float]:
     assert ffn is not None and d is not None  # resolved in __post_init__
     attn = (4 * d + 3) * heads
     a = layers * attn / 2
-    b = 4 * hidden * shape.vocab + layers * (end * attn + 8 * hidden * heads * d + 4 * hidden * ffn)
+    proj = 4 * hidden * d * (heads + shape.n_kv_heads)  # Q, O: h heads; K, V: kv heads
+    mlp = (6 if shape.gated_ffn else 4) * hidden * ffn
+    b = 4 * hidden * shape.vocab + layers * (end * attn + proj + mlp)
     return a, b
 
 
@@ -94,6 +114,9 @@ def segment_flops(s: int, end: int, shape: ModelShape) -> float:
     The tokens are ``end-s .. end-1``; each attends causally to all earlier tokens::
 
         FLOPs(s, P) = 4*s*H*V + L*[(s*P - s*s/2)*(4*d+3)*h + 8*s*H*h*d + 4*s*H*F]
+
+    (REFERENCE's formula; with grouped-query attention the projections cost
+    ``4*s*H*d*(h + h_kv)`` and a gated FFN ``6*s*H*F``.)
 
     The cost is exactly additive over any split of a prefix: with P_i the end of
     segment i, sum(s_i*P_i - s_i**2/2) = sum(s_i*P_{i-1} + s_i**2/2) = P**2/2.

@@ -1,26 +1,17 @@
-"""Pick ``seq_chunks`` (K) and the split for a model, sequence length, pipeline and memory budget.
+"""Which pipeline / tensor-parallel / FSDP degrees, seq_chunks K, microbatches M, split and
+activation checkpointing to use for a model, a sequence length and a set of GPUs.
 
-    python -m seq1f1b.planner --hidden 4096 --heads 32 --layers 32 --vocab 50304 \\
-        --seq-len 32768 --pp 8 --microbatches 8 --memory-gb 40
+    python -m seq1f1b.planner --model llama3-8b --seq-len 32768 --gpus 8 --gpu-memory-gb 80
 
-Why: K trades bubble and activation memory (both shrink with K) against kernel efficiency
-(shorter segments); the right K is the smallest one that fits the budget and gets close to the
-best pipeline efficiency. Each candidate K is run through the cost-model simulator on the real
-Seq1F1B order (:mod:`seq1f1b.simulate`), so bubble and per-stage peak memory come from the
-schedule itself, not from a formula.
+Why: K trades bubble and activation memory (both shrink with K) against kernel efficiency, and
+it interacts with every other degree: more TP saves memory but pays collectives, more PP adds
+bubble that K removes, recomputation buys memory with a third more compute. Each setting is
+priced by running its real schedule order through the simulator (:mod:`seq1f1b.simulate`) with
+per-unit times and memory from :mod:`seq1f1b.costmodel`, then the settings that fit are ranked
+by predicted tokens per second per GPU.
 
-Memory model (per pipeline rank, bytes; documented so users can argue with it):
-
-* activations per token per layer: ``(18*H + 4*F) * dtype_bytes / 2`` — Korthikanti et al.
-  2022, "Reducing Activation Recomputation in Large Transformer Models", eq. (1) ``34*s*b*h``
-  for FFN = 4H, without the ``5*a*s^2*b`` softmax term that flash attention does not store;
-  divided by the tensor-parallel degree (sequence parallel);
-* the last stage also keeps fp32 log-probabilities for the loss, ``4 * V`` bytes per token;
-* model states: ``state_bytes_per_param`` (16 = bf16 weights and grads, fp32 master + Adam
-  moments) times the stage's parameters ``L/pp * (4*H*h*d + 2*H*F)`` plus embedding / output
-  layer on the first / last stage, divided by TP;
-* a stage's activation peak = (peak tokens in flight on that stage, from the simulator) x
-  per-token bytes. Cached K/V share storage with saved activations, so they add nothing.
+This module knows nothing about torchtitan: ``python -m torchtitan_integration.planner`` takes the
+same arguments and writes the complete TOML of the top plan.
 """
 
 from __future__ import annotations
@@ -28,51 +19,58 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 
+from .costmodel import GB, PRESETS, Hardware, MemoryModel, TimeModel
 from .order import OrderSpec, build_orders
 from .partition import ModelShape, resolve_split
 from .simulate import FlopsCosts, simulate
 
-__all__ = ["Candidate", "MemoryModel", "Plan", "main", "plan"]
+__all__ = ["Candidate", "Plan", "Setting", "build_parser", "main", "problem_from_args", "search"]
 
-GB = 1e9
 DEFAULT_CHUNKS = (1, 2, 4, 8, 16, 32)
 
 
 @dataclass(frozen=True)
-class MemoryModel:
-    """Bytes per token and per parameter; see the module docstring for the formulas."""
+class Setting:
+    """One point of the search: the degrees (pp x tp x fsdp = GPUs) and the schedule knobs."""
 
-    dtype_bytes: int = 2
-    state_bytes_per_param: float = 16.0
-    tp: int = 1
+    pp: int
+    tp: int
+    fsdp: int
+    seq_chunks: int
+    microbatches: int  # M per pipeline per step (pp = 1: gradient-accumulation steps)
+    split: str
+    recompute: bool
 
-    def activation_bytes_per_token(self, shape: ModelShape, layers: int, last: bool) -> float:
-        ffn = shape.ffn_hidden or 4 * shape.hidden
-        per_layer = (18 * shape.hidden + 4 * ffn) * self.dtype_bytes / 2
-        logits = 4 * shape.vocab if last else 0
-        return (layers * per_layer + logits) / self.tp
+    @property
+    def schedule(self) -> str:
+        """torchtitan's ``pipeline_parallel_schedule`` for this setting ("" without PP)."""
+        if self.pp == 1:
+            return ""
+        return "Seq1F1B" if self.seq_chunks > 1 else "1F1B"
 
-    def state_bytes(self, shape: ModelShape, layers: int, first: bool, last: bool) -> float:
-        h, ffn, d = shape.hidden, shape.ffn_hidden or 4 * shape.hidden, shape.head_dim or 1
-        params = layers * (4 * h * shape.n_heads * d + 2 * h * ffn)
-        params += shape.vocab * h * (int(first) + int(last))
-        return params * self.state_bytes_per_param / self.tp
+    def label(self) -> str:
+        sched = self.schedule or "no PP"
+        if self.seq_chunks > 1:
+            sched += f" K={self.seq_chunks} {self.split}"
+        ac = "full AC" if self.recompute else "no AC"
+        return f"pp{self.pp} tp{self.tp} fsdp{self.fsdp} M={self.microbatches} {sched}, {ac}"
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """Predictions for one K (``time_vs_1f1b``: simulated step time over K=1's)."""
+    """A setting and what the models predict for it."""
 
-    seq_chunks: int
-    split: str
+    setting: Setting
     segment_lengths: list[int]
-    bubble_ratio: float
-    makespan_flops: float
-    time_vs_1f1b: float
-    peak_bytes: list[float]  # per stage: model states + activation peak
+    bubble: float
+    step_seconds: float
+    tokens_per_second_per_gpu: float
+    peak_bytes: list[float]  # per stage: model state + activation peak
+    budget_bytes: float
+    tp_comm_share: float
 
     @property
     def max_bytes(self) -> float:
@@ -82,232 +80,410 @@ class Candidate:
     def worst_stage(self) -> int:
         return self.peak_bytes.index(self.max_bytes)
 
+    @property
+    def fits(self) -> bool:
+        return self.max_bytes <= self.budget_bytes
+
+    def why(self) -> str:
+        """The one-line reason for its rank: what it costs in time and memory."""
+        parts = []
+        if self.setting.pp > 1:
+            parts.append(f"bubble {self.bubble:.1%}")
+        if self.setting.tp > 1:
+            parts.append(f"TP comm {self.tp_comm_share:.0%}")
+        if self.setting.recompute:
+            parts.append("recompute +1 fwd")
+        mem = f"{self.max_bytes / GB:.1f}/{self.budget_bytes / GB:.0f} GB stage {self.worst_stage}"
+        parts.append(mem if self.fits else f"does not fit: {mem}")
+        return ", ".join(parts)
+
 
 @dataclass(frozen=True)
 class Plan:
-    """All candidates and the recommended one (None if no K fits the budget)."""
+    """Every setting searched, best first (fitting ones before the rest)."""
 
+    shape: ModelShape
+    seq_len: int
+    hardware: Hardware
+    global_batch: int
     candidates: list[Candidate]
-    recommended: Candidate | None
-    budget_bytes: float
-    pp: int
-    min_segment: int = 1
-    tp: int = 1
-    microbatches: int = 1
-    seq_len: int = 0
+    skipped: list[str] = field(default_factory=list)  # degree combinations ruled out, and why
+    tolerance: float = 0.02
 
-    def toml(self) -> str:
-        """Lines to paste into a torchtitan TOML (the recommended K, or the smallest-memory):
-        every setting the plan assumed, so the pasted config reproduces it."""
-        c = self.recommended or min(self.candidates, key=lambda c: c.max_bytes)
-        note = [] if self.recommended else ["# no K fits the budget: this is the lowest-memory K"]
-        return "\n".join(
-            [
-                *note,
-                "[training]",
-                f"seq_len = {self.seq_len}",
-                f"local_batch_size = {self.microbatches}   # M microbatches of one sequence",
-                "",
-                "[parallelism]",
-                f"pipeline_parallel_degree = {self.pp}",
-                f"tensor_parallel_degree = {self.tp}",
-                'pipeline_parallel_schedule = "Seq1F1B"',
-                "pipeline_parallel_microbatch_size = 1",
-                "",
-                "[seq1f1b]",
-                f"seq_chunks = {c.seq_chunks}",
-                f'split = "{c.split}"',
-            ]
+    @property
+    def best(self) -> Candidate | None:
+        """The recommendation: among fitting settings within ``tolerance`` of the fastest, the
+        one with the most memory headroom (the models are estimates; headroom is real)."""
+        fitting = [c for c in self.candidates if c.fits]
+        if not fitting:
+            return None
+        floor = fitting[0].tokens_per_second_per_gpu * (1 - self.tolerance)
+        return min(
+            (c for c in fitting if c.tokens_per_second_per_gpu >= floor), key=lambda c: c.max_bytes
         )
 
+    def best_where(self, pred: object) -> Candidate | None:
+        """The best fitting candidate whose setting satisfies ``pred`` (a callable)."""
+        return next((c for c in self.candidates if c.fits and pred(c.setting)), None)  # type: ignore[operator]
 
-def _candidate(
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_problem(shape: ModelShape, seq_len: int, tp: int) -> str | None:
+    if shape.n_kv_heads % tp:
+        return f"tp={tp} does not divide the {shape.n_kv_heads} KV heads"
+    if seq_len % tp:
+        return f"tp={tp} does not divide seq_len {seq_len} (sequence parallel)"
+    return None
+
+
+def search(
     shape: ModelShape,
     seq_len: int,
-    pp: int,
-    m: int,
-    k: int,
-    split: str,
-    memory: MemoryModel,
-    base_makespan: float | None,
+    hardware: Hardware,
+    global_batch: int,
+    *,
+    pp: Iterable[int] | None = None,
+    tp: Iterable[int] | None = None,
+    chunks: Sequence[int] = DEFAULT_CHUNKS,
+    splits: Sequence[str] = ("compute", "uniform"),
+    recompute: Sequence[bool] = (False, True),
+    min_segment: int = 4096,
+    dtype_bytes: int = 2,
+    state_bytes_per_param: float = 16.0,
+) -> Plan:
+    """Price every (pp, tp, fsdp, K, split, recompute) on ``hardware.gpus`` GPUs; rank them.
+
+    ``global_batch`` sequences per step; each of the ``fsdp`` data-parallel pipelines runs
+    ``M = global_batch / fsdp`` microbatches of one sequence. ``pp`` divides the layer count
+    (equal stages), ``tp`` divides the KV heads. K > 1 only with a pipeline, and only with
+    segments of at least ``min_segment`` tokens on average: the FLOPs model does not price what
+    short segments cost real kernels, so it would always favour more of them.
+    """
+    if global_batch < 1 or seq_len < 1 or hardware.gpus < 1:
+        raise ValueError(
+            f"global_batch={global_batch}, seq_len={seq_len} and gpus={hardware.gpus} must all "
+            "be >= 1"
+        )
+    if hardware.budget_bytes <= 0:
+        raise ValueError(
+            f"gpu memory {hardware.memory_gb} GB leaves nothing after the {hardware.reserve_gb} "
+            "GB reserve: raise --gpu-memory-gb or lower --reserve-gb"
+        )
+    allowed_pp = set(pp) if pp is not None else None
+    allowed_tp = set(tp) if tp is not None else None
+    cands: list[Candidate] = []
+    skipped: list[str] = []
+    orders: dict[tuple[int, int, int], dict] = {}
+    for p in _divisors(hardware.gpus):
+        if allowed_pp is not None and p not in allowed_pp:
+            continue
+        if shape.n_layers % p:
+            skipped.append(f"pp={p}: does not divide the {shape.n_layers} layers")
+            continue
+        for t in _divisors(hardware.gpus // p):
+            if allowed_tp is not None and t not in allowed_tp:
+                continue
+            problem = _tp_problem(shape, seq_len, t)
+            fsdp = hardware.gpus // (p * t)
+            if problem is None and global_batch % fsdp:
+                problem = f"fsdp={fsdp} does not divide the global batch {global_batch}"
+            if problem:
+                skipped.append(f"pp={p} tp={t}: {problem}")
+                continue
+            m = global_batch // fsdp
+            for k in sorted({1, *chunks}):
+                if k > 1 and (p == 1 or seq_len / k < min_segment):
+                    continue
+                for split in splits if k > 1 else ("uniform",):
+                    try:
+                        lengths = resolve_split(split, seq_len, k, shape=shape, multiple_of=t)
+                    except ValueError as exc:
+                        skipped.append(f"pp={p} tp={t} K={k} {split}: {exc}")
+                        continue
+                    for rc in recompute:
+                        setting = Setting(p, t, fsdp, k, m, split, rc)
+                        cands.append(
+                            _price(
+                                setting,
+                                lengths,
+                                shape,
+                                hardware,
+                                orders,
+                                dtype_bytes,
+                                state_bytes_per_param,
+                                global_batch * seq_len,
+                            )
+                        )
+    cands.sort(
+        key=lambda c: (not c.fits, -c.tokens_per_second_per_gpu, c.setting.seq_chunks, c.max_bytes)
+    )
+    return Plan(shape, seq_len, hardware, global_batch, cands, skipped)
+
+
+def _price(
+    setting: Setting,
+    lengths: list[int],
+    shape: ModelShape,
+    hardware: Hardware,
+    orders: dict[tuple[int, int, int], dict],
+    dtype_bytes: int,
+    state_bytes_per_param: float,
+    tokens_per_step: int,
 ) -> Candidate:
-    lengths = resolve_split(split, seq_len, k, shape=shape, multiple_of=memory.tp)
-    costs = FlopsCosts(shape, tuple(lengths), pp, pp)
-    res = simulate(build_orders(OrderSpec(pp, 1, m, k)), costs.cost, activation=costs.activation)
-    layers = shape.n_layers // pp
+    p, k, m = setting.pp, setting.seq_chunks, setting.microbatches
+    layers = shape.n_layers // p
+    costs = FlopsCosts(shape, tuple(lengths), p, p)
+    time = TimeModel(hardware, shape, setting.tp, setting.recompute, layers, dtype_bytes)
+    if p == 1:  # gradient accumulation over M sequences, no pipeline
+        fwd, bwd = time.forward_backward(costs.segment_costs[0], lengths[0])
+        makespan, bubble, in_flight = m * (fwd + bwd), 0.0, [1.0]
+    else:
+        key = (p, m, k)
+        if key not in orders:
+            orders[key] = build_orders(OrderSpec(p, 1, m, k))
+        res = simulate(orders[key], time.cost(costs), activation=costs.activation)
+        makespan, bubble = res.makespan, res.bubble_ratio
+        in_flight = [res.peak_activation_stage.get(s, 0.0) for s in range(p)]
+    memory = MemoryModel(
+        shape, setting.tp, setting.fsdp, setting.recompute, dtype_bytes, state_bytes_per_param
+    )
     peaks = []
-    for s in range(pp):
-        first, last = s == 0, s == pp - 1
-        tokens = res.peak_activation_stage.get(s, 0.0) * seq_len  # peak is in samples (A)
-        act = tokens * memory.activation_bytes_per_token(shape, layers, last)
-        peaks.append(memory.state_bytes(shape, layers, first, last) + act)
-    base = base_makespan or res.makespan
+    for s in range(p):
+        first, last = s == 0, s == p - 1
+        act = memory.activation_bytes(
+            in_flight[s] * sum(lengths), max(lengths), layers, last, k > 1
+        )
+        peaks.append(memory.state_bytes(layers, first, last) + act)
+    fwd, _ = time.forward_backward(sum(costs.segment_costs), sum(lengths))
+    bare = TimeModel(hardware, shape, 1, False, layers, dtype_bytes)
+    compute_only, _ = bare.forward_backward(sum(costs.segment_costs), sum(lengths))
+    comm_share = 1.0 - compute_only / setting.tp / fwd if fwd > 0 else 0.0
     return Candidate(
-        k,
-        split if k > 1 else "uniform",
-        lengths,
-        res.bubble_ratio,
-        res.makespan,
-        res.makespan / base,
+        setting,
+        list(lengths),
+        bubble,
+        makespan,
+        tokens_per_step / (makespan * hardware.gpus),
         peaks,
+        hardware.budget_bytes,
+        comm_share,
     )
 
 
-def plan(
-    shape: ModelShape,
-    seq_len: int,
-    pp: int,
-    microbatches: int,
-    budget_bytes: float,
-    *,
-    chunks: Sequence[int] = DEFAULT_CHUNKS,
-    split: str = "compute",
-    memory: MemoryModel | None = None,
-    min_segment: int = 4096,
-    tolerance: float = 0.02,
-) -> Plan:
-    """Evaluate each K; recommend the smallest fitting K within ``tolerance`` of the best time.
-
-    The FLOPs model does not price what short segments cost on real hardware (GEMMs and
-    attention kernels below full efficiency, one more p2p round trip and kernel launches per
-    unit), so it always favours more segments. Hence two heuristics: K is only recommended if
-    segments average at least ``min_segment`` tokens, and among those that fit the budget the
-    fewest segments within ``tolerance`` (2%) of the fastest are taken.
-    """
-    if shape.n_layers % pp:
-        raise ValueError(
-            f"layers={shape.n_layers} is not divisible by pp={pp}: the planner assumes equal "
-            "stages; pick a pp that divides the layer count"
-        )
-    memory = memory or MemoryModel()
-    ks = sorted({1, *(k for k in chunks if 1 <= k <= seq_len // memory.tp)})
-    base = _candidate(shape, seq_len, pp, microbatches, 1, split, memory, None)
-    cands = [base] + [
-        _candidate(shape, seq_len, pp, microbatches, k, split, memory, base.makespan_flops)
-        for k in ks
-        if k > 1
-    ]
-    fitting = [
-        c
-        for c in cands
-        if c.max_bytes <= budget_bytes
-        and (c.seq_chunks == 1 or seq_len / c.seq_chunks >= min_segment)
-    ]
-    rec = None
-    if fitting:
-        best = min(c.time_vs_1f1b for c in fitting)
-        rec = min(
-            (c for c in fitting if c.time_vs_1f1b <= best * (1 + tolerance)),
-            key=lambda c: c.seq_chunks,
-        )
-    return Plan(cands, rec, budget_bytes, pp, min_segment, memory.tp, microbatches, seq_len)
-
-
-def format_plan(p: Plan, seq_len: int) -> str:
-    """Human-readable table, recommendation and TOML lines."""
+def format_plan(plan: Plan, top: int = 12) -> str:
+    """Ranked table (fitting settings first), the recommendation and what it beats."""
+    hw = plan.hardware
     lines = [
-        f"{'K':>3}  {'split':8} {'bubble':>7} {'time vs 1F1B':>12} {'peak GB':>8} {'stage':>5}"
-        "  fits  segment lengths"
+        f"{'#':>3}  {'pp':>2} {'tp':>2} {'fsdp':>4} {'M':>3} {'schedule':<22} {'AC':<4} "
+        f"{'step s':>7} {'tok/s/GPU':>9}  why"
     ]
-    for c in p.candidates:
-        seg = str(c.segment_lengths) if len(c.segment_lengths) <= 8 else f"{c.segment_lengths[:4]}…"
-        fits = "yes" if c.max_bytes <= p.budget_bytes else "no"
-        if c.seq_chunks > 1 and seq_len / c.seq_chunks < p.min_segment:
-            fits += "*"
+    for i, c in enumerate(plan.candidates[:top], 1):
+        s = c.setting
+        sched = s.schedule or "none (FSDP/TP)"
+        if s.seq_chunks > 1:
+            sched += f" K={s.seq_chunks} {s.split}"
+        mark = "*" if c is plan.best else " "
         lines.append(
-            f"{c.seq_chunks:>3}  {c.split:8} {c.bubble_ratio:>7.3f} {c.time_vs_1f1b:>12.3f} "
-            f"{c.max_bytes / GB:>8.1f} {c.worst_stage:>5}  {fits:4}  {seg}"
+            f"{i:>2}{mark}  {s.pp:>2} {s.tp:>2} {s.fsdp:>4} {s.microbatches:>3} {sched:<22} "
+            f"{'full' if s.recompute else 'none':<4} {c.step_seconds:>7.2f} "
+            f"{c.tokens_per_second_per_gpu:>9.0f}  {c.why()}"
         )
-    lines.append(f"(* segments shorter than --min-segment {p.min_segment} tokens: not recommended)")
+    n_fit = sum(c.fits for c in plan.candidates)
+    lines.append(
+        f"({n_fit} of {len(plan.candidates)} settings fit {hw.memory_gb:g} GB minus "
+        f"{hw.reserve_gb:g} GB reserve; shown: the top {min(top, len(plan.candidates))})"
+    )
+    best = plan.best
     lines.append("")
-    if p.recommended is not None:
-        r = p.recommended
+    if best is None:
+        low = min(plan.candidates, key=lambda c: c.max_bytes, default=None)
         lines.append(
-            f"Recommendation: seq_chunks = {r.seq_chunks}, split = {r.split!r}: predicted bubble "
-            f"{r.bubble_ratio:.3f} (1F1B {p.candidates[0].bubble_ratio:.3f}), step time "
-            f"{r.time_vs_1f1b:.2f}x 1F1B, peak {r.max_bytes / GB:.1f} GB on stage "
-            f"{r.worst_stage} (budget {p.budget_bytes / GB:.1f} GB)."
+            "No setting fits."
+            + (f" The lowest is {low.max_bytes / GB:.1f} GB: {low.setting.label()}." if low else "")
+            + " Use more GPUs, a shorter sequence, or check --reserve-gb."
         )
-    else:
-        low = min(p.candidates, key=lambda c: c.max_bytes)
+        return "\n".join(lines)
+    lines.append(f"Recommendation (*): {best.setting.label()}")
+    if best is not plan.candidates[0]:
+        first = plan.candidates[0]
         lines.append(
-            f"No K fits {p.budget_bytes / GB:.1f} GB at seq_len {seq_len}: the lowest is "
-            f"{low.max_bytes / GB:.1f} GB with K={low.seq_chunks} (min segment "
-            f"{p.min_segment} tokens). Add activation "
-            "checkpointing, tensor parallelism or more pipeline stages, or shorten the sequence."
+            f"  within {plan.tolerance:.0%} of the fastest (#1) and "
+            f"{(first.max_bytes - best.max_bytes) / GB:.1f} GB further from the budget"
         )
-    lines += ["", "TOML:", p.toml()]
+    lines.append(
+        f"  predicted {best.step_seconds:.2f} s per step of {plan.global_batch} x "
+        f"{plan.seq_len} tokens, {best.tokens_per_second_per_gpu:.0f} tokens/s per GPU; "
+        f"{best.why()}"
+    )
+    if best.setting.seq_chunks > 1:
+        lines.append(f"  segment lengths {best.segment_lengths}")
+    b = best.setting
+    for name, pred, applies in (
+        ("the best plain 1F1B", lambda s: s.pp > 1 and s.seq_chunks == 1, b.seq_chunks > 1),
+        ("the best without pipelining", lambda s: s.pp == 1, b.pp > 1),
+        ("the best without recomputation", lambda s: not s.recompute, b.recompute),
+    ):
+        if not applies:
+            continue
+        other = plan.best_where(pred)
+        if other is None:
+            lines.append(f"  {name}: none fits")
+        elif other is not best:
+            speed = best.tokens_per_second_per_gpu / other.tokens_per_second_per_gpu
+            lines.append(
+                f"  vs {name} ({other.setting.label()}): {speed:.2f}x its throughput, "
+                f"{best.max_bytes / GB:.1f} vs {other.max_bytes / GB:.1f} GB"
+            )
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser(prog: str = "python -m seq1f1b.planner") -> argparse.ArgumentParser:
+    """The planner's arguments (shared with ``python -m torchtitan_integration.planner``)."""
     ap = argparse.ArgumentParser(
-        prog="python -m seq1f1b.planner",
-        description="Pick seq_chunks (K) and the split for a model, sequence length, pipeline "
-        "degree and memory budget; prints the simulated candidates and TOML lines.",
+        prog=prog,
+        description="Search pipeline / tensor-parallel / FSDP degrees, seq_chunks K, "
+        "microbatches, split and activation checkpointing for a model, sequence length and "
+        "GPUs; prints the ranked settings with the reason for each.",
     )
-    ap.add_argument("--hidden", type=int, required=True)
-    ap.add_argument("--heads", type=int, required=True)
-    ap.add_argument("--layers", type=int, required=True)
-    ap.add_argument("--vocab", type=int, required=True)
-    ap.add_argument("--ffn-hidden", type=int, default=None, help="default 4*hidden")
-    ap.add_argument("--seq-len", type=int, required=True)
-    ap.add_argument("--pp", type=int, required=True)
-    ap.add_argument("--microbatches", type=int, required=True, help="M per step")
-    ap.add_argument("--memory-gb", type=float, required=True, help="per-GPU budget (1e9 bytes)")
+    ap.add_argument("--model", choices=sorted(PRESETS), help="a preset shape (or give the widths)")
+    ap.add_argument("--hidden", type=int, help="model width H")
+    ap.add_argument("--heads", type=int, help="attention heads")
+    ap.add_argument(
+        "--kv-heads", type=int, help="KV heads (grouped-query attention; default: heads)"
+    )
+    ap.add_argument("--layers", type=int, help="transformer blocks")
+    ap.add_argument("--vocab", type=int, help="vocabulary size")
+    ap.add_argument("--ffn-hidden", type=int, help="FFN width (default 4*hidden)")
+    ap.add_argument("--gated-ffn", action="store_true", help="SwiGLU FFN (three matrices)")
+    ap.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    ap.add_argument("--gpus", type=int, required=True, help="GPUs in total")
+    ap.add_argument("--gpu-memory-gb", type=float, required=True, help="memory per GPU (1e9 B)")
+    ap.add_argument(
+        "--global-batch", type=int, help="sequences per optimizer step (default 2 x GPUs)"
+    )
+    ap.add_argument("--pp", help="comma-separated pipeline degrees to consider (default: all)")
+    ap.add_argument("--tp", help="comma-separated tensor-parallel degrees (default: all)")
     ap.add_argument(
         "--chunks",
         default=",".join(map(str, DEFAULT_CHUNKS)),
-        help="comma-separated K values to try (segments per sample)",
+        help="comma-separated seq_chunks K to consider (segments per sequence)",
     )
-    ap.add_argument("--split", choices=("compute", "uniform"), default="compute")
+    ap.add_argument("--split", choices=("compute", "uniform", "both"), default="both")
     ap.add_argument(
-        "--min-segment", type=int, default=4096, help="shortest average segment to recommend"
+        "--ac",
+        choices=("none", "full", "both"),
+        default="both",
+        help="activation checkpointing to consider",
     )
-    ap.add_argument("--tp", type=int, default=1, help="tensor/sequence parallel degree")
-    ap.add_argument("--dtype-bytes", type=int, default=2, help="activation dtype size")
-    ap.add_argument("--state-bytes-per-param", type=float, default=16.0, help="0: activations only")
-    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    a = ap.parse_args(argv)
+    ap.add_argument(
+        "--min-segment",
+        type=int,
+        default=4096,
+        help="shortest average segment (tokens) to consider",
+    )
+    ap.add_argument("--reserve-gb", type=float, default=4.0, help="memory kept free per GPU")
+    ap.add_argument(
+        "--tflops", type=float, default=400.0, help="achieved bf16 TFLOP/s per GPU (time model)"
+    )
+    ap.add_argument(
+        "--tp-gbps",
+        type=float,
+        default=300.0,
+        help="achieved TP collective bandwidth, GB/s (time model)",
+    )
+    ap.add_argument("--top", type=int, default=12, help="rows to print")
+    ap.add_argument("--json", action="store_true", help="print the ranked settings as JSON")
+    return ap
+
+
+def _ints(text: str | None, flag: str) -> list[int] | None:
+    if text is None:
+        return None
     try:
-        shape = ModelShape(a.hidden, a.heads, a.layers, a.vocab, ffn_hidden=a.ffn_hidden)
-        memory = MemoryModel(a.dtype_bytes, a.state_bytes_per_param, a.tp)
-        chunks = [int(x) for x in a.chunks.split(",") if x.strip()]
-        p = plan(
-            shape,
-            a.seq_len,
-            a.pp,
-            a.microbatches,
-            a.memory_gb * GB,
-            chunks=chunks,
-            split=a.split,
-            memory=memory,
-            min_segment=a.min_segment,
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers (got {text!r})") from None
+
+
+def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
+    """Run the search the arguments describe; returns (preset name or None, plan)."""
+    widths = (a.hidden, a.heads, a.layers, a.vocab)
+    if a.model:
+        if any(w is not None for w in (*widths, a.kv_heads, a.ffn_hidden)):
+            raise ValueError("give either --model or the widths (--hidden ...), not both")
+        shape = PRESETS[a.model]
+    elif None in widths:
+        raise ValueError(
+            "give --model (one of " + ", ".join(sorted(PRESETS)) + ") or all of --hidden, "
+            "--heads, --layers and --vocab"
         )
+    else:
+        shape = ModelShape(
+            a.hidden,
+            a.heads,
+            a.layers,
+            a.vocab,
+            ffn_hidden=a.ffn_hidden,
+            n_kv_heads=a.kv_heads,
+            gated_ffn=a.gated_ffn,
+        )
+    hw = Hardware(a.gpus, a.gpu_memory_gb, a.reserve_gb, a.tflops, a.tp_gbps)
+    plan = search(
+        shape,
+        a.seq_len,
+        hw,
+        a.global_batch or 2 * a.gpus,
+        pp=_ints(a.pp, "--pp"),
+        tp=_ints(a.tp, "--tp"),
+        chunks=_ints(a.chunks, "--chunks") or [1],
+        splits=("compute", "uniform") if a.split == "both" else (a.split,),
+        recompute={"none": (False,), "full": (True,), "both": (False, True)}[a.ac],
+        min_segment=a.min_segment,
+    )
+    if not plan.candidates:
+        raise ValueError(
+            "no setting to price: " + ("; ".join(plan.skipped) or "check --pp/--tp/--chunks")
+        )
+    return a.model, plan
+
+
+def describe(preset: str | None, plan: Plan) -> str:
+    """The header naming the model and the assumptions."""
+    s, hw = plan.shape, plan.hardware
+    return (
+        f"model {preset or 'custom'}: H={s.hidden} heads={s.n_heads} kv_heads={s.n_kv_heads} "
+        f"layers={s.n_layers} vocab={s.vocab} ffn={s.ffn_hidden}"
+        f"{' (gated)' if s.gated_ffn else ''}; seq_len {plan.seq_len}, global batch "
+        f"{plan.global_batch} sequences, {hw.gpus} GPUs x {hw.memory_gb:g} GB\n"
+        f"time model: {hw.tflops:g} TFLOP/s per GPU, TP collectives at {hw.tp_gbps:g} GB/s; "
+        "memory and time formulas: seq1f1b/costmodel.py\n"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        preset, plan = problem_from_args(a)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if a.json:
-        print(
-            json.dumps(
-                {
-                    "candidates": [asdict(c) for c in p.candidates],
-                    "recommended": asdict(p.recommended) if p.recommended else None,
-                    "toml": p.toml(),
-                },
-                indent=2,
-            )
-        )
+        best = plan.best
+        doc = {
+            "recommended": {**asdict(best), "fits": True} if best else None,
+            "candidates": [{**asdict(c), "fits": c.fits} for c in plan.candidates[: a.top]],
+        }
+        print(json.dumps(doc, indent=2))
         return 0
-    ffn = shape.ffn_hidden
-    per_tok = memory.activation_bytes_per_token(shape, 1, False)
+    print(describe(preset, plan))
+    print(format_plan(plan, a.top))
     print(
-        f"model H={shape.hidden} heads={shape.n_heads} layers={shape.n_layers} "
-        f"vocab={shape.vocab} ffn={ffn}; seq_len {a.seq_len}, pp {a.pp}, M {a.microbatches}, "
-        f"budget {a.memory_gb:g} GB\nmemory model: {per_tok / 1e3:.1f} KB activations per "
-        f"token per layer, {a.state_bytes_per_param:g} B of model state per parameter\n"
+        "\nFor a torchtitan TOML of the recommendation: python -m torchtitan_integration.planner "
+        "with the same arguments."
     )
-    print(format_plan(p, a.seq_len))
     return 0
 
 

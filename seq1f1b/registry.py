@@ -64,8 +64,10 @@ class ScheduleEntry:
     def check_stages_per_rank(self, v: int) -> None:
         hi = self.max_stages_per_rank
         if v < self.min_stages_per_rank or (hi is not None and v > hi):
-            want = f"exactly {hi}" if hi == self.min_stages_per_rank else (
-                f">= {self.min_stages_per_rank}"
+            want = (
+                f"exactly {hi}"
+                if hi == self.min_stages_per_rank
+                else (f">= {self.min_stages_per_rank}")
             )
             raise ValueError(f"{self.name} needs {want} stages per rank (got {v})")
 
@@ -123,9 +125,7 @@ REGISTRY: tuple[ScheduleEntry, ...] = (
         bubble_formula=_chain_bubble(lambda m, k, v: v * m),
     ),
     ScheduleEntry("LoopedBFS", 2, min_stages_per_rank=2, max_stages_per_rank=None),
-    ScheduleEntry(
-        "InterleavedZeroBubble", 2, min_stages_per_rank=2, max_stages_per_rank=None
-    ),
+    ScheduleEntry("InterleavedZeroBubble", 2, min_stages_per_rank=2, max_stages_per_rank=None),
     ScheduleEntry("ZBVZeroBubble", 2, "v", min_stages_per_rank=2, max_stages_per_rank=2),
     ScheduleEntry("DualPipeV", 2, "v", min_stages_per_rank=2, max_stages_per_rank=2),
     ScheduleEntry(

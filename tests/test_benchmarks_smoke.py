@@ -72,7 +72,8 @@ def test_results_json(smoke_out: Path) -> None:
     )
     assert res["budget"]["rows"] and all(r["longest_seq_len"] > 0 for r in res["budget"]["rows"])
     assert [t["name"] for t in res["targets"]]
-    assert "[seq1f1b]" in res["planner_example"]["toml"]
+    published = res["planner_example"]
+    assert not published["131072"]["K=1"]["fits"] and published["131072"]["K=8"]["fits"]
     assert (smoke_out / "results.md").read_text().count("|") > 50
     trace = json.loads((smoke_out / "traces" / "pp4.json").read_text())
     assert any(ev["ph"] == "X" and ev["name"].startswith("F") for ev in trace["traceEvents"])

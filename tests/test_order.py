@@ -147,9 +147,7 @@ def test_csv_with_wrong_segment_order_is_refused(tmp_path) -> None:
     sched = ScheduleSeq1F1B(mock_stages(2, 1), n_microbatches=1, seq_chunks=2)
     order = sched.pipeline_order
     # GPipe-style ascending backward on every rank: F0 F1 B0 B1
-    bad = {
-        r: [Action(r, F, 0), Action(r, F, 1), Action(r, B, 0), Action(r, B, 1)] for r in order
-    }
+    bad = {r: [Action(r, F, 0), Action(r, F, 1), Action(r, B, 0), Action(r, B, 1)] for r in order}
     path = tmp_path / "bad.csv"
     path.write_text("\n".join(",".join(str(a) for a in bad[r]) for r in sorted(bad)) + "\n")
     with pytest.raises(ValueError, match="backward out of order"):

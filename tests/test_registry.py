@@ -24,9 +24,7 @@ def test_every_entry_builds_a_valid_order(entry) -> None:
     per_stage = m * k // (2 if entry.replicas == 2 else 1)
     mapping = validate_schedule(order, pp, pp * v, per_stage)
     assert len(mapping) == pp * v
-    topology = StageTopology.chains(
-        pp * v, mapping.__getitem__, entry.model_stages(pp)
-    )
+    topology = StageTopology.chains(pp * v, mapping.__getitem__, entry.model_stages(pp))
     assert replay(order, topology).finished
     if entry.bubble_formula is not None:  # the published formula, exactly, at equal costs
         unit = 1 / (v * k) if entry.replicas == 1 else 1 / 2

@@ -37,9 +37,7 @@ from seq1f1b.order import OrderSpec, build_orders
 from seq1f1b.topology import StageTopology
 
 C = ComputationType
-FSDP = tuple(
-    k for k in (C.UNSHARD, C.RESHARD, C.REDUCE_GRAD, WAIT_REDUCE_GRAD) if k is not None
-)
+FSDP = tuple(k for k in (C.UNSHARD, C.RESHARD, C.REDUCE_GRAD, WAIT_REDUCE_GRAD) if k is not None)
 
 
 def _torch_lowering(

@@ -14,8 +14,6 @@ from seq1f1b._runtime import Action, ComputationType
 from seq1f1b.bitpipe import build_bitpipe_orders
 from seq1f1b.order import OrderSpec, build_orders
 from seq1f1b.partition import ModelShape, resolve_split
-from seq1f1b.planner import main as planner_main
-from seq1f1b.planner import plan
 from seq1f1b.registry import lookup
 from seq1f1b.simulate import FlopsCosts, compute_actions, simulate
 
@@ -159,24 +157,3 @@ def test_torch_1f1b_order_is_repaired_and_matches_formula() -> None:
     order = lookup("1F1B").compute_orders(4, 6)
     res = simulate(order, unit_cost())
     assert res.bubble_ratio == pytest.approx(3 / 9)
-
-
-def test_planner_recommends_and_prints_toml(capsys: pytest.CaptureFixture[str]) -> None:
-    p = plan(SHAPE_7B, 32768, 8, 8, 40e9, chunks=(1, 2, 4, 8))
-    # 7B at 32k on pp=8 without recomputation does not fit 40 GB at any K: nothing recommended
-    assert p.recommended is None
-    assert min(c.max_bytes for c in p.candidates) > 40e9
-    big = plan(SHAPE_7B, 32768, 8, 8, 1e12, chunks=(1, 2, 4, 8))
-    assert big.recommended is not None and big.recommended.seq_chunks == 8
-    mems = [c.max_bytes for c in big.candidates]
-    assert mems == sorted(mems, reverse=True)  # more segments, less memory
-    args = "--hidden 4096 --heads 32 --layers 32 --vocab 50304 --seq-len 32768 --pp 8"
-    assert (
-        planner_main([*args.split(), "--microbatches", "8", "--memory-gb", "40", "--tp", "4"]) == 0
-    )
-    out = capsys.readouterr().out
-    assert 'pipeline_parallel_schedule = "Seq1F1B"' in out
-    assert "[seq1f1b]" in out and 'split = "compute"' in out and "seq_chunks = " in out
-    # the TOML reproduces the plan: TP degree, microbatches and sequence length included
-    assert "tensor_parallel_degree = 4" in out and "pipeline_parallel_microbatch_size = 1" in out
-    assert "local_batch_size = 8" in out and "seq_len = 32768" in out

@@ -18,9 +18,12 @@ _CPU = cpu.install()  # torchtitan must see "cpu" when it is first imported (und
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.models.llama3 import llama3_args  # noqa: E402
 
-from seq1f1b import ModelShape  # noqa: E402
 from torchtitan_integration.bitpipe import check_bitpipe  # noqa: E402
-from torchtitan_integration.pipeline import check_config, check_schedule_name  # noqa: E402
+from torchtitan_integration.pipeline import (  # noqa: E402
+    check_config,
+    check_schedule_name,
+    model_shape,
+)
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "train_configs").glob("*.toml"))
 
@@ -32,9 +35,7 @@ def test_config_parses_and_validates(path: Path) -> None:
     assert job.seq1f1b.seq_chunks >= 1
     check_schedule_name(par.pipeline_parallel_schedule)
     args = llama3_args[job.model.flavor]
-    shape = ModelShape(
-        hidden=args.dim, n_heads=args.n_heads, n_layers=args.n_layers, vocab=args.vocab_size
-    )
+    shape = model_shape(args)
     lengths = check_config(
         job, par.pipeline_parallel_degree, args.n_layers, par.tensor_parallel_degree, shape
     )
@@ -89,3 +90,44 @@ def test_cpu_peak_flops_is_measured() -> None:
     rng = torch.get_rng_state()
     assert 1e8 < cpu.measured_peak_flops("cpu", size=128, seconds=0.05) < 1e14
     assert torch.equal(rng, torch.get_rng_state())  # the model's seeded init is untouched
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "--model llama3-8b --seq-len 32768 --gpus 8 --gpu-memory-gb 80",
+        "--model llama3-70b --seq-len 65536 --gpus 64 --gpu-memory-gb 80 --ac full",
+        "--model llama3-8b --seq-len 8192 --gpus 4 --gpu-memory-gb 80 --pp 1",
+    ],
+)
+def test_planner_toml_reproduces_the_plan(argv: str, tmp_path: Path) -> None:
+    """The planner's TOML goes through torchtitan's real loader and our start-up checks, and
+    carries every degree and knob of the recommended setting."""
+    from seq1f1b.planner import build_parser, problem_from_args
+    from torchtitan_integration.planner import main as plan_main
+
+    out = tmp_path / "plan.toml"
+    assert plan_main([*argv.split(), "--output", str(out)]) == 0
+    _, plan = problem_from_args(build_parser().parse_args(argv.split()))
+    best = plan.best
+    assert best is not None
+    s = best.setting
+    job = ConfigManager().parse_args(["--job.config_file", str(out)])
+    par = job.parallelism
+    assert (par.pipeline_parallel_degree, par.tensor_parallel_degree) == (s.pp, s.tp)
+    assert par.data_parallel_shard_degree == s.fsdp
+    assert job.training.seq_len == plan.seq_len
+    assert job.training.global_batch_size == plan.global_batch
+    assert job.activation_checkpoint.mode == ("full" if s.recompute else "none")
+    args = llama3_args[job.model.flavor]
+    assert model_shape(args) == plan.shape  # the preset is torchtitan's flavor, width for width
+    if s.pp > 1:
+        check_schedule_name(par.pipeline_parallel_schedule)
+        assert job.training.local_batch_size // par.pipeline_parallel_microbatch_size == (
+            s.microbatches
+        )
+        lengths = check_config(job, s.pp, args.n_layers, s.tp, model_shape(args))
+        assert lengths == best.segment_lengths or s.seq_chunks == 1
+        assert job.seq1f1b.seq_chunks == s.seq_chunks or s.seq_chunks == 1
+    else:  # no pipeline: one sequence at a time, gradient accumulation to the global batch
+        assert job.training.local_batch_size == 1

@@ -46,18 +46,33 @@ def parse_split(split: str) -> str | list[int]:
         ) from None
 
 
-def model_shape(model: nn.Module, model_args: Any) -> ModelShape:
-    """The FLOPs-model shape of a torchtitan Llama3 (FFN width read off the built module)."""
-    ffn = None
+def model_shape(model_args: Any, model: nn.Module | None = None) -> ModelShape:
+    """The FLOPs-model shape of a torchtitan Llama3: grouped-query heads, SwiGLU FFN.
+
+    The FFN width is read off the built module, or off a meta-device ``FeedForward`` built
+    from the same arguments before the model exists, so torchtitan's rounding rule is its own.
+    """
     layers = getattr(model, "layers", None)
     if layers is not None and len(layers):
         ffn = next(iter(layers.values())).feed_forward.w1.out_features
+    else:
+        from torchtitan.models.llama3.model.model import FeedForward
+
+        with torch.device("meta"):
+            ffn = FeedForward(
+                model_args.dim,
+                4 * model_args.dim,
+                model_args.multiple_of,
+                model_args.ffn_dim_multiplier,
+            ).w1.out_features
     return ModelShape(
         hidden=model_args.dim,
         n_heads=model_args.n_heads,
         n_layers=model_args.n_layers,
         vocab=model_args.vocab_size,
         ffn_hidden=ffn,
+        n_kv_heads=getattr(model_args, "n_kv_heads", None) or model_args.n_heads,
+        gated_ffn=True,
     )
 
 
@@ -150,7 +165,7 @@ def pipeline_seq1f1b(
 
     pp, tp = parallel_dims.pp, parallel_dims.tp
     n_layers = model_args.n_layers
-    shape = model_shape(model, model_args)
+    shape = model_shape(model_args, model)
     lengths = check_config(job_config, pp, n_layers, tp, shape)
     v = stages_per_rank(job_config, n_layers, pp)
     par = job_config.parallelism
@@ -207,8 +222,8 @@ def pipeline_seq1f1b(
 def validate_before_start(job_config: Any, parallel_dims: Any, model_args: Any) -> None:
     """The start-up checks of this module, before torchtitan builds anything for the run.
 
-    Uses the model's configured widths (the FFN width is read off the built model later), so
-    it refuses exactly the settings that cannot run; the build repeats the precise check.
+    Uses the model's configured widths (the same shape the build uses), so it refuses exactly
+    the settings that cannot run.
     """
     entry = check_schedule_name(job_config.parallelism.pipeline_parallel_schedule)
     if not parallel_dims.pp_enabled:
@@ -218,10 +233,5 @@ def validate_before_start(job_config: Any, parallel_dims: Any, model_args: Any) 
 
         check_bitpipe(parallel_dims)
     elif entry.seq_chunked:
-        shape = ModelShape(
-            hidden=model_args.dim,
-            n_heads=model_args.n_heads,
-            n_layers=model_args.n_layers,
-            vocab=model_args.vocab_size,
-        )
+        shape = model_shape(model_args)
         check_config(job_config, parallel_dims.pp, model_args.n_layers, parallel_dims.tp, shape)

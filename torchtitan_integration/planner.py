@@ -1,0 +1,170 @@
+"""The planner's top setting as a complete torchtitan TOML that ``run_train.sh`` runs as is.
+
+    python -m torchtitan_integration.planner --model llama3-8b --seq-len 32768 --gpus 8 \\
+        --gpu-memory-gb 80 --output llama3_8b_32k.toml
+
+Why here and not in :mod:`seq1f1b.planner`: the search is framework-free; the TOML keys,
+flavors and launcher are torchtitan's. Takes the planner's arguments plus where to write and
+what to train on; prints the ranked table, then the TOML (or writes it to ``--output``).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from seq1f1b.planner import Candidate, Plan, build_parser, describe, format_plan, problem_from_args
+
+__all__ = ["FLAVORS", "main", "render_toml"]
+
+#: preset -> (torchtitan model name, flavor); presets without one get a placeholder flavor.
+FLAVORS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B")}
+GPUS_PER_NODE = 8
+
+
+def render_toml(
+    plan: Plan,
+    best: Candidate,
+    preset: str | None,
+    *,
+    command: str,
+    hf_assets_path: str,
+    dataset: str,
+    steps: int,
+) -> str:
+    """Every setting the plan assumed, in torchtitan's sections, with comments saying why."""
+    s = best.setting
+    hw = plan.hardware
+    name, flavor = FLAVORS.get(preset or "", ("llama3", "CUSTOM"))
+    ngpu = min(hw.gpus, GPUS_PER_NODE)
+    nodes = -(-hw.gpus // GPUS_PER_NODE)
+    launch = f"CONFIG_FILE=<this file> NGPU={ngpu} ./run_train.sh"
+    if nodes > 1:
+        launch += f"   (on each of {nodes} nodes, with your multi-node rendezvous)"
+    lines = [
+        f"# Written by: {command}",
+        f"# Plan: {s.label()}",
+        f"#   predicted {best.step_seconds:.2f} s per step, {best.tokens_per_second_per_gpu:.0f} "
+        f"tokens/s per GPU; {best.why()}",
+        f"# Launch: {launch}",
+        "",
+        "[job]",
+        'dump_folder = "./outputs"',
+        f'description = "{preset or "custom model"}, {plan.seq_len} tokens, {s.label()}"',
+        'custom_config_module = "torchtitan_integration.config"',
+        "",
+        "[metrics]",
+        "log_freq = 10",
+        "enable_tensorboard = true",
+        "",
+        "[model]",
+        f'name = "{name}"',
+        f'flavor = "{flavor}"'
+        + ("" if preset in FLAVORS else "   # register a flavor with the planned widths"),
+        f'hf_assets_path = "{hf_assets_path}"   # tokenizer.json + tokenizer_config.json',
+        "",
+        "[optimizer]",
+        'name = "AdamW"',
+        "lr = 3e-4",
+        "eps = 1e-8",
+        "",
+        "[lr_scheduler]",
+        "warmup_steps = 200",
+        "",
+        "[training]",
+    ]
+    if s.pp > 1:
+        lines.append(
+            f"local_batch_size = {s.microbatches}   # per data-parallel rank: M microbatches"
+        )
+    else:
+        lines.append("local_batch_size = 1   # one sequence at a time, gradients accumulated")
+    lines += [
+        f"global_batch_size = {plan.global_batch}",
+        f"seq_len = {plan.seq_len}",
+        "max_norm = 1.0",
+        f"steps = {steps}",
+        f'dataset = "{dataset}"',
+        'mixed_precision_param = "bfloat16"',
+        "",
+        "[parallelism]",
+        f"data_parallel_shard_degree = {s.fsdp}",
+        f"tensor_parallel_degree = {s.tp}",
+        f"pipeline_parallel_degree = {s.pp}",
+    ]
+    if s.pp > 1:
+        lines += [
+            f'pipeline_parallel_schedule = "{s.schedule}"',
+            "pipeline_parallel_microbatch_size = 1",
+            "# the plan prices equal layers per stage, embedding and output on stages of them:",
+            "pipeline_parallel_first_stage_less_layers = 0",
+            "pipeline_parallel_last_stage_less_layers = 0",
+        ]
+    if s.seq_chunks > 1:
+        lines += [
+            "",
+            "[seq1f1b]",
+            f"seq_chunks = {s.seq_chunks}",
+            f'split = "{s.split}"   # lengths {best.segment_lengths}',
+        ]
+    lines += [
+        "",
+        "[activation_checkpoint]",
+        f'mode = "{"full" if s.recompute else "none"}"',
+        "",
+        "[checkpoint]",
+        "enable = true",
+        "interval = 500",
+        "",
+        "[compile]",
+        "enable = false",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser("python -m torchtitan_integration.planner")
+    ap.add_argument("--output", help="write the TOML here (default: print it)")
+    ap.add_argument(
+        "--hf-assets-path", default="./assets/hf/Llama-3.1-8B", help="tokenizer directory"
+    )
+    ap.add_argument("--dataset", default="c4", help="torchtitan dataset name")
+    ap.add_argument("--steps", type=int, default=1000)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = ap.parse_args(argv)
+    try:
+        preset, plan = problem_from_args(a)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(describe(preset, plan))
+    print(format_plan(plan, a.top))
+    best = plan.best
+    if best is None:
+        print("\nNo TOML written: no setting fits.", file=sys.stderr)
+        return 1
+    if preset not in FLAVORS and a.hf_assets_path == ap.get_default("hf_assets_path"):
+        a.hf_assets_path = "./assets/tokenizer"
+    command = "python -m torchtitan_integration.planner " + shlex.join(argv)
+    text = render_toml(
+        plan,
+        best,
+        preset,
+        command=command,
+        hf_assets_path=a.hf_assets_path,
+        dataset=a.dataset,
+        steps=a.steps,
+    )
+    if a.output:
+        Path(a.output).write_text(text)
+        print(f"\nTOML written to {a.output}")
+    else:
+        print("\nTOML:\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
