@@ -2,7 +2,7 @@
 
 from .attention import ChunkAwareAttention, chunk_aware_attention
 from .bitpipe import ScheduleBitPipe, build_bitpipe_stages
-from .kv import SegmentInfo, current_segment
+from .kv import SegmentInfo, current_segment, packed_documents
 from .partition import ModelShape, compute_balanced_split, resolve_split, uniform_split
 from .schedule import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B
 
@@ -19,6 +19,7 @@ __all__ = [
     "chunk_aware_attention",
     "compute_balanced_split",
     "current_segment",
+    "packed_documents",
     "resolve_split",
     "uniform_split",
 ]

@@ -127,17 +127,21 @@ def fsdp_replicate() -> Callable[..., Any]:
     return replicate
 
 
-def flash_cpu_forward(q, k, v, causal: bool, scale: float):  # type: ignore[no-untyped-def]
-    """CPU flash attention returning (out, logsumexp)."""
+def flash_cpu_forward(q, k, v, causal: bool, scale: float, bias=None):  # type: ignore[no-untyped-def]
+    """CPU flash attention returning (out, logsumexp); ``bias``: additive mask, q's dtype.
+
+    A row the bias masks completely comes back as out 0, logsumexp 0 (not -inf): callers
+    that merge blocks must fix such rows themselves.
+    """
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=scale
+        q, k, v, 0.0, causal, attn_mask=bias, scale=scale
     )
     return out, lse
 
 
-def flash_cpu_backward(g, q, k, v, out, lse, causal: bool, scale: float):  # type: ignore[no-untyped-def]
+def flash_cpu_backward(g, q, k, v, out, lse, causal: bool, scale: float, bias=None):  # type: ignore[no-untyped-def]
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        g.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale
+        g.contiguous(), q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
     )
 
 

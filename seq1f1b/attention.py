@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _runtime as rt
-from .kv import SegmentKV, current_unit
+from .kv import SegmentInfo, SegmentKV, current_documents, current_unit
+from .masks import MaskSpec, RowGroups, Tile, plan_tiles, tile_mask
 
 try:  # optional, CUDA only
     from flash_attn import flash_attn_interface as _fa  # type: ignore[import-not-found]
@@ -43,26 +44,29 @@ _Block = tuple[torch.Tensor, torch.Tensor]
 
 
 # ----------------------------------------------------------------------------- block kernels
-def _math_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+def _math_scores(q, k, causal: bool, scale: float, visible: torch.Tensor | None, acc):
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if causal:
         lq, lk = s.shape[-2], s.shape[-1]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(lk - lq + 1)
         s = s.masked_fill(mask, float("-inf"))
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    return s
+
+
+def _math_fwd(q, k, v, causal: bool, scale: float, visible: torch.Tensor | None = None):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = _math_scores(q, k, causal, scale, visible, acc)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(acc))
-    return out.to(q.dtype), lse
+    return out.nan_to_num(0.0).to(q.dtype), lse
 
 
-def _math_bwd(g, q, k, v, out, lse, causal: bool, scale: float):
+def _math_bwd(g, q, k, v, out, lse, causal: bool, scale: float, visible=None):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     q_, k_, v_, g_ = q.to(acc), k.to(acc), v.to(acc), g.to(acc)
-    s = torch.matmul(q_, k_.transpose(-1, -2)) * scale
-    if causal:
-        lq, lk = s.shape[-2], s.shape[-1]
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(lk - lq + 1)
-        s = s.masked_fill(mask, float("-inf"))
+    s = _math_scores(q, k, causal, scale, visible, acc)
     p = torch.exp(s - lse.to(acc).unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), g_)
     dp = torch.matmul(g_, v_.transpose(-1, -2))
@@ -173,31 +177,75 @@ def _reduce_kv(g: torch.Tensor, n_rep: int) -> torch.Tensor:
     return g.view(b, h // n_rep, n_rep, s, d).sum(2)
 
 
+def _masked_fwd(q, k, v, visible: torch.Tensor, scale: float):
+    """One masked tile: (out, lse) with out 0 and lse -inf on rows that see no key."""
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
+        bias = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))
+        out, lse = rt.flash_cpu_forward(q, k, v, False, scale, bias)
+    else:  # GPU masked tiles: plain torch (the fast GPU paths are whole-tile kernels)
+        out, lse = _math_fwd(q, k, v, False, scale, visible)
+    empty = ~visible.any(-1)
+    if bool(empty.any()):
+        lse = lse.masked_fill(empty, float("-inf"))
+        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+    return out, lse
+
+
+def _masked_bwd(g, q, k, v, out, lse, visible: torch.Tensor, scale: float):
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
+        bias = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))
+        return rt.flash_cpu_backward(g, q, k, v, out, lse, False, scale, bias)
+    return _math_bwd(g, q, k, v, out, lse, False, scale, visible)
+
+
+def _merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor):
+    """Combine two partial softmax results by log-sum-exp (rows with -inf on both stay 0)."""
+    new = torch.logaddexp(lse_acc, lse)
+    finite = torch.isfinite(new)
+    w_acc = torch.where(finite, torch.exp(lse_acc - new), 0.0).unsqueeze(-1)
+    w_new = torch.where(finite, torch.exp(lse - new), 0.0).unsqueeze(-1)
+    return out_acc * w_acc + o.to(out_acc.dtype) * w_new, new
+
+
+# A planned call: (block, tile) with block -1 = the segment's own K/V, j = prefix block j.
+_Plan = tuple[tuple[int, Tile], ...]
+
+
 class _SegmentAttention(torch.autograd.Function):
-    """softmax(q [K_0..K_{k-1}, K_own]^T) [V_0..V_{k-1}, V_own], own block causal."""
+    """softmax(q [K_0..K_{k-1}, K_own]^T) [V_0..V_{k-1}, V_own] over the planned tiles only.
+
+    ``plan`` says which rectangles run; ``starts`` gives the absolute position of each prefix
+    block's first cached key and ``q_start`` the segment's. Outputs and LSEs of the tiles are
+    merged per query row, so no K/V is ever concatenated or copied.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, kernels: tuple, *prefix: torch.Tensor):
+    def forward(ctx, q, k, v, scale, kernels, plan, spec, q_start, starts, *prefix):
         _, fwd, _ = kernels
         n_rep = q.shape[1] // k.shape[1]
-        blocks: list[tuple[torch.Tensor, torch.Tensor, bool]] = [
-            (prefix[i], prefix[i + 1], False) for i in range(0, len(prefix), 2)
-        ]
-        blocks.append((k, v, True))
-        out_acc: torch.Tensor | None = None
-        lse_acc: torch.Tensor | None = None
-        for kb, vb, causal in blocks:
-            o, lse = fwd(q, _expand_kv(kb, n_rep), _expand_kv(vb, n_rep), causal, scale)
-            if out_acc is None:
-                out_acc, lse_acc = o.to(lse.dtype), lse
-                continue
-            new_lse = torch.logaddexp(lse_acc, lse)
-            out_acc = out_acc * torch.exp(lse_acc - new_lse).unsqueeze(-1) + o.to(
-                lse.dtype
-            ) * torch.exp(lse - new_lse).unsqueeze(-1)
-            lse_acc = new_lse
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        for block, t in plan:
+            kb, vb, off = (
+                (k, v, q_start)
+                if block < 0
+                else (*prefix[2 * block : 2 * block + 2], starts[block])
+            )
+            rows, qs = slice(t.r0, t.r1), slice(t.q0 - q_start, t.q1 - q_start)
+            ks = slice(t.k0 - off, t.k1 - off)
+            qt = q[rows, :, qs]
+            kt, vt = _expand_kv(kb[rows, :, ks], n_rep), _expand_kv(vb[rows, :, ks], n_rep)
+            if t.kind == "masked":
+                o, lse = _masked_fwd(qt, kt, vt, tile_mask(t, spec, q.device), scale)
+            else:
+                o, lse = fwd(qt, kt, vt, t.kind == "causal", scale)
+            out_acc[rows, :, qs], lse_acc[rows, :, qs] = _merge(
+                out_acc[rows, :, qs], lse_acc[rows, :, qs], o, lse.to(acc)
+            )
         out = out_acc.to(q.dtype)
-        ctx.scale, ctx.kernels, ctx.n_rep, ctx.n_prefix = scale, kernels, n_rep, len(prefix)
+        ctx.scale, ctx.kernels, ctx.n_rep = scale, kernels, n_rep
+        ctx.plan, ctx.spec, ctx.q_start, ctx.starts = plan, spec, q_start, starts
         ctx.save_for_backward(q, k, v, out, lse_acc, *prefix)
         return out
 
@@ -205,40 +253,71 @@ class _SegmentAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, *prefix = ctx.saved_tensors
         _, _, bwd = ctx.kernels
-        n_rep, scale = ctx.n_rep, ctx.scale
+        n_rep, scale, q_start = ctx.n_rep, ctx.scale, ctx.q_start
+        wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
+        dkv: dict[int, list[torch.Tensor]] = {}
+        for block, t in ctx.plan:
+            if block < 0:
+                kb, vb, off = k, v, q_start
+            else:
+                kb, vb, off = prefix[2 * block], prefix[2 * block + 1], ctx.starts[block]
+            rows, qs = slice(t.r0, t.r1), slice(t.q0 - q_start, t.q1 - q_start)
+            ks = slice(t.k0 - off, t.k1 - off)
+            kt, vt = _expand_kv(kb[rows, :, ks], n_rep), _expand_kv(vb[rows, :, ks], n_rep)
+            args = (grad_out[rows, :, qs], q[rows, :, qs], kt, vt, out[rows, :, qs])
+            if t.kind == "masked":
+                visible = tile_mask(t, ctx.spec, q.device)
+                dqt, dkt, dvt = _masked_bwd(*args, lse[rows, :, qs], visible, scale)
+            else:
+                dqt, dkt, dvt = bwd(*args, lse[rows, :, qs], t.kind == "causal", scale)
+            dq[rows, :, qs] += dqt
+            if block not in dkv:
+                dkv[block] = [
+                    torch.zeros(kb.shape, dtype=wide, device=kb.device),
+                    torch.zeros(vb.shape, dtype=wide, device=vb.device),
+                ]
+            dkv[block][0][rows, :, ks] += _reduce_kv(dkt, n_rep)
+            dkv[block][1][rows, :, ks] += _reduce_kv(dvt, n_rep)
+        own = dkv.get(-1)
+        dk = None if own is None else own[0].to(k.dtype)
+        dv = None if own is None else own[1].to(v.dtype)
         grads: list[torch.Tensor | None] = []
-        dq = torch.zeros_like(q, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype)
-        for i in range(0, len(prefix), 2):
-            kb, vb = prefix[i], prefix[i + 1]
-            dqi, dki, dvi = bwd(
-                grad_out, q, _expand_kv(kb, n_rep), _expand_kv(vb, n_rep), out, lse, False, scale
-            )
-            dq += dqi
-            grads.append(_reduce_kv(dki, n_rep) if kb.requires_grad else None)
-            grads.append(_reduce_kv(dvi, n_rep) if vb.requires_grad else None)
-        dqo, dko, dvo = bwd(
-            grad_out, q, _expand_kv(k, n_rep), _expand_kv(v, n_rep), out, lse, True, scale
-        )
-        dq += dqo
-        return (dq.to(q.dtype), _reduce_kv(dko, n_rep), _reduce_kv(dvo, n_rep), None, None, *grads)
+        for block in range(len(prefix) // 2):
+            g = dkv.get(block)
+            kb, vb = prefix[2 * block], prefix[2 * block + 1]
+            grads.append(g[0].to(kb.dtype) if g is not None and kb.requires_grad else None)
+            grads.append(g[1].to(vb.dtype) if g is not None and vb.requires_grad else None)
+        return (dq.to(q.dtype), dk, dv, None, None, None, None, None, None, *grads)
 
 
 class _InjectKVGrad(torch.autograd.Function):
-    """Identity on (k, v) whose backward adds the grads later segments left on the cache."""
+    """Identity on (k, v) whose backward adds the grads later segments left on the cache
+    (the cache may hold only the segment's last positions: ``offset`` is where they start)."""
 
     @staticmethod
-    def forward(ctx, k: torch.Tensor, v: torch.Tensor, entry: SegmentKV):
-        ctx.entry = entry
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, entry: SegmentKV, offset: int):
+        ctx.entry, ctx.offset = entry, offset
+        ctx.shapes = (k.shape, v.shape)
         return k.view_as(k), v.view_as(v)
 
     @staticmethod
     def backward(ctx, gk, gv):
         entry: SegmentKV = ctx.entry
-        if entry.k.grad is not None:
-            gk = entry.k.grad if gk is None else gk + entry.k.grad
-        if entry.v.grad is not None:
-            gv = entry.v.grad if gv is None else gv + entry.v.grad
-        return gk, gv, None
+        gk = _add_rows(gk, entry.k.grad, ctx.offset, ctx.shapes[0])
+        gv = _add_rows(gv, entry.v.grad, ctx.offset, ctx.shapes[1])
+        return gk, gv, None, None
+
+
+def _add_rows(g, extra, offset: int, shape: torch.Size):
+    """``g`` plus ``extra`` added at positions ``offset..`` of the sequence dim (-2)."""
+    if extra is None:
+        return g
+    if offset == 0 and extra.shape == shape:
+        return extra if g is None else g + extra
+    out = torch.zeros(shape, dtype=extra.dtype, device=extra.device) if g is None else g.clone()
+    out[..., offset : offset + extra.shape[-2], :] += extra
+    return out
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -249,12 +328,21 @@ def chunk_aware_attention(
     *,
     layer: Hashable,
     scale: float | None = None,
+    window: int | None = None,
+    sinks: int = 0,
+    documents: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention over ``(batch, heads, seq, head_dim)`` tensors that Seq1F1B can chunk.
 
     ``layer`` identifies the attention layer within its stage (the calling module works), so
     checkpoint recomputation finds the same cache. ``k``/``v`` may have fewer heads than ``q``
-    (grouped-query attention); they are cached un-repeated. Outside a Seq1F1B unit this is
+    (grouped-query attention); they are cached un-repeated.
+
+    Masks beyond causal: ``window`` (sliding window: keys per query, itself included) with
+    ``sinks`` first positions always visible, per layer; packed documents come with the batch
+    (``step(..., document_ids=...)``, or :func:`seq1f1b.packed_documents` outside a step).
+    ``documents=True`` says this layer needs them (an error if the batch has none), ``False``
+    that it must ignore them. Outside a unit and without masks this is
     ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``.
     """
     ctx = current_unit()
@@ -264,13 +352,33 @@ def chunk_aware_attention(
             f"q has {q.shape[1]} heads and k has {k.shape[1]}: the number of query heads must "
             "be a multiple of the number of K/V heads"
         )
-    if ctx is None or ctx.info.num_segments == 1:
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, enable_gqa=n_rep > 1
+    spec = MaskSpec(window, sinks)
+    groups = None if documents is False else current_documents()
+    if documents and groups is None:
+        raise ValueError(
+            f"attention layer {layer!r} needs packed-document ids (documents=True) but the batch "
+            "has none: pass step(..., document_ids=ids), or wrap the call in "
+            "seq1f1b.packed_documents(ids) outside a pipeline step"
         )
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    plain = groups is None and spec.window is None
+    if ctx is None or ctx.info.num_segments == 1:
+        if plain:
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=n_rep > 1
+            )
+        seq = q.shape[-2]
+        start = 0 if ctx is None else ctx.info.start
+        groups = groups or ((0, q.shape[0], ((0, start + seq),)),)
+        plan = tuple(
+            (-1, t) for t in plan_tiles(start, start + seq, start, start + seq, groups, spec)
+        )
+        return _SegmentAttention.apply(
+            q, k, v, scale, block_attention_kernels(q), plan, spec, start, ()
+        )
     info, state = ctx.info, ctx.state
+    groups = groups or ((0, q.shape[0], ((0, info.seq_len),)),)
     seg = info.segment
     entries = state.layer_entries(info.microbatch, layer)
     if ctx.phase == "forward":
@@ -280,11 +388,7 @@ def chunk_aware_attention(
                 f"{len(entries)} segments of sample {info.microbatch} but runs segment {seg}; "
                 "each attention layer must run exactly once per unit forward"
             )
-        own: SegmentKV | None = None
-        if seg < info.num_segments - 1:  # later segments will read this one
-            own = SegmentKV(
-                k.detach().requires_grad_(ctx.keep_kv), v.detach().requires_grad_(ctx.keep_kv)
-            )
+        own = _cache_entry(k, v, info, groups, spec, ctx.keep_kv)
         entries.append(own)
     else:  # recomputation inside this unit's backward (activation checkpointing)
         if len(entries) <= seg:
@@ -294,27 +398,80 @@ def chunk_aware_attention(
             )
         own = entries[seg]
     prefix: list[torch.Tensor] = []
+    starts: list[int] = []
+    plan: list[tuple[int, Tile]] = []
+    bounds = info.bounds
     for j in range(seg):
+        tiles = plan_tiles(info.start, info.end, bounds[j], bounds[j + 1], groups, spec)
+        if not tiles:
+            continue  # nothing of segment j is visible: no kernel call, no K/V needed
         e = entries[j]
         if e is None:
             raise RuntimeError(
                 f"Seq1F1B: K/V of segment {j} (sample {info.microbatch}, stage "
                 f"{state.stage_index}) was freed before segment {seg} used it"
             )
+        plan += [(len(starts), t) for t in tiles]
         prefix += [e.k, e.v]
+        starts.append(e.start)
+    plan += [(-1, t) for t in plan_tiles(info.start, info.end, info.start, info.end, groups, spec)]
     if own is not None and ctx.keep_kv:
-        k, v = _InjectKVGrad.apply(k, v, own)
-    return _SegmentAttention.apply(q, k, v, scale, block_attention_kernels(q), *prefix)
+        k, v = _InjectKVGrad.apply(k, v, own, own.start - info.start)
+    return _SegmentAttention.apply(
+        q,
+        k,
+        v,
+        scale,
+        block_attention_kernels(q),
+        tuple(plan),
+        spec,
+        info.start,
+        tuple(starts),
+        *prefix,
+    )
+
+
+def _cache_entry(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    info: SegmentInfo,
+    groups: RowGroups,
+    spec: MaskSpec,
+    keep: bool,
+) -> SegmentKV | None:
+    """What later segments will read of this segment's K/V: nothing (no later segment sees
+    it), or its positions from the first one any later segment sees. A short tail is copied so
+    the rest of the segment's K/V can be freed when nothing else holds it (checkpointing)."""
+    bounds, seg = info.bounds, info.segment
+    first = None
+    for later in range(seg + 1, info.num_segments):
+        for t in plan_tiles(bounds[later], bounds[later + 1], info.start, info.end, groups, spec):
+            first = t.k0 if first is None else min(first, t.k0)
+    if first is None:
+        return None
+    offset = first - info.start
+    kd, vd = k.detach()[..., offset:, :], v.detach()[..., offset:, :]
+    if 2 * (info.length - offset) <= info.length:
+        kd, vd = kd.clone(), vd.clone()
+    return SegmentKV(kd.requires_grad_(keep), vd.requires_grad_(keep), first)
 
 
 class ChunkAwareAttention(nn.Module):
     """Module form of :func:`chunk_aware_attention`: drop-in for a causal SDPA call.
 
     ``forward(q, k, v, scale=None)`` with ``(batch, heads, seq, head_dim)`` tensors; the module
-    itself is the layer key, so give every attention layer its own instance.
+    itself is the layer key, so give every attention layer its own instance. ``window`` /
+    ``sinks``: this layer's sliding window (Mistral / Gemma local layers).
     """
+
+    def __init__(self, window: int | None = None, sinks: int = 0) -> None:
+        super().__init__()
+        MaskSpec(window, sinks)  # validate now, not at the first step
+        self.window, self.sinks = window, sinks
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
     ) -> torch.Tensor:
-        return chunk_aware_attention(q, k, v, layer=self, scale=scale)
+        return chunk_aware_attention(
+            q, k, v, layer=self, scale=scale, window=self.window, sinks=self.sinks
+        )

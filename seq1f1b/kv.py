@@ -19,13 +19,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .masks import RowGroups, document_runs
+
 __all__ = [
     "SegmentInfo",
     "SegmentKV",
     "StageKVState",
     "UnitContext",
+    "current_documents",
     "current_segment",
     "current_unit",
+    "packed_documents",
 ]
 
 
@@ -39,6 +43,12 @@ class SegmentInfo:
     start: int  # absolute position of the segment's first token
     length: int
     seq_len: int  # full sequence length of the sample
+    bounds: tuple[int, ...] = ()  # every segment's start, then seq_len
+    documents: RowGroups | None = None  # the sample's document runs (packed documents)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
 
     def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Absolute positions ``start .. start + length - 1`` (for RoPE)."""
@@ -47,10 +57,12 @@ class SegmentInfo:
 
 @dataclass
 class SegmentKV:
-    """One segment's K and V of one attention layer, as grad-accumulating leaves."""
+    """The part of one segment's K and V that later segments see, as grad-accumulating
+    leaves; ``start`` is the absolute position of its first key."""
 
     k: torch.Tensor
     v: torch.Tensor
+    start: int = 0
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
@@ -66,6 +78,7 @@ class StageKVState:
 
     stage_index: int
     num_segments: int
+    peak_bytes: int = 0  # most K/V bytes cached at once since the last reset_peak()
     _cache: dict[int, dict[Hashable, list[SegmentKV | None]]] = field(default_factory=dict)
     _next_fwd: dict[int, int] = field(default_factory=dict)
     _next_bwd: dict[int, int] = field(default_factory=dict)
@@ -85,6 +98,7 @@ class StageKVState:
     def end_forward(self, microbatch: int, segment: int, keep: bool) -> None:
         """Record the forward; without a backward to come, drop the sample after its last one."""
         self._next_fwd[microbatch] = segment + 1
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
         if not keep and segment == self.num_segments - 1:
             self._cache.pop(microbatch, None)
 
@@ -142,6 +156,7 @@ class UnitContext:
 
 
 _ACTIVE: list[UnitContext] = []
+_DOCUMENTS: list[RowGroups] = []
 
 
 def current_unit() -> UnitContext | None:
@@ -166,3 +181,27 @@ def activate(ctx: UnitContext) -> Iterator[UnitContext]:
         yield ctx
     finally:
         _ACTIVE.pop()
+
+
+def current_documents() -> RowGroups | None:
+    """Document runs of the running unit's sample, else of an enclosing ``packed_documents``."""
+    ctx = current_unit()
+    if ctx is not None:
+        return ctx.info.documents
+    return _DOCUMENTS[-1] if _DOCUMENTS else None
+
+
+@contextmanager
+def packed_documents(document_ids: torch.Tensor) -> Iterator[None]:
+    """Mask attention at document boundaries outside a Seq1F1B step (unpipelined runs).
+
+    ``document_ids`` is (batch, seq_len), one contiguous run of equal ids per document; inside
+    ``ScheduleSeq1F1B.step`` pass it as ``step(..., document_ids=...)`` instead. With
+    activation checkpointing, keep the block around ``backward()`` too: recomputation attends
+    again.
+    """
+    _DOCUMENTS.append(document_runs(document_ids))
+    try:
+        yield
+    finally:
+        _DOCUMENTS.pop()

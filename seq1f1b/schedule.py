@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from . import _runtime as rt
 from ._runtime import Action, PipelineStageBase
 from .kv import SegmentInfo, StageKVState, UnitContext, activate
+from .masks import document_runs
 from .microbatch import (
     count_tokens,
     merge_unit_outputs,
@@ -63,14 +64,23 @@ class _PlainAttentionGuard(TorchFunctionMode):
 
     error: RuntimeError | None = None
 
+    def __init__(self, documents: bool) -> None:
+        super().__init__()
+        self.documents = documents
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.scaled_dot_product_attention:
+            why = (
+                "it would ignore the document_ids given to step() (attention across documents)"
+                if self.documents
+                else "a segment would not see the earlier segments' keys and values"
+            )
             self.error = RuntimeError(
-                "ScheduleSeq1F1B with seq_chunks > 1: the model called "
-                "torch.nn.functional.scaled_dot_product_attention directly, so a segment would "
-                "not see the earlier segments' keys and values (silently wrong results). Route "
-                "causal attention through seq1f1b.chunk_aware_attention / ChunkAwareAttention "
-                "(or pass check_attention=False if this SDPA call is not over the sequence)."
+                "ScheduleSeq1F1B: the model called "
+                f"torch.nn.functional.scaled_dot_product_attention directly, so {why} "
+                "(silently wrong results). Route causal attention through "
+                "seq1f1b.chunk_aware_attention / ChunkAwareAttention (or pass "
+                "check_attention=False if this SDPA call is not over the sequence)."
             )
             raise self.error
         return func(*args, **(kwargs or {}))
@@ -210,9 +220,11 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         self._kv_states = {s.stage_index: StageKVState(s.stage_index, k) for s in stage_list}
         self._unit_loss_weights: list[float] = [1.0] * (m * k)
         self._lengths: list[int] = []
+        self._documents: list | None = None  # per sample: document runs (packed documents)
         self._recv_base: dict[tuple[int, bool, int, int], int] = {}
         self._presplit: tuple[list, list, list | None] | None = None
         self._attention_checked = not check_attention or k == 1
+        self._documents_checked = not check_attention
         self._install_order(dict(build_orders(self.order_spec)))
 
     # ------------------------------------------------------------------ construction checks
@@ -310,7 +322,9 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
                 self._unit_loss_weights = [len(tokens) * t / total for t in tokens]
         return arg_units, kwarg_units, target_units
 
-    def _prepare_step(self, args: tuple, kwargs: dict, target: Any) -> tuple[list, list, Any]:
+    def _prepare_step(
+        self, args: tuple, kwargs: dict, target: Any, document_ids: Any = None
+    ) -> tuple[list, list, Any]:
         """Validate and split inputs on every rank *before* any pipeline traffic.
 
         Middle stages get no input, so the pp group agrees on the sequence length with one tiny
@@ -329,18 +343,30 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
                 )
             if fixed or local:
                 units = self._split_step_inputs(fixed or local, args, kwargs, target)
+            if document_ids is not None:
+                self._documents = self._split_documents(document_ids, fixed or local)
+            else:
+                self._documents = None
         except ValueError as exc:
             error = exc
         agreed = fixed or local
+        has_docs = document_ids is not None
         if self.pp_group_size > 1:
             stage = self.local_stages[0]
-            t = torch.tensor([agreed, error is not None], dtype=torch.int64, device=stage.device)
+            flags = [agreed, error is not None, has_docs, not has_docs]
+            t = torch.tensor(flags, dtype=torch.int64, device=stage.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=stage.group)
             agreed, failed = int(t[0].item()), bool(t[1].item())
             if failed and error is None:
                 raise RuntimeError(
                     "ScheduleSeq1F1B.step(): another pipeline rank rejected its inputs (see its "
                     "error); no pipeline communication was started"
+                )
+            if error is None and bool(t[2].item()) and bool(t[3].item()):
+                raise ValueError(
+                    "step(document_ids=...) was passed on some pipeline ranks but not on others: "
+                    "every stage's attention needs the document boundaries, pass them on every "
+                    "rank"
                 )
         if error is not None:
             raise error
@@ -369,9 +395,15 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         kwarg_mbs: list | None = None,
         target_mbs: list | None = None,
         finalize_gradients: bool = True,
+        document_ids: torch.Tensor | Sequence[torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run one step on whole-batch inputs (split into M samples x K segments here).
+
+        ``document_ids`` (batch, seq_len) marks packed documents (one contiguous run of equal
+        ids each): attention then stays inside each document, blocks that share no document
+        are skipped and never cached. Pass it on every pipeline rank (every stage attends);
+        the model does not see it. With pre-split inputs, a list of M per-sample tensors.
 
         ``losses`` receives M*K per-unit losses, token-weighted so that their mean equals the
         full-batch mean loss (with ``scale_grads=True``; their sum with ``scale_grads=False``).
@@ -397,7 +429,9 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         for stage in self.local_stages:
             stage.has_backward = self.has_backward
             stage.clear_runtime_states()
-        arg_units, kwarg_units, target_units = self._prepare_step(args, kwargs, target)
+        arg_units, kwarg_units, target_units = self._prepare_step(
+            args, kwargs, target, document_ids
+        )
         self.run_microbatches(
             arg_units, kwarg_units, target_units, losses, return_outputs, loss_kwargs=loss_kwargs
         )
@@ -407,6 +441,31 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
                     stage.output_chunks, self.n_samples, self.seq_dim, self.chunk_specs[2]
                 )
         return None
+
+    def _split_documents(self, document_ids: Any, seq_len: int) -> list:
+        """Per-sample document runs, checked against the batch and the sequence length."""
+        m = self.n_samples
+        if isinstance(document_ids, torch.Tensor):
+            if document_ids.dim() != 2 or document_ids.shape[0] % m:
+                raise ValueError(
+                    f"document_ids has shape {tuple(document_ids.shape)}: it must be (batch, "
+                    f"seq_len) with a batch divisible by n_microbatches={m}"
+                )
+            samples = list(torch.tensor_split(document_ids, m, dim=0))
+        else:
+            samples = list(document_ids)
+            if len(samples) != m:
+                raise ValueError(
+                    f"document_ids as a list needs one (batch, seq_len) tensor per sample "
+                    f"(n_microbatches={m}), got {len(samples)}"
+                )
+        for ids in samples:
+            if seq_len and ids.shape[-1] != seq_len:
+                raise ValueError(
+                    f"document_ids cover {ids.shape[-1]} positions but the inputs have "
+                    f"seq_len={seq_len}: pass one id per token"
+                )
+        return [document_runs(ids) for ids in samples]
 
     def _check_presplit(
         self, arg_mbs: list | None, kwarg_mbs: list | None, target_mbs: list | None
@@ -499,7 +558,8 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
     def _run_units(self) -> Iterator[None]:
         if not self._lengths:
             raise RuntimeError("call step() or eval(): Seq1F1B splits the sequence itself")
-        guard_first_step = not self._attention_checked
+        docs = self._documents is not None
+        guard_first_step = not self._attention_checked or (docs and not self._documents_checked)
         replacements = {}
         for stage in self.local_stages:
             state = self._kv_states[stage.stage_index]
@@ -509,6 +569,7 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
             with rt.stage_methods_replaced(replacements):
                 yield
             self._attention_checked = True
+            self._documents_checked = self._documents_checked or docs
         finally:
             for state in self._kv_states.values():
                 state.clear()
@@ -519,13 +580,16 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
     def _segment_info(self, unit: int) -> SegmentInfo:
         m, seg = divmod(unit, self.seq_chunks)
         starts = segment_offsets(self._lengths)
+        total = sum(self._lengths)
         return SegmentInfo(
             microbatch=m,
             segment=seg,
             num_segments=self.seq_chunks,
             start=starts[seg],
             length=self._lengths[seg],
-            seq_len=sum(self._lengths),
+            seq_len=total,
+            bounds=(*starts[: self.seq_chunks], total),
+            documents=None if self._documents is None else self._documents[m],
         )
 
     def _stage_wrappers(
@@ -540,7 +604,7 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
             keep = stage.has_backward and torch.is_grad_enabled()
             state.begin_forward(info.microbatch, info.segment)
             ctx = UnitContext(state, info, "forward", keep)
-            mode = _PlainAttentionGuard() if guard else None
+            mode = _PlainAttentionGuard(info.documents is not None) if guard else None
             try:
                 with activate(ctx), mode or contextlib.nullcontext():
                     out = cls.forward_one_chunk(

@@ -29,6 +29,8 @@ class TinyConfig:
     n_layers: int = 4
     ffn: int = 64
     rope_theta: float = 10000.0
+    window: int | None = None  # sliding window of the even layers (odd layers: global)
+    sinks: int = 0
 
 
 def rope_positions(seq_len: int, device: torch.device) -> torch.Tensor:
@@ -51,7 +53,7 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: TinyConfig) -> None:
+    def __init__(self, cfg: TinyConfig, index: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         hd = cfg.dim // cfg.n_heads
@@ -60,7 +62,8 @@ class Block(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
-        self.attn = ChunkAwareAttention()
+        local = cfg.window is not None and index % 2 == 0  # Gemma-style local/global layers
+        self.attn = ChunkAwareAttention(cfg.window, cfg.sinks) if local else ChunkAwareAttention()
         self.norm2 = nn.RMSNorm(cfg.dim)
         self.w1 = nn.Linear(cfg.dim, cfg.ffn, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn, bias=False)
@@ -85,11 +88,17 @@ class TinyStage(nn.Module):
     """Layers ``[lo, hi)`` of the model; the first stage embeds, the last one projects."""
 
     def __init__(
-        self, cfg: TinyConfig, first: bool, last: bool, n_layers: int, checkpointing: bool = False
+        self,
+        cfg: TinyConfig,
+        first: bool,
+        last: bool,
+        n_layers: int,
+        checkpointing: bool = False,
+        first_layer: int = 0,
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab, cfg.dim) if first else None
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(n_layers))
+        self.layers = nn.ModuleList(Block(cfg, first_layer + i) for i in range(n_layers))
         self.norm = nn.RMSNorm(cfg.dim) if last else None
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False) if last else None
         self.checkpointing = checkpointing
@@ -113,7 +122,8 @@ def build_stages(
     torch.manual_seed(seed)
     per = cfg.n_layers // num_stages
     return [
-        TinyStage(cfg, i == 0, i == num_stages - 1, per, checkpointing) for i in range(num_stages)
+        TinyStage(cfg, i == 0, i == num_stages - 1, per, checkpointing, i * per)
+        for i in range(num_stages)
     ]
 
 

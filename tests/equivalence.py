@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
-from seq1f1b import ModelShape, ScheduleSeq1F1B
+from seq1f1b import ModelShape, ScheduleSeq1F1B, packed_documents
 from seq1f1b.testing import TinyConfig, build_stages, full_model
 
 CFG = TinyConfig(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=8, ffn=64)
@@ -24,6 +25,37 @@ class Case:
     checkpointing: bool = False
     seq_len: int = 24
     batch: int = 6
+    docs: bool = False  # packed documents (DOCS)
+    window: int | None = None  # sliding window on the even layers
+    sinks: int = 0
+    pad: bool = False  # sample 0's targets ignored from position 16 on
+
+    @property
+    def cfg(self) -> TinyConfig:
+        return replace(CFG, window=self.window, sinks=self.sinks)
+
+
+# one row per sample of a batch of 6 at 24 tokens: a document over three segments of 8, no
+# boundary, a boundary on a segment boundary, short documents, two halves, a 1-token document
+DOCS = torch.tensor(
+    [
+        [0] * 3 + [1] * 18 + [2] * 3,
+        [0] * 24,
+        [0] * 8 + [1] * 16,
+        [0, 0, 1, 1, 1, 2, 3, 3, 3, 3, 3, 4, 5, 5, 6, 6, 6, 6, 6, 6, 7, 7, 8, 9],
+        [0] * 12 + [1] * 12,
+        [0] + [1] * 23,
+    ]
+)
+
+
+def documents(case: Case) -> torch.Tensor | None:
+    return DOCS[: case.batch, : case.seq_len] if case.docs else None
+
+
+def _masked(case: Case) -> contextlib.AbstractContextManager:
+    ids = documents(case)
+    return packed_documents(ids) if ids is not None else contextlib.nullcontext()
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -33,15 +65,19 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def data(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, CFG.vocab, (case.batch, case.seq_len + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if case.pad:
+        y[: case.batch // case.n_microbatches, 16:] = -100  # whole units of sample 0 ignored
+    return x, y
 
 
 def reference(case: Case, num_stages: int) -> tuple[float, dict[str, torch.Tensor]]:
-    mods = build_stages(CFG, num_stages, checkpointing=case.checkpointing)
+    mods = build_stages(case.cfg, num_stages, checkpointing=case.checkpointing)
     model = full_model(mods)
     x, y = data(case)
-    loss = loss_fn(model(x), y)
-    loss.backward()
+    with _masked(case):  # around backward too: checkpointing recomputes attention there
+        loss = loss_fn(model(x), y)
+        loss.backward()
     grads = {
         f"{i}.{n}": p.grad.clone() for i, m in enumerate(mods) for n, p in m.named_parameters()
     }
@@ -55,7 +91,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_case(rank: int, world: int, case: Case, tol: float = 1e-5) -> None:
     num_stages = world * case.stages_per_rank
     ref_loss, ref_grads = reference(case, num_stages)
-    mods = build_stages(CFG, num_stages, checkpointing=case.checkpointing)
+    mods = build_stages(case.cfg, num_stages, checkpointing=case.checkpointing)
     mine = list(range(rank, num_stages, world))
     stages = [PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in mine]
     split = case.split if isinstance(case.split, str) else list(case.split)
@@ -67,11 +103,17 @@ def run_case(rank: int, world: int, case: Case, tol: float = 1e-5) -> None:
     losses: list[torch.Tensor] = []
     has_first, has_last = 0 in mine, num_stages - 1 in mine
     args = (x,) if has_first else ()
-    out = sched.step(*args, target=y if has_last else None, losses=losses if has_last else None)
+    out = sched.step(
+        *args,
+        target=y if has_last else None,
+        losses=losses if has_last else None,
+        document_ids=documents(case),
+    )
     assert sched.kv_state_empty(), "K/V state survived step()"
     if has_last:
         assert len(losses) == case.n_microbatches * case.seq_chunks
         loss = torch.stack(losses).mean().item()
+        assert all(bool(torch.isfinite(x)) for x in losses), losses
         assert abs(loss - ref_loss) <= tol * abs(ref_loss), (case, loss, ref_loss)
         assert out.shape == (case.batch, case.seq_len, CFG.vocab), out.shape
     for s in mine:
@@ -96,18 +138,45 @@ def grid(world: int) -> list[Case]:
     return cases
 
 
-def run_grid(rank: int, world: int, stages_per_rank: int) -> None:
-    """Every case of the grid with this many stages per rank; all mismatches reported at once
-    (an assertion comes after the step, so the ranks stay in step after a failed case)."""
+def mask_grid() -> list[Case]:
+    """Packed documents, windows (smaller than, equal to, larger than a segment), sinks,
+    all-padding units and checkpointing, for one and two stages per rank."""
+    cases = []
+    for spr in (1, 2):
+        cases += [Case(spr, k, 2, docs=True) for k in (1, 2, 3, 4)]
+        cases += [
+            Case(spr, 3, 2, docs=True, split=(11, 8, 5)),
+            Case(spr, 4, 2, window=5),
+            Case(spr, 4, 2, window=6),
+            Case(spr, 2, 3, window=15, split=(14, 10)),
+            Case(spr, 3, 2, docs=True, window=5, sinks=2),
+            Case(spr, 4, 2, docs=True, checkpointing=True, split=(9, 7, 5, 3)),
+            Case(spr, 3, 2, window=5, sinks=2, checkpointing=True, split=(11, 8, 5)),
+            Case(spr, 3, 2, docs=True, pad=True),
+            Case(spr, 3, 1, docs=True, window=4, pad=True, checkpointing=True),
+        ]
+    return cases
+
+
+def run_cases(rank: int, world: int, cases: list[Case]) -> None:
+    """Every case; all mismatches reported at once (assertions come after the step)."""
     failures = []
-    for case in grid(world):
-        if case.stages_per_rank != stages_per_rank:
-            continue
+    for case in cases:
         try:
             run_case(rank, world, case)
         except AssertionError as exc:
             failures.append(f"{case}: {exc}")
     assert not failures, f"{len(failures)} cases differ from the reference:\n" + "\n".join(failures)
+
+
+def run_mask_grid(rank: int, world: int, stages_per_rank: int) -> None:
+    run_cases(rank, world, [c for c in mask_grid() if c.stages_per_rank == stages_per_rank])
+
+
+def run_grid(rank: int, world: int, stages_per_rank: int) -> None:
+    """Every case of the grid with this many stages per rank (the assertion comes after the
+    step, so the ranks stay in step after a failed case)."""
+    run_cases(rank, world, [c for c in grid(world) if c.stages_per_rank == stages_per_rank])
 
 
 def run_eval_case(rank: int, world: int, case: Case) -> None:

@@ -24,7 +24,7 @@ def _segmented(q, k, v, lengths, checkpoint_like: bool = False):
     starts = segment_offsets(lengths)
     outs = []
     for seg, (a, n) in enumerate(zip(starts, lengths, strict=True)):
-        info = SegmentInfo(0, seg, len(lengths), a, n, sum(lengths))
+        info = SegmentInfo(0, seg, len(lengths), a, n, sum(lengths), (*starts, sum(lengths)))
         state.begin_forward(0, seg)
         with activate(UnitContext(state, info, "forward", True)):
             assert current_segment() == info
@@ -52,7 +52,7 @@ def test_segments_equal_full_attention(dtype, tol, lengths) -> None:
     for seg in reversed(range(len(lengths))):
         a, n = starts[seg], lengths[seg]
         state.begin_backward(0, seg)
-        info = SegmentInfo(0, seg, len(lengths), a, n, sum(lengths))
+        info = SegmentInfo(0, seg, len(lengths), a, n, sum(lengths), (*starts, sum(lengths)))
         with activate(UnitContext(state, info, "backward", True)):
             torch.autograd.backward(outs[seg], go[:, :, a : a + n])
         state.end_backward(0, seg)
@@ -95,7 +95,7 @@ def test_kv_heads_must_divide_q_heads() -> None:
 def test_layer_called_twice_in_one_unit_raises() -> None:
     q, k, v = _qkv(torch.float32)
     state = StageKVState(0, 2)
-    info = SegmentInfo(0, 0, 2, 0, 20, 40)
+    info = SegmentInfo(0, 0, 2, 0, 20, 40, (0, 20, 40))
     with activate(UnitContext(state, info, "forward", True)):
         chunk_aware_attention(q, k, v, layer="x")
         with pytest.raises(RuntimeError, match="exactly once per unit forward"):

@@ -102,9 +102,14 @@ def _plain_sdpa_rejected(rank: int, world: int) -> None:
     ):
         ScheduleSeq1F1B([stage], 2, 2, loss_fn).step(x, target=y)
     # K = 1 is plain 1F1B: nothing to chunk, so plain SDPA is fine
-    ScheduleSeq1F1B([PipelineStage(_PlainSDPA(), 0, 1, torch.device("cpu"))], 2, 1, loss_fn).step(
-        x, target=y
-    )
+    sched = ScheduleSeq1F1B([PipelineStage(_PlainSDPA(), 0, 1, torch.device("cpu"))], 2, 1, loss_fn)
+    sched.step(x, target=y)
+    # ... unless the batch has packed documents, which plain SDPA would attend across
+    docs = torch.arange(x.shape[1]).div(7, rounding_mode="floor").expand_as(x)
+    with pytest.raises(RuntimeError, match="would ignore the document_ids"):
+        sched.step(x, target=y, document_ids=docs)
+    with pytest.raises(ValueError, match=r"document_ids cover 5 positions"):
+        sched.step(x, target=y, document_ids=docs[:, :5])
 
 
 def test_plain_sdpa_inside_chunked_unit_raises() -> None:
@@ -148,3 +153,17 @@ def _bad_input_fails_every_rank(rank: int, world: int) -> None:
 
 def test_bad_input_on_one_rank_fails_all_ranks_fast() -> None:
     run_ranks(_bad_input_fails_every_rank, 2)
+
+
+def _docs_on_one_rank(rank: int, world: int) -> None:
+    mods = build_stages(CFG, world)
+    x, y = data_case()
+    stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
+    sched = ScheduleSeq1F1B([stage], 2, 2, loss_fn)
+    docs = torch.zeros_like(x) if rank == 0 else None
+    with pytest.raises(ValueError, match="on some pipeline ranks but not on others"):
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank else None, document_ids=docs)
+
+
+def test_document_ids_on_some_ranks_only_fail_everywhere() -> None:
+    run_ranks(_docs_on_one_rank, 2)

@@ -1,0 +1,156 @@
+"""Tile plans: which (query, key) rectangles of a segment's attention run, and with which kernel.
+
+Why: packed documents, sliding windows and sink tokens make most of a long sequence's
+(query, key) pairs invisible. Instead of one kernel call with a dense mask over every cached
+block, a segment's attention is cut into rectangles that are each *fully visible*, *causal*
+(bottom-right aligned square) or, for the few thin strips a window boundary crosses, *masked*.
+Invisible rectangles produce no tile at all: no kernel call, no FLOPs, and a cached block that
+no later segment has a tile on is never kept.
+
+Visibility of key position ``l`` from query position ``i`` (absolute positions in the sample):
+``l <= i``, same document, and ``i - l < window`` or ``l < sinks`` (when a window is set).
+Documents are contiguous runs of equal ids (``document_runs``); packing produces exactly that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+__all__ = ["MaskSpec", "Tile", "document_runs", "plan_tiles", "tile_mask"]
+
+Runs = tuple[tuple[int, int], ...]  # (start, end) of each document of one batch row
+RowGroups = tuple[tuple[int, int, Runs], ...]  # (first row, end row, runs) of equal rows
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """A layer's mask beyond causal: sliding ``window`` (keys per query, itself included) and
+    ``sinks`` (the first positions, visible to every later query of their document)."""
+
+    window: int | None = None
+    sinks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window is not None and (isinstance(self.window, bool) or self.window < 1):
+            raise ValueError(
+                f"window={self.window!r}: a sliding window must be a positive number of keys per "
+                "query (the query itself included), or None for full causal attention"
+            )
+        if self.sinks < 0 or (self.sinks and self.window is None):
+            raise ValueError(
+                f"sinks={self.sinks!r} needs a window and must be >= 0: sink tokens are the "
+                "positions a sliding window keeps visible; pass window= as well"
+            )
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Queries ``[q0, q1)`` x keys ``[k0, k1)`` (absolute positions) of batch rows
+    ``[r0, r1)``; ``kind`` is "full", "causal" (square, ``l <= i``) or "masked"."""
+
+    r0: int
+    r1: int
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    kind: str
+
+
+def document_runs(ids: torch.Tensor) -> RowGroups:
+    """Group batch rows of ``ids`` (batch, seq) into runs of equal document ids.
+
+    Raises ValueError if a row's ids are not contiguous runs (an id that reappears after
+    another one): packing with EOS-delimited documents never produces that.
+    """
+    if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(
+            f"document_ids must be an integer tensor of shape (batch, seq_len), got dtype "
+            f"{ids.dtype} and shape {tuple(ids.shape)}"
+        )
+    groups: list[tuple[int, int, Runs]] = []
+    for row in range(ids.shape[0]):
+        values, counts = torch.unique_consecutive(ids[row].cpu(), return_counts=True)
+        if values.numel() != torch.unique(values).numel():
+            raise ValueError(
+                f"document_ids row {row}: a document id reappears after another document; "
+                "each document must be one contiguous run (number documents in order, e.g. "
+                "the cumulative count of EOS tokens)"
+            )
+        ends = counts.cumsum(0).tolist()
+        runs = tuple(zip([0, *ends[:-1]], ends, strict=True))
+        if groups and groups[-1][2] == runs:
+            groups[-1] = (groups[-1][0], row + 1, runs)
+        else:
+            groups.append((row, row + 1, runs))
+    return tuple(groups)
+
+
+def tile_mask(t: Tile, spec: MaskSpec, device: torch.device | None = None) -> torch.Tensor:
+    """Boolean visibility of a "masked" tile, (q1-q0, k1-k0); the tile lies in one document."""
+    i = torch.arange(t.q0, t.q1, device=device).unsqueeze(1)
+    j = torch.arange(t.k0, t.k1, device=device).unsqueeze(0)
+    visible = j <= i
+    if spec.window is not None:
+        visible &= (i - j < spec.window) | (j < spec.sinks)
+    return visible
+
+
+def plan_tiles(q0: int, q1: int, k0: int, k1: int, groups: RowGroups, spec: MaskSpec) -> list[Tile]:
+    """Tiles of queries ``[q0, q1)`` against keys ``[k0, k1)`` (the own block when equal)."""
+    return list(_plan(q0, q1, k0, k1, groups, spec.window, spec.sinks))
+
+
+@lru_cache(maxsize=4096)
+def _plan(
+    q0: int, q1: int, k0: int, k1: int, groups: RowGroups, window: int | None, sinks: int
+) -> tuple[Tile, ...]:
+    own = (q0, q1) == (k0, k1)
+    out: list[Tile] = []
+    for r0, r1, runs in groups:
+        for s, e in runs:
+            qa, qb, ka, kb = max(s, q0), min(e, q1), max(s, k0), min(e, k1)
+            if qa >= qb or ka >= kb:
+                continue
+            if own:
+                ka, kb = qa, qb  # a document's keys in its own segment: a causal square
+            for a, b, c, d, kind in _window_split(qa, qb, ka, kb, own, window, sinks):
+                out.append(Tile(r0, r1, a, b, c, d, kind))
+    return tuple(out)
+
+
+def _window_split(
+    qa: int, qb: int, ka: int, kb: int, causal: bool, window: int | None, sinks: int
+) -> Sequence[tuple[int, int, int, int, str]]:
+    """One same-document rectangle cut along the window: full / causal / masked pieces."""
+    base = "causal" if causal else "full"
+    if window is None or (qb - 1) - ka < window:
+        return [(qa, qb, ka, kb, base)]
+    pieces: list[tuple[int, int, int, int, str]] = []
+    if ka < sinks:  # sink columns: visible to every later query, window or not
+        sink_end = min(kb, sinks)
+        kind = "full" if sink_end - 1 <= qa else "masked"
+        pieces.append((qa, qb, ka, sink_end, kind))
+        ka = sink_end
+    step = max(1, window // 2)
+    for r0 in range(qa, qb, step):
+        r1 = min(qb, r0 + step)
+        lo, hi = max(ka, r0 - window + 1), min(kb, r1)
+        if lo >= hi:
+            continue
+        # columns [lo, r1 - window] fail the window for some rows: a thin masked strip
+        full_from = max(lo, r1 - window)
+        if full_from > lo:
+            pieces.append((r0, r1, lo, min(full_from, hi), "masked"))
+        full_to = min(hi, r0) if causal else hi
+        if full_to > full_from:
+            pieces.append((r0, r1, full_from, full_to, "full"))
+        if causal and hi > r0:  # the diagonal square of these rows
+            pieces.append(
+                (r0, r1, max(r0, full_from), hi, "causal" if full_from <= r0 else "masked")
+            )
+    return pieces

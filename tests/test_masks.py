@@ -1,0 +1,191 @@
+"""Packed documents, sliding windows and sinks: segment-by-segment attention equals a dense-mask
+math reference, invisible blocks are neither computed nor cached, and bad masks fail early."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seq1f1b import SegmentInfo, chunk_aware_attention, packed_documents
+from seq1f1b.attention import _math_fwd
+from seq1f1b.kv import StageKVState, UnitContext, activate
+from seq1f1b.masks import MaskSpec, document_runs, plan_tiles, tile_mask
+from seq1f1b.partition import segment_offsets
+
+S = 24
+DOCS = torch.tensor(
+    [
+        [0] * 3 + [1] * 18 + [2] * 3,  # document 1 spans three segments of 8
+        [0] * 24,  # no boundary at all
+        [0] * 8 + [1] * 16,  # boundary exactly at a segment boundary
+        [0, 0, 1, 1, 1, 2, 3, 3, 3, 3, 3, 4, 5, 5, 6, 6, 6, 6, 6, 6, 7, 7, 8, 9],  # short docs
+    ]
+)
+
+
+def visible(docs: torch.Tensor | None, spec: MaskSpec, b: int = 4) -> torch.Tensor:
+    """Dense (batch, S, S) visibility: causal, same document, window / sinks."""
+    i = torch.arange(S).unsqueeze(1)
+    j = torch.arange(S).unsqueeze(0)
+    vis = (j <= i).expand(b, S, S).clone()
+    if docs is not None:
+        vis &= docs[:, :, None] == docs[:, None, :]
+    if spec.window is not None:
+        vis &= (i - j < spec.window) | (j < spec.sinks)
+    return vis
+
+
+def _qkv(dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda heads: torch.randn(4, heads, S, 8, generator=g, dtype=dtype).requires_grad_()  # noqa: E731
+    return mk(4), mk(2), mk(2)
+
+
+def reference(q, k, v, vis):
+    out, _ = _math_fwd(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), False, 8**-0.5, vis[:, None]
+    )
+    return out
+
+
+def segmented(q, k, v, lengths, docs, spec, recompute: bool = False):
+    """Forward 0..K-1 then backward K-1..0 like the schedule; returns output and the state."""
+    state = StageKVState(0, len(lengths))
+    starts = segment_offsets(lengths)
+    bounds = (*starts, S)
+    groups = None if docs is None else document_runs(docs)
+    infos = [
+        SegmentInfo(0, s, len(lengths), a, n, S, bounds, groups)
+        for s, (a, n) in enumerate(zip(starts, lengths, strict=True))
+    ]
+    kw = {"window": spec.window, "sinks": spec.sinks}
+
+    def attend(info: SegmentInfo) -> torch.Tensor:
+        a, e = info.start, info.end
+        return chunk_aware_attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], layer="l", **kw)
+
+    outs = []
+    for info in infos:
+        state.begin_forward(0, info.segment)
+        with activate(UnitContext(state, info, "forward", True)):
+            outs.append(attend(info))
+        state.end_forward(0, info.segment, keep=True)
+    return torch.cat(outs, dim=2), outs, infos, state, attend
+
+
+SPECS = [
+    MaskSpec(),
+    MaskSpec(window=3),  # smaller than a segment of 8
+    MaskSpec(window=8),  # equal to it
+    MaskSpec(window=13),  # larger
+    MaskSpec(window=5, sinks=2),
+    MaskSpec(window=9, sinks=4),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"w{s.window}s{s.sinks}")
+@pytest.mark.parametrize("docs", [None, DOCS], ids=["nodocs", "docs"])
+@pytest.mark.parametrize("lengths", [[24], [8, 8, 8], [11, 7, 6], [3, 5, 4, 12]])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_segments_equal_dense_mask_reference(spec, docs, lengths, dtype, tol) -> None:
+    if docs is None and spec.window is None:
+        pytest.skip("plain causal: tests/test_attention.py")
+    q, k, v = _qkv(dtype)
+    vis = visible(docs, spec)
+    ref = reference(q, k, v, vis)
+    go = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), go)
+    out, outs, infos, state, _ = segmented(q, k, v, lengths, docs, spec)
+    assert ((out - ref).norm() / ref.norm()).item() <= tol
+    for info in reversed(infos):
+        state.begin_backward(0, info.segment)
+        with activate(UnitContext(state, info, "backward", True)):
+            a, e = info.start, info.end
+            torch.autograd.backward(outs[info.segment], go[:, :, a:e])
+        state.end_backward(0, info.segment)
+    assert state.is_empty()
+    for t, r in zip((q, k, v), ref_grads, strict=True):
+        assert ((t.grad - r).norm() / r.norm()).item() <= tol
+
+
+@pytest.mark.parametrize("spec", [MaskSpec(window=5, sinks=2), MaskSpec()], ids=str)
+def test_checkpoint_recomputation_reads_the_same_cache(spec) -> None:
+    """Backward recomputes each segment (as activation checkpointing does) from the cache."""
+    q, k, v = _qkv(torch.float64)
+    ref = reference(q, k, v, visible(DOCS, spec))
+    go = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), go)
+    lengths = [8, 8, 8]
+    with torch.no_grad():  # forward without a graph, as checkpointing does
+        _, _, infos, state, attend = segmented(q, k, v, lengths, DOCS, spec)
+    for info in reversed(infos):
+        state.begin_backward(0, info.segment)
+        with activate(UnitContext(state, info, "backward", True)):
+            out = attend(info)
+            torch.autograd.backward(out, go[:, :, info.start : info.end])
+        state.end_backward(0, info.segment)
+    for t, r in zip((q, k, v), ref_grads, strict=True):
+        assert ((t.grad - r).norm() / r.norm()).item() <= 1e-12
+
+
+def test_tiles_cover_exactly_the_visible_pairs() -> None:
+    """Every visible (query, key) pair in exactly one tile, no invisible pair in a whole tile."""
+    groups = document_runs(DOCS)
+    bounds = [0, 5, 13, 17, 24]
+    for spec in SPECS:
+        vis = visible(DOCS, spec)
+        cover = torch.zeros(4, S, S, dtype=torch.int64)
+        for qi in range(4):
+            for kj in range(qi + 1):
+                q0, q1, k0, k1 = bounds[qi], bounds[qi + 1], bounds[kj], bounds[kj + 1]
+                for t in plan_tiles(q0, q1, k0, k1, groups, spec):
+                    assert q0 <= t.q0 < t.q1 <= q1 and k0 <= t.k0 < t.k1 <= k1
+                    tile = torch.ones(t.q1 - t.q0, t.k1 - t.k0, dtype=torch.bool)
+                    if t.kind == "causal":
+                        tile = tile.tril()
+                    elif t.kind == "masked":
+                        tile = tile_mask(t, spec)
+                    cover[t.r0 : t.r1, t.q0 : t.q1, t.k0 : t.k1] += tile.long()
+                    whole = vis[t.r0 : t.r1, t.q0 : t.q1, t.k0 : t.k1]
+                    assert bool((whole | ~tile).all()), (spec, t)  # nothing invisible computed
+        assert torch.equal(cover, vis.long()), spec
+
+
+def test_invisible_blocks_are_skipped_and_not_cached() -> None:
+    """Documents that end at a segment boundary: the later segment neither computes against
+    the earlier block nor keeps it; a window keeps only the tail later segments can see."""
+    q, k, v = _qkv(torch.float32)
+    docs = torch.tensor([[0] * 8 + [1] * 16] * 4)
+    *_, state, _ = segmented(q, k, v, [8, 8, 8], docs, MaskSpec())
+    entries = state.layer_entries(0, "l")
+    assert entries[0] is None  # nothing after position 8 shares document 0
+    assert entries[1] is not None and entries[1].start == 8 and entries[1].k.shape[-2] == 8
+    *_, state, _ = segmented(q, k, v, [8, 8, 8], None, MaskSpec(window=3))
+    entries = state.layer_entries(0, "l")
+    # the next segment's first query (position 8) sees back to 6: two cached positions
+    assert [e.start for e in entries[:2]] == [6, 14]
+    assert [e.k.shape[-2] for e in entries[:2]] == [2, 2]
+    full = segmented(q, k, v, [8, 8, 8], None, MaskSpec(window=24))[3]
+    assert state.peak_bytes * 4 == full.peak_bytes  # 2 of 8 positions per block
+
+
+def test_packed_documents_outside_a_step() -> None:
+    q, k, v = _qkv(torch.float64)
+    ref = reference(q, k, v, visible(DOCS, MaskSpec()))
+    with packed_documents(DOCS):
+        out = chunk_aware_attention(q, k, v, layer="x")
+    assert ((out - ref).norm() / ref.norm()).item() <= 1e-12
+
+
+def test_bad_masks_fail_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="one contiguous run"):
+        document_runs(torch.tensor([[0, 0, 1, 1, 0]]))
+    with pytest.raises(ValueError, match="integer tensor of shape"):
+        document_runs(torch.zeros(5))
+    with pytest.raises(ValueError, match="positive number of keys"):
+        MaskSpec(window=0)
+    with pytest.raises(ValueError, match="needs a window"):
+        MaskSpec(sinks=2)
+    q, k, v = _qkv(torch.float32)
+    with pytest.raises(ValueError, match="needs packed-document ids"):
+        chunk_aware_attention(q, k, v, layer="x", documents=True)
