@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 import resource
 import statistics
 import tempfile
@@ -41,7 +42,7 @@ from seq1f1b.testing import TinyConfig, build_stages
 from .probe import ActionRecord, ProbedBitPipeStage, ProbedStage, RankProbe, SavedTensorMeter
 from .replay import replay_step_time
 
-__all__ = ["RunSpec", "Setting", "measure", "model_shape"]
+__all__ = ["RunSpec", "Setting", "measure", "model_shape", "packed_documents"]
 
 TIMEOUT = timedelta(seconds=600)
 
@@ -55,6 +56,8 @@ class RunSpec:
     split: str = "compute"
     seq_len: int | None = None  # overrides the setting's (memory-budget runs)
     memory_only: bool = False  # one step, memory only (no timed steps)
+    documents: int = 0  # packed documents of about this many tokens (0: one sequence)
+    skip_invisible: bool = True  # False: the mask-alone baseline (see ScheduleSeq1F1B)
 
     @property
     def entry(self) -> ScheduleEntry:
@@ -65,6 +68,8 @@ class RunSpec:
         name = self.schedule
         if self.entry.seq_chunked:
             name = f"{self.schedule} K={self.seq_chunks} {self.split}"
+        if self.documents:
+            name += f", documents ~{self.documents}" + ("" if self.skip_invisible else " mask only")
         return name if self.seq_len is None else f"{name} @{self.seq_len}"
 
     @property
@@ -106,6 +111,7 @@ class RunResult:
     peak_rss_bytes: int | None = None
     param_bytes: int = 0  # this rank's parameters (BitPipe: two replicas' chunks)
     loss: float | None = None
+    kv_peak_bytes: int = 0  # Seq1F1B's cached K/V at its peak (this rank)
     trace: list[dict[str, Any]] = field(default_factory=list)
     step_traces: list[list[dict[str, Any]]] = field(default_factory=list)
 
@@ -129,6 +135,20 @@ def _seq_len(setting: Setting, spec: RunSpec) -> int:
     return spec.seq_len or setting.seq_len
 
 
+def packed_documents(rows: int, seq_len: int, mean: int, seed: int = 0) -> torch.Tensor:
+    """Document ids of ``rows`` packed sequences: documents of ``mean/2 .. 3*mean/2`` tokens."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(rows):
+        ids: list[int] = []
+        doc = 0
+        while len(ids) < seq_len:
+            ids += [doc] * rng.randint(max(1, mean // 2), max(1, 3 * mean // 2))
+            doc += 1
+        out.append(ids[:seq_len])
+    return torch.tensor(out)
+
+
 def _data(setting: Setting, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     shape = (setting.microbatches, seq_len + 1)
@@ -143,6 +163,11 @@ class _Run:
         self.spec = spec
         self.result = RunResult(spec.label)
         self.x, self.y = _data(setting, _seq_len(setting, spec))
+        self.docs = (
+            packed_documents(setting.microbatches, _seq_len(setting, spec), spec.documents)
+            if spec.documents
+            else None
+        )
         entry = spec.entry
         if entry.replicas == 2:
             self._bitpipe(rank, world, setting, probe)
@@ -165,6 +190,7 @@ class _Run:
                 split=spec.split,
                 model_shape=model_shape(setting.model),
                 seq_len=_seq_len(setting, spec),
+                skip_invisible=spec.skip_invisible,
             )
         else:
             self.sched = cls(stages[0] if entry.single_stage else stages, m, loss_fn=_loss_fn)
@@ -195,11 +221,13 @@ class _Run:
     def step(self) -> float | None:
         x, y = self.x, self.y
         losses: list[torch.Tensor] = []
+        docs = {} if self.docs is None else {"document_ids": self.docs}
         self.sched.step(
             *((x,) if self.first else ()),
             target=y if self.last else None,
             losses=losses if self.last else None,
             return_outputs=False,
+            **docs,
         )
         for p in self.params:
             p.grad = None
@@ -240,6 +268,7 @@ def _memory_step(run: _Run, probe: RankProbe) -> None:
     run.result.peak_activation_rank_bytes = meter.peak_total
     run.result.param_bytes = run.param_bytes
     run.result.peak_rss_bytes = (rss_after - rss_before) * 1024  # ru_maxrss is in KiB on Linux
+    run.result.kv_peak_bytes = getattr(run.sched, "kv_peak_bytes", lambda: 0)()
 
 
 def _rank_main(rank: int, world: int, setting: Setting, specs: list[RunSpec]) -> list[RunResult]:
@@ -342,6 +371,7 @@ def _merge(setting: Setting, spec: RunSpec, per_rank: list[dict[str, Any]]) -> d
         "peak_activation_bytes": [stages[s] for s in sorted(stages)],
         "peak_activation_rank_bytes": [r["peak_activation_rank_bytes"] for r in per_rank],
         "param_bytes_rank": [r["param_bytes"] for r in per_rank],
+        "kv_peak_bytes_rank": [r["kv_peak_bytes"] for r in per_rank],
         "peak_rss_bytes": (
             [r["peak_rss_bytes"] for r in per_rank] if setting.fresh_processes else None
         ),

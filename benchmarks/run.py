@@ -20,6 +20,7 @@ from seq1f1b.planner import search
 from seq1f1b.registry import is_baseline, lookup
 
 from .budget import budget_rows, verify_rows
+from .masks import measure_skipping, simulate_masked_splits
 from .measured import RunSpec, Setting, measure, model_shape
 from .orders import ScheduleSpec
 from .presets import BUDGET_SPECS, PP2_SPECS, Preset
@@ -335,6 +336,14 @@ def run_all(preset: Preset, out: str, command: str, budget: float | None = None)
     timings["budget_s"] = time.perf_counter() - t
 
     results["planner_example"] = _planner_vs_published()
+
+    t = time.perf_counter()
+    _log("packed documents: skipping on / off (measured), mask-aware split (simulated)")
+    results["masks"] = {
+        "measured": measure_skipping(preset),
+        "simulated": simulate_masked_splits(PAPER_SHAPE, chunks=(4, 8)),
+    }
+    timings["masks_s"] = time.perf_counter() - t
     results["targets"] = _targets(results)
 
     t = time.perf_counter()

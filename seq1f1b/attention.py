@@ -388,7 +388,7 @@ def chunk_aware_attention(
                 f"{len(entries)} segments of sample {info.microbatch} but runs segment {seg}; "
                 "each attention layer must run exactly once per unit forward"
             )
-        own = _cache_entry(k, v, info, groups, spec, ctx.keep_kv)
+        own = _cache_entry(k, v, info, groups, spec, ctx.keep_kv, state.skip_invisible or plain)
         entries.append(own)
     else:  # recomputation inside this unit's backward (activation checkpointing)
         if len(entries) <= seg:
@@ -400,9 +400,9 @@ def chunk_aware_attention(
     prefix: list[torch.Tensor] = []
     starts: list[int] = []
     plan: list[tuple[int, Tile]] = []
-    bounds = info.bounds
+    bounds, skip = info.bounds, state.skip_invisible or plain
     for j in range(seg):
-        tiles = plan_tiles(info.start, info.end, bounds[j], bounds[j + 1], groups, spec)
+        tiles = plan_tiles(info.start, info.end, bounds[j], bounds[j + 1], groups, spec, skip)
         if not tiles:
             continue  # nothing of segment j is visible: no kernel call, no K/V needed
         e = entries[j]
@@ -414,7 +414,8 @@ def chunk_aware_attention(
         plan += [(len(starts), t) for t in tiles]
         prefix += [e.k, e.v]
         starts.append(e.start)
-    plan += [(-1, t) for t in plan_tiles(info.start, info.end, info.start, info.end, groups, spec)]
+    own_tiles = plan_tiles(info.start, info.end, info.start, info.end, groups, spec, skip)
+    plan += [(-1, t) for t in own_tiles]
     if own is not None and ctx.keep_kv:
         k, v = _InjectKVGrad.apply(k, v, own, own.start - info.start)
     return _SegmentAttention.apply(
@@ -438,11 +439,21 @@ def _cache_entry(
     groups: RowGroups,
     spec: MaskSpec,
     keep: bool,
+    skip: bool = True,
 ) -> SegmentKV | None:
     """What later segments will read of this segment's K/V: nothing (no later segment sees
     it), or its positions from the first one any later segment sees. A short tail is copied so
     the rest of the segment's K/V can be freed when nothing else holds it (checkpointing)."""
     bounds, seg = info.bounds, info.segment
+    if not skip:  # mask-alone baseline: every segment but the last is kept whole
+        last = seg == info.num_segments - 1
+        return (
+            None
+            if last
+            else SegmentKV(
+                k.detach().requires_grad_(keep), v.detach().requires_grad_(keep), info.start
+            )
+        )
     first = None
     for later in range(seg + 1, info.num_segments):
         for t in plan_tiles(bounds[later], bounds[later + 1], info.start, info.end, groups, spec):

@@ -78,7 +78,8 @@ class StageKVState:
 
     stage_index: int
     num_segments: int
-    peak_bytes: int = 0  # most K/V bytes cached at once since the last reset_peak()
+    skip_invisible: bool = True  # see ScheduleSeq1F1B(skip_invisible=...)
+    peak_bytes: int = 0  # most K/V bytes cached at once since clear(reset_peak=True)
     _cache: dict[int, dict[Hashable, list[SegmentKV | None]]] = field(default_factory=dict)
     _next_fwd: dict[int, int] = field(default_factory=dict)
     _next_bwd: dict[int, int] = field(default_factory=dict)
@@ -126,7 +127,9 @@ class StageKVState:
             if segment < len(entries):
                 entries[segment] = None
 
-    def clear(self) -> None:
+    def clear(self, reset_peak: bool = False) -> None:
+        if reset_peak:
+            self.peak_bytes = 0
         self._cache.clear()
         self._next_fwd.clear()
         self._next_bwd.clear()

@@ -59,6 +59,7 @@ class Tile:
     k0: int
     k1: int
     kind: str
+    runs: Runs = ()  # documents to mask by (dense tiles only; empty: one document)
 
 
 def document_runs(ids: torch.Tensor) -> RowGroups:
@@ -91,17 +92,30 @@ def document_runs(ids: torch.Tensor) -> RowGroups:
 
 
 def tile_mask(t: Tile, spec: MaskSpec, device: torch.device | None = None) -> torch.Tensor:
-    """Boolean visibility of a "masked" tile, (q1-q0, k1-k0); the tile lies in one document."""
+    """Boolean visibility of a "masked" tile, (q1-q0, k1-k0): causal, window / sinks, and the
+    documents of ``t.runs`` (planned tiles lie in one document and carry none)."""
     i = torch.arange(t.q0, t.q1, device=device).unsqueeze(1)
     j = torch.arange(t.k0, t.k1, device=device).unsqueeze(0)
     visible = j <= i
+    if t.runs:
+        ends = torch.tensor([e for _, e in t.runs], device=device)
+        doc_i = torch.bucketize(i, ends, right=True)
+        doc_j = torch.bucketize(j, ends, right=True)
+        visible &= doc_i == doc_j
     if spec.window is not None:
         visible &= (i - j < spec.window) | (j < spec.sinks)
     return visible
 
 
-def plan_tiles(q0: int, q1: int, k0: int, k1: int, groups: RowGroups, spec: MaskSpec) -> list[Tile]:
-    """Tiles of queries ``[q0, q1)`` against keys ``[k0, k1)`` (the own block when equal)."""
+def plan_tiles(
+    q0: int, q1: int, k0: int, k1: int, groups: RowGroups, spec: MaskSpec, skip: bool = True
+) -> list[Tile]:
+    """Tiles of queries ``[q0, q1)`` against keys ``[k0, k1)`` (the own block when equal).
+
+    ``skip=False`` is the mask-alone baseline: one masked tile per group of rows over the
+    whole rectangle, whatever it contains."""
+    if not skip:
+        return [Tile(r0, r1, q0, q1, k0, k1, "masked", runs) for r0, r1, runs in groups]
     return list(_plan(q0, q1, k0, k1, groups, spec.window, spec.sinks))
 
 

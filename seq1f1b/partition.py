@@ -8,6 +8,7 @@ user-given lengths. Pure Python on purpose, so it can run before torch is set up
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Sequence
@@ -314,3 +315,61 @@ def segment_offsets(lengths: Sequence[int]) -> list[int]:
         offsets.append(start)
         start += x
     return offsets
+
+
+def attended_keys(
+    seq_len: int,
+    document_ids: Sequence[Sequence[int]] | None = None,
+    window: int | None = None,
+    sinks: int = 0,
+) -> list[float]:
+    """Keys each position attends to under the mask, averaged over the batch rows.
+
+    Causal alone gives ``p + 1`` at position ``p``; packed documents count only the keys of
+    ``p``'s own document, a sliding window at most ``window`` (plus the ``sinks`` of the
+    document). ``document_ids``: one list of ids per row (e.g. ``ids.tolist()``).
+    """
+    rows = document_ids if document_ids is not None else [[0] * seq_len]
+    total = [0.0] * seq_len
+    for row in rows:
+        if len(row) != seq_len:
+            raise ValueError(f"document_ids rows must have seq_len={seq_len} ids, got {len(row)}")
+        start = 0
+        for p in range(seq_len):
+            if p and row[p] != row[p - 1]:
+                start = p
+            lo = start if window is None else max(start, p - window + 1)
+            keys = p - lo + 1
+            if window is not None:
+                keys += max(0, min(sinks, lo) - start)
+            total[p] += keys
+    return [t / len(rows) for t in total]
+
+
+def profile_flops(keys: Sequence[float], shape: ModelShape) -> list[float]:
+    """Forward FLOPs of each position: its share of every matmul plus attention over ``keys``
+    (the per-token form of :func:`segment_flops`: with ``p + 1`` keys they sum to it)."""
+    a, b0 = _coefficients(0, shape)  # b at end 0: the per-token cost without attention
+    attn = 2 * a  # = L * (4d + 3) * h
+    return [b0 + attn * (x - 0.5) for x in keys]
+
+
+def profile_balanced_split(flops: Sequence[float], k: int, multiple_of: int = 1) -> list[int]:
+    """``k`` segment lengths with equal summed ``flops`` (one value per position), each a
+    multiple of ``multiple_of``: the compute-balanced split for a masked sequence."""
+    seq_len, k, multiple_of = _check_split_args(len(flops), k, multiple_of)
+    total = math.fsum(flops)
+    cuts, acc, target = [], 0.0, 1
+    for p, f in enumerate(flops):
+        acc += f
+        if target < k and acc >= total * target / k:
+            cuts.append(p + 1)
+            target += 1
+    bounds, last = [], 0
+    for i, c in enumerate(cuts):
+        c = max(last + multiple_of, round(c / multiple_of) * multiple_of)
+        c = min(c, seq_len - (k - 1 - i) * multiple_of)
+        bounds.append(c)
+        last = c
+    edges = [0, *bounds, seq_len]
+    return [e - s for s, e in itertools.pairwise(edges)]

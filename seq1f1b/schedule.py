@@ -138,6 +138,9 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         kwargs_seq_dims: per kwarg, the dim to split along the sequence, or None to pass it
             whole to every segment. Default: ``seq_dim`` for every tensor kwarg.
         check_attention: on the first step, raise if the model calls plain SDPA inside a unit.
+        skip_invisible: with packed documents / sliding windows, skip (query, key) blocks that
+            share no visible pair and cache only what later segments see; False computes every
+            block under the mask and caches every segment (the mask-alone baseline).
         runtime_options: torch's runtime options of the installed release (2.15:
             ``max_active_stages``, ``unshard_lookahead``, ``defer_reduce_grad_wait``,
             ``max_outstanding_sends``), passed through.
@@ -158,6 +161,7 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         ignore_index: int | None = -100,
         kwargs_seq_dims: Mapping[str, int | None] | None = None,
         check_attention: bool = True,
+        skip_invisible: bool = True,
         args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
         kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
         output_merge_spec: dict[str, Any] | tuple[Any] | None = None,
@@ -217,7 +221,10 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
             **runtime_options,
         )
         self.order_spec = OrderSpec(self.pp_group_size, len(stage_list), m, k)
-        self._kv_states = {s.stage_index: StageKVState(s.stage_index, k) for s in stage_list}
+        self._kv_states = {
+            s.stage_index: StageKVState(s.stage_index, k, skip_invisible=skip_invisible)
+            for s in stage_list
+        }
         self._unit_loss_weights: list[float] = [1.0] * (m * k)
         self._lengths: list[int] = []
         self._documents: list | None = None  # per sample: document runs (packed documents)
@@ -563,7 +570,7 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         replacements = {}
         for stage in self.local_stages:
             state = self._kv_states[stage.stage_index]
-            state.clear()
+            state.clear(reset_peak=True)
             replacements[stage] = self._stage_wrappers(stage, state, guard_first_step)
         try:
             with rt.stage_methods_replaced(replacements):
@@ -648,6 +655,10 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
     def kv_state_bytes(self) -> int:
         """Bytes of K/V still cached (0 between steps; for tests and memory checks)."""
         return sum(s.nbytes() for s in self._kv_states.values())
+
+    def kv_peak_bytes(self) -> int:
+        """Most K/V bytes cached at once on this rank's stages during the last step."""
+        return max((s.peak_bytes for s in self._kv_states.values()), default=0)
 
     def kv_state_empty(self) -> bool:
         return all(s.is_empty() for s in self._kv_states.values())

@@ -25,6 +25,7 @@ Model (no processes, pure Python, event-driven in each rank's program order):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -191,14 +192,20 @@ class FlopsCosts:
     num_stages: int
     ranks: int
     backward_factor: float = 2.0
+    #: per-position forward FLOPs under a mask (:func:`seq1f1b.partition.profile_flops`);
+    #: None: plain causal attention over the whole sequence
+    position_flops: tuple[float, ...] | None = None
 
     @cached_property
     def segment_costs(self) -> list[float]:
         """Forward FLOPs of each segment on one stage."""
         out, end = [], 0
         for s in self.lengths:
+            if self.position_flops is None:
+                out.append(segment_flops(s, end + s, self.shape) / self.num_stages)
+            else:
+                out.append(math.fsum(self.position_flops[end : end + s]) / self.num_stages)
             end += s
-            out.append(segment_flops(s, end, self.shape) / self.num_stages)
         return out
 
     def cost(self, a: Action) -> float:

@@ -72,6 +72,16 @@ def test_results_json(smoke_out: Path) -> None:
     )
     assert res["budget"]["rows"] and all(r["longest_seq_len"] > 0 for r in res["budget"]["rows"])
     assert [t["name"] for t in res["targets"]]
+    _, skip, mask_only = res["masks"]["measured"]["runs"]
+    assert skip["kv_peak_bytes_rank"][0] < mask_only["kv_peak_bytes_rank"][0]
+    assert skip["loss"] == pytest.approx(mask_only["loss"], rel=1e-6)  # same masked model
+    split = {(r["mask"], r["seq_chunks"], r["split"]): r for r in res["masks"]["simulated"]}
+    for (mask, k, name), r in split.items():
+        if name == "compute (mask-aware)":
+            assert (
+                r["segment_cost_max_over_mean"]
+                < split[(mask, k, "compute (causal)")]["segment_cost_max_over_mean"]
+            )
     published = res["planner_example"]
     assert not published["131072"]["K=1"]["fits"] and published["131072"]["K=8"]["fits"]
     assert (smoke_out / "results.md").read_text().count("|") > 50

@@ -48,9 +48,9 @@ def reference(q, k, v, vis):
     return out
 
 
-def segmented(q, k, v, lengths, docs, spec, recompute: bool = False):
+def segmented(q, k, v, lengths, docs, spec, skip: bool = True):
     """Forward 0..K-1 then backward K-1..0 like the schedule; returns output and the state."""
-    state = StageKVState(0, len(lengths))
+    state = StageKVState(0, len(lengths), skip_invisible=skip)
     starts = segment_offsets(lengths)
     bounds = (*starts, S)
     groups = None if docs is None else document_runs(docs)
@@ -86,8 +86,12 @@ SPECS = [
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"w{s.window}s{s.sinks}")
 @pytest.mark.parametrize("docs", [None, DOCS], ids=["nodocs", "docs"])
 @pytest.mark.parametrize("lengths", [[24], [8, 8, 8], [11, 7, 6], [3, 5, 4, 12]])
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-def test_segments_equal_dense_mask_reference(spec, docs, lengths, dtype, tol) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "tol", "skip"),
+    [(torch.float64, 1e-12, True), (torch.float32, 1e-5, True), (torch.float64, 1e-12, False)],
+    ids=["f64", "f32", "f64-noskip"],
+)
+def test_segments_equal_dense_mask_reference(spec, docs, lengths, dtype, tol, skip) -> None:
     if docs is None and spec.window is None:
         pytest.skip("plain causal: tests/test_attention.py")
     q, k, v = _qkv(dtype)
@@ -95,7 +99,7 @@ def test_segments_equal_dense_mask_reference(spec, docs, lengths, dtype, tol) ->
     ref = reference(q, k, v, vis)
     go = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, (q, k, v), go)
-    out, outs, infos, state, _ = segmented(q, k, v, lengths, docs, spec)
+    out, outs, infos, state, _ = segmented(q, k, v, lengths, docs, spec, skip)
     assert ((out - ref).norm() / ref.norm()).item() <= tol
     for info in reversed(infos):
         state.begin_backward(0, info.segment)
@@ -165,7 +169,7 @@ def test_invisible_blocks_are_skipped_and_not_cached() -> None:
     # the next segment's first query (position 8) sees back to 6: two cached positions
     assert [e.start for e in entries[:2]] == [6, 14]
     assert [e.k.shape[-2] for e in entries[:2]] == [2, 2]
-    full = segmented(q, k, v, [8, 8, 8], None, MaskSpec(window=24))[3]
+    full = segmented(q, k, v, [8, 8, 8], None, MaskSpec(window=3), skip=False)[3]
     assert state.peak_bytes * 4 == full.peak_bytes  # 2 of 8 positions per block
 
 

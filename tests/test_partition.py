@@ -253,3 +253,22 @@ def test_error_messages_name_a_fix() -> None:
         explicit_split([5, 4], 10, 2)
     with pytest.raises(ValueError, match=r"or set seq_chunks=2"):
         explicit_split([5, 5], 10, 3)
+
+
+def test_masked_cost_profile_and_its_split() -> None:
+    from seq1f1b.partition import attended_keys, profile_balanced_split, profile_flops
+
+    # causal: p + 1 keys; documents [0,0,0,1,1]: restart at 3; window 2 with 1 sink
+    assert attended_keys(5) == [1, 2, 3, 4, 5]
+    assert attended_keys(5, [[0, 0, 0, 1, 1]]) == [1, 2, 3, 1, 2]
+    assert attended_keys(5, window=2, sinks=1) == [1, 2, 3, 3, 3]
+    assert attended_keys(4, [[0, 0, 1, 1], [0, 0, 0, 0]]) == [1, 2, 2, 3]  # mean of the rows
+    shape = ModelShape(hidden=4096, n_heads=32, n_layers=32, vocab=50304)
+    flops = profile_flops(attended_keys(32768), shape)
+    assert sum(flops) == pytest.approx(segment_flops(32768, 32768, shape), rel=1e-12)
+    lengths = profile_balanced_split(flops, 4)
+    assert all(abs(a - b) <= 1 for a, b in zip(lengths, [11021, 8421, 7087, 6239], strict=True))
+    # packed documents of 512 tokens: the balanced split is (close to) uniform, in multiples
+    docs = [[p // 512 for p in range(8192)]]
+    masked = profile_balanced_split(profile_flops(attended_keys(8192, docs), shape), 4, 8)
+    assert sum(masked) == 8192 and all(n % 8 == 0 and abs(n - 2048) <= 16 for n in masked)
