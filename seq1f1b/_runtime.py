@@ -498,8 +498,14 @@ class UnitRuntime(ScheduleRuntime):
 
     # ------------------------------------------------------------------ torch's runtime hooks
     def _initialize_stages(self, args, kwargs, target=None, loss_kwargs=None):  # type: ignore[override]
-        super()._initialize_stages(args, kwargs, target, loss_kwargs)
+        with self.stage_init_scope():
+            super()._initialize_stages(args, kwargs, target, loss_kwargs)
         self.after_stage_init()
+
+    def stage_init_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Context for torch's stage initialisation (its forward metadata inference runs the
+        model once, outside any unit)."""
+        return contextlib.nullcontext()
 
     def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):  # type: ignore[override]
         if stage.is_last and self._loss_fn is not None:

@@ -160,6 +160,7 @@ class UnitContext:
 
 _ACTIVE: list[UnitContext] = []
 _DOCUMENTS: list[RowGroups] = []
+_INFERRING: list[bool] = []
 
 
 def current_unit() -> UnitContext | None:
@@ -208,3 +209,17 @@ def packed_documents(document_ids: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         _DOCUMENTS.pop()
+
+
+@contextmanager
+def metadata_inference() -> Iterator[None]:
+    """The pipeline stage runs its model once for output shapes only (no unit, no masks)."""
+    _INFERRING.append(True)
+    try:
+        yield
+    finally:
+        _INFERRING.pop()
+
+
+def inferring_metadata() -> bool:
+    return bool(_INFERRING)

@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _runtime as rt
 from ._runtime import Action, PipelineStageBase
-from .kv import SegmentInfo, StageKVState, UnitContext, activate
+from .kv import SegmentInfo, StageKVState, UnitContext, activate, metadata_inference
 from .masks import document_runs
 from .microbatch import (
     count_tokens,
@@ -583,6 +583,9 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
 
     def unit_scope(self) -> contextlib.AbstractContextManager[None]:
         return self._run_units()
+
+    def stage_init_scope(self) -> contextlib.AbstractContextManager[None]:
+        return metadata_inference()
 
     def _segment_info(self, unit: int) -> SegmentInfo:
         m, seg = divmod(unit, self.seq_chunks)

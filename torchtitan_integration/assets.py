@@ -18,6 +18,7 @@ from pathlib import Path
 
 DEFAULT_DIR = Path("assets")
 DATASET_NAME = "pycode"
+BLOCKS_DATASET_NAME = "pycode_blocks"  # the same corpus, one document per blank-line block
 VOCAB_SIZE = 2048  # torchtitan's debugmodel vocabulary
 MAX_BYTES = 4 * 1024 * 1024
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
@@ -102,7 +103,8 @@ def ensure_assets(root: Path | str = DEFAULT_DIR) -> Path:
 
 
 def register_dataset(root: Path | str = DEFAULT_DIR) -> None:
-    """Make ``[training] dataset = "pycode"`` load the local corpus (offline)."""
+    """Make ``[training] dataset = "pycode"`` (and ``"pycode_blocks"``) load the local corpus
+    (offline)."""
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
@@ -113,8 +115,20 @@ def register_dataset(root: Path | str = DEFAULT_DIR) -> None:
         files = str(p / "train.jsonl") if p.is_dir() else str(p)
         return load_dataset("json", data_files=files, split="train")
 
+    def load_blocks(path: str):
+        def split(batch: dict) -> dict:
+            blocks = [b for text in batch["text"] for b in text.split("\n\n") if b.strip()]
+            return {"text": blocks}
+
+        return load(path).map(split, batched=True, remove_columns=["text"])
+
+    path = str(Path(root) / "pycode")
     DATASETS[DATASET_NAME] = DatasetConfig(
-        path=str(Path(root) / "pycode"), loader=load, sample_processor=lambda s: s["text"]
+        path=path, loader=load, sample_processor=lambda s: s["text"]
+    )
+    # many short documents (tens of tokens): packed-document masking has work to do
+    DATASETS[BLOCKS_DATASET_NAME] = DatasetConfig(
+        path=path, loader=load_blocks, sample_processor=lambda s: s["text"]
     )
 
 

@@ -20,7 +20,16 @@ from seq1f1b import chunk_aware_attention, current_segment
 
 
 class ChunkAwareSDPA(nn.Module):
-    """Drop-in for torchtitan's ScaledDotProductAttentionWrapper (causal only)."""
+    """Drop-in for torchtitan's ScaledDotProductAttentionWrapper (causal only).
+
+    ``documents=True`` (flavors with ``attn_mask_type = "block_causal"``): attention stays
+    inside each packed document; the trainer passes the document ids, and a step without them
+    fails naming the fix instead of attending across documents.
+    """
+
+    def __init__(self, documents: bool | None = None) -> None:
+        super().__init__()
+        self.documents = documents
 
     def forward(
         self,
@@ -35,7 +44,7 @@ class ChunkAwareSDPA(nn.Module):
         if not is_causal:
             raise ValueError("Seq1F1B chunk-aware attention is causal only")
         del enable_gqa  # inferred from the head counts
-        return chunk_aware_attention(q, k, v, layer=self, scale=scale)
+        return chunk_aware_attention(q, k, v, layer=self, scale=scale, documents=self.documents)
 
 
 def _shift_rope(_module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
@@ -53,20 +62,50 @@ def _shift_rope(_module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tupl
     return args, kwargs
 
 
-def make_chunk_aware(model: nn.Module) -> int:
-    """Convert every SDPA attention layer of a torchtitan Llama3 model; returns how many."""
-    from torchtitan.models.attention import ScaledDotProductAttentionWrapper
+def make_chunk_aware(model: nn.Module, block_causal: bool = False) -> int:
+    """Convert every attention layer of a torchtitan Llama3 model; returns how many.
+
+    SDPA layers become chunk-aware causal attention. FlexAttention / varlen layers (the
+    ``*_flex_attn`` / ``*_varlen_attn`` flavors) become chunk-aware attention too, masked by
+    packed documents when ``block_causal``: the layer then runs torchtitan's "sdpa" branch and
+    takes no ``attention_masks``; the trainer supplies the documents instead. Idempotent.
+    """
+    from torchtitan.models.attention import (
+        FlexAttentionWrapper,
+        ScaledDotProductAttentionWrapper,
+        VarlenAttentionWrapper,
+    )
 
     converted = 0
     for module in model.modules():
         inner = getattr(module, "inner_attention", None)
         if isinstance(inner, ScaledDotProductAttentionWrapper):
             module.inner_attention = ChunkAwareSDPA()
-            module.register_forward_pre_hook(_shift_rope, with_kwargs=True)
-            converted += 1
-        elif inner is not None and not isinstance(inner, ChunkAwareSDPA):
+        elif isinstance(inner, (FlexAttentionWrapper, VarlenAttentionWrapper)):
+            module.inner_attention = ChunkAwareSDPA(documents=True if block_causal else None)
+            module.attn_type = "sdpa"
+        elif inner is None or isinstance(inner, ChunkAwareSDPA):
+            continue
+        else:
             raise ValueError(
                 f"{type(inner).__name__} attention cannot be chunked by Seq1F1B: set "
-                "[model] flavor to an 'sdpa' attention flavor (e.g. debugmodel, 8B, 70B)"
+                "[model] flavor to an sdpa or flex attention flavor (e.g. debugmodel, "
+                "debugmodel_flex_attn, 8B)"
             )
+        module.register_forward_pre_hook(_shift_rope, with_kwargs=True)
+        converted += 1
     return converted
+
+
+def block_causal(model_args: object) -> bool:
+    """Whether the flavor masks attention at document boundaries (torchtitan's naming)."""
+    return getattr(model_args, "attn_mask_type", "causal") == "block_causal"
+
+
+def document_ids_from_eos(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Document index of each token: the number of EOS tokens before it, as torchtitan's
+    ``get_document_mask_mod`` numbers the documents of a packed batch (an EOS ends its
+    document)."""
+    ids = torch.zeros_like(tokens, dtype=torch.int64)
+    ids[:, 1:] = torch.cumsum(tokens == eos_id, dim=1)[:, :-1]
+    return ids

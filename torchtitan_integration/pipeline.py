@@ -17,7 +17,7 @@ from torch import nn
 from seq1f1b import ModelShape, resolve_split
 from seq1f1b.registry import ScheduleEntry, lookup, schedule_names
 
-from .model import make_chunk_aware
+from .model import block_causal, make_chunk_aware
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def pipeline_seq1f1b(
         par.pipeline_parallel_first_stage_less_layers,
         par.pipeline_parallel_last_stage_less_layers,
     )
-    make_chunk_aware(model)
+    make_chunk_aware(model, block_causal(model_args))
     # "1F1B"/"Interleaved1F1B" only pick torchtitan's looped placement (stage s on rank s % pp)
     stages, parts = pipeline_module_split(
         model, parallel_dims.get_mesh("pp"), "1F1B" if v == 1 else "Interleaved1F1B", device, names
@@ -228,6 +228,14 @@ def validate_before_start(job_config: Any, parallel_dims: Any, model_args: Any) 
     entry = check_schedule_name(job_config.parallelism.pipeline_parallel_schedule)
     if not parallel_dims.pp_enabled:
         return
+    if block_causal(model_args) and not entry.seq_chunked:
+        raise ValueError(
+            f"[model] flavor {job_config.model.flavor!r} masks attention by document "
+            f"(block_causal), which [parallelism] pipeline_parallel_schedule = "
+            f"{job_config.parallelism.pipeline_parallel_schedule!r} cannot pass to its stages "
+            "here: use pipeline_parallel_schedule = 'Seq1F1B' (or 'InterleavedSeq1F1B'), or an "
+            "sdpa flavor"
+        )
     if entry.replicas == 2:
         from .bitpipe import check_bitpipe
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .model import block_causal, make_chunk_aware
 from .pipeline import pipeline_seq1f1b, validate_before_start
 
 
@@ -93,6 +94,9 @@ def parallelize_with_pp_replicate(parallelize_fn: Any) -> Any:
     """
 
     def wrapped(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
+        # flex / varlen flavors train through chunk-aware attention (with PP, the pipelining
+        # function converted the model before splitting it; this covers PP = 1)
+        make_chunk_aware(model, block_causal(getattr(model, "model_args", None)))
         own_replicate = (
             parallel_dims.dp_replicate_enabled
             and not parallel_dims.fsdp_enabled

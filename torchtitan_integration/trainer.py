@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -9,9 +10,10 @@ import torch.distributed as dist
 import torchtitan.distributed.utils as dist_utils
 from torchtitan.train import Trainer
 
-from seq1f1b import ScheduleBitPipe
+from seq1f1b import ScheduleBitPipe, packed_documents
 
 from .bitpipe import clip_counting_each_chunk_once, sync_twins
+from .model import block_causal, document_ids_from_eos
 
 
 class Seq1F1BTrainer(Trainer):
@@ -19,13 +21,40 @@ class Seq1F1BTrainer(Trainer):
 
     _twins_synced = False
 
+    @property
+    def _documents(self) -> bool:
+        """The flavor masks by packed document (torchtitan's block_causal)."""
+        return block_causal(self.model_args)
+
+    def post_dataloading_process(
+        self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+        """With block_causal, no FlexAttention BlockMask (our attention takes the documents
+        from ``document_ids`` instead); otherwise torchtitan's."""
+        if not self._documents:
+            return super().post_dataloading_process(input_dict, labels)
+        if self.parallel_dims.cp_enabled:
+            raise ValueError(
+                "block_causal flavors with context parallelism are not supported by this "
+                "integration yet: set [parallelism] context_parallel_degree = 1"
+            )
+        extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
+        return input_dict["input"], labels, extra_inputs, {}
+
+    def _document_ids(self, input_dict: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        if not self._documents:
+            return None
+        return document_ids_from_eos(input_dict["input"], self.tokenizer.eos_id)
+
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: Any
     ) -> torch.Tensor:
+        docs = self._document_ids(input_dict)
         if not self.parallel_dims.pp_enabled:
-            return super().forward_backward_step(
-                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
-            )
+            with packed_documents(docs) if docs is not None else contextlib.nullcontext():
+                return super().forward_backward_step(
+                    input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+                )
         schedule = self.pp_schedule
         if isinstance(schedule, ScheduleBitPipe) and not self._twins_synced:
             sync_twins(schedule)  # replicas identical after torchtitan's init/load
@@ -36,6 +65,8 @@ class Seq1F1BTrainer(Trainer):
         last = self.pp_has_last_stage
         targets, losses = (labels, []) if last else (None, None)
         loss_kwargs = {"global_valid_tokens": global_valid_tokens} if last else None
+        if docs is not None:
+            extra_kwargs = {**extra_kwargs, "document_ids": docs}  # every PP rank
         with self.train_context():
             if self.pp_has_first_stage:
                 schedule.step(
