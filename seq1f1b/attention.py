@@ -207,6 +207,64 @@ def _merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: t
     return out_acc * w_acc + o.to(out_acc.dtype) * w_new, new
 
 
+# ---------------------------------------------------------------------- FlexAttention forward
+def _flex_available() -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return False
+    return True
+
+
+_COMPILED_FLEX: list[Any] = []
+
+
+def _flex_fn(device: torch.device) -> Any:
+    """torch's flex_attention: compiled on GPU (its fast path), eager elsewhere (CPU: unfused,
+    forward only; used here to check the GPU path's masks and merge)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if not _COMPILED_FLEX:  # pragma: no cover - GPU only
+        _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _COMPILED_FLEX[0]  # pragma: no cover
+
+
+def _document_index(groups: RowGroups, batch: int, seq_len: int, device: torch.device):
+    """(batch, seq_len) document number of every position (for FlexAttention's mask_mod)."""
+    out = torch.zeros(batch, seq_len, dtype=torch.int32, device=device)
+    for r0, r1, runs in groups:
+        for doc, (s, e) in enumerate(runs):
+            out[r0:r1, s:e] = doc
+    return out
+
+
+def _flex_block_fwd(q, k, v, q0: int, k0: int, docs, spec: MaskSpec, scale: float):
+    """One (segment, block) pair in one FlexAttention call: causal + documents + window +
+    sinks at absolute offsets ``q0`` / ``k0``; rows that see nothing come back as -inf LSE."""
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+
+    window, sinks = spec.window, spec.sinks
+
+    def mask_mod(b, h, qi, ki):
+        qa, ka = qi + q0, ki + k0
+        vis = (ka <= qa) & (docs[b, qa] == docs[b, ka])
+        if window is not None:
+            vis = vis & ((qa - ka < window) | (ka < sinks))
+        return vis
+
+    lq, lk = q.shape[-2], k.shape[-2]
+    mask = create_block_mask(mask_mod, q.shape[0], None, lq, lk, device=q.device)
+    out, aux = _flex_fn(q.device)(
+        q.detach(), k.detach(), v.detach(), block_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1], return_aux=AuxRequest(lse=True),
+    )  # fmt: skip
+    lse = aux.lse
+    empty = ~torch.isfinite(lse) | (lse == 0) & (out == 0).all(-1)
+    return out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
+
+
 # A planned call: (block, tile) with block -1 = the segment's own K/V, j = prefix block j.
 _Plan = tuple[tuple[int, Tile], ...]
 
@@ -220,12 +278,21 @@ class _SegmentAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, kernels, plan, spec, q_start, starts, *prefix):
+    def forward(ctx, q, k, v, scale, kernels, plan, spec, q_start, starts, flex_docs, *prefix):
         _, fwd, _ = kernels
         n_rep = q.shape[1] // k.shape[1]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        saved_plan = plan
+        if flex_docs is not None:  # one FlexAttention call per block the plan touches
+            for block in sorted({b for b, _ in plan}):
+                kb, vb, off = (k, v, q_start) if block < 0 else (
+                    prefix[2 * block], prefix[2 * block + 1], starts[block]
+                )  # fmt: skip
+                o, lse = _flex_block_fwd(q, kb, vb, q_start, off, flex_docs, spec, scale)
+                out_acc, lse_acc = _merge(out_acc, lse_acc, o, lse.to(acc))
+            plan = ()  # the tiles below are for backward
         for block, t in plan:
             kb, vb, off = (
                 (k, v, q_start)
@@ -245,7 +312,7 @@ class _SegmentAttention(torch.autograd.Function):
             )
         out = out_acc.to(q.dtype)
         ctx.scale, ctx.kernels, ctx.n_rep = scale, kernels, n_rep
-        ctx.plan, ctx.spec, ctx.q_start, ctx.starts = plan, spec, q_start, starts
+        ctx.plan, ctx.spec, ctx.q_start, ctx.starts = saved_plan, spec, q_start, starts
         ctx.save_for_backward(q, k, v, out, lse_acc, *prefix)
         return out
 
@@ -288,7 +355,7 @@ class _SegmentAttention(torch.autograd.Function):
             kb, vb = prefix[2 * block], prefix[2 * block + 1]
             grads.append(g[0].to(kb.dtype) if g is not None and kb.requires_grad else None)
             grads.append(g[1].to(vb.dtype) if g is not None and vb.requires_grad else None)
-        return (dq.to(q.dtype), dk, dv, None, None, None, None, None, None, *grads)
+        return (dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None, *grads)
 
 
 class _InjectKVGrad(torch.autograd.Function):
@@ -331,6 +398,7 @@ def chunk_aware_attention(
     window: int | None = None,
     sinks: int = 0,
     documents: bool | None = None,
+    mask_backend: str = "auto",
 ) -> torch.Tensor:
     """Causal attention over ``(batch, heads, seq, head_dim)`` tensors that Seq1F1B can chunk.
 
@@ -344,7 +412,13 @@ def chunk_aware_attention(
     ``documents=True`` says this layer needs them (an error if the batch has none), ``False``
     that it must ignore them. Outside a unit and without masks this is
     ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``.
+
+    ``mask_backend`` for masked attention: "tiles" (whole-tile flash kernels, thin masked
+    strips), "flex" (one FlexAttention call per visible block for the forward; the backward
+    runs the tiles), or "auto": flex on CUDA, tiles elsewhere.
     """
+    if mask_backend not in ("auto", "tiles", "flex"):
+        raise ValueError(f"mask_backend={mask_backend!r}: use 'auto', 'tiles' or 'flex'")
     ctx = current_unit()
     n_rep = q.shape[1] // k.shape[1]
     if q.shape[1] % k.shape[1] != 0:
@@ -377,8 +451,9 @@ def chunk_aware_attention(
         plan = tuple(
             (-1, t) for t in plan_tiles(start, start + seq, start, start + seq, groups, spec)
         )
+        docs = _flex_documents(mask_backend, q, groups, start + seq)
         return _SegmentAttention.apply(
-            q, k, v, scale, block_attention_kernels(q), plan, spec, start, ()
+            q, k, v, scale, block_attention_kernels(q), plan, spec, start, (), docs
         )
     info, state = ctx.info, ctx.state
     groups = groups or ((0, q.shape[0], ((0, info.seq_len),)),)
@@ -431,8 +506,17 @@ def chunk_aware_attention(
         spec,
         info.start,
         tuple(starts),
+        None if plain else _flex_documents(mask_backend, q, groups, info.seq_len),
         *prefix,
     )
+
+
+def _flex_documents(backend: str, q: torch.Tensor, groups: RowGroups, seq_len: int):
+    """The document index FlexAttention's mask reads, when that backend runs; else None."""
+    use = backend == "flex" or (backend == "auto" and q.device.type == "cuda")
+    if not use or not _flex_available():
+        return None
+    return _document_index(groups, q.shape[0], seq_len, q.device)
 
 
 def _cache_entry(
@@ -478,14 +562,21 @@ class ChunkAwareAttention(nn.Module):
     ``sinks``: this layer's sliding window (Mistral / Gemma local layers).
     """
 
-    def __init__(self, window: int | None = None, sinks: int = 0) -> None:
+    def __init__(self, window: int | None = None, sinks: int = 0, mask_backend: str = "auto"):
         super().__init__()
         MaskSpec(window, sinks)  # validate now, not at the first step
-        self.window, self.sinks = window, sinks
+        self.window, self.sinks, self.mask_backend = window, sinks, mask_backend
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
     ) -> torch.Tensor:
         return chunk_aware_attention(
-            q, k, v, layer=self, scale=scale, window=self.window, sinks=self.sinks
+            q,
+            k,
+            v,
+            layer=self,
+            scale=scale,
+            window=self.window,
+            sinks=self.sinks,
+            mask_backend=self.mask_backend,
         )

@@ -182,9 +182,9 @@ def run_grid(rank: int, world: int, stages_per_rank: int) -> None:
 def run_eval_case(rank: int, world: int, case: Case) -> None:
     """eval() with K > 1: logits and losses equal the full-sequence forward, no state left."""
     num_stages = world * case.stages_per_rank
-    mods = build_stages(CFG, num_stages)
+    mods = build_stages(case.cfg, num_stages)
     x, y = data(case)
-    with torch.no_grad():
+    with torch.no_grad(), _masked(case):
         ref_logits = full_model(mods)(x)
         ref_loss = loss_fn(ref_logits, y).item()
     mine = list(range(rank, num_stages, world))
@@ -199,6 +199,7 @@ def run_eval_case(rank: int, world: int, case: Case) -> None:
                 *((x,) if has_first else ()),
                 target=y if has_last else None,
                 losses=losses if has_last else None,
+                document_ids=documents(case),
             )
         assert sched.kv_state_empty()
         if has_last:

@@ -26,7 +26,11 @@ def test_single_rank_pipeline() -> None:
 
 
 def _eval(rank: int, world: int) -> None:
-    for case in (Case(1, 4, 2), Case(2, 3, 2, split=(12, 7, 5))):
+    for case in (
+        Case(1, 4, 2),
+        Case(2, 3, 2, split=(12, 7, 5)),
+        Case(1, 3, 2, docs=True, window=5, sinks=2, pad=True),  # masks, an all-padding unit
+    ):
         run_eval_case(rank, world, case)
 
 
