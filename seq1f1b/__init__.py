@@ -4,7 +4,7 @@ from .attention import ChunkAwareAttention, chunk_aware_attention
 from .bitpipe import ScheduleBitPipe, build_bitpipe_stages
 from .kv import SegmentInfo, current_segment, packed_documents
 from .partition import ModelShape, compute_balanced_split, resolve_split, uniform_split
-from .schedule import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B
+from .schedule import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B, ScheduleZBSeq1F1B
 
 __version__ = "0.1.0"
 
@@ -14,6 +14,7 @@ __all__ = [
     "ScheduleBitPipe",
     "ScheduleInterleavedSeq1F1B",
     "ScheduleSeq1F1B",
+    "ScheduleZBSeq1F1B",
     "SegmentInfo",
     "build_bitpipe_stages",
     "chunk_aware_attention",

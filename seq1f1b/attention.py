@@ -272,13 +272,15 @@ _Plan = tuple[tuple[int, Tile], ...]
 class _SegmentAttention(torch.autograd.Function):
     """softmax(q [K_0..K_{k-1}, K_own]^T) [V_0..V_{k-1}, V_own] over the planned tiles only.
 
-    ``plan`` says which rectangles run; ``starts`` gives the absolute position of each prefix
-    block's first cached key and ``q_start`` the segment's. Outputs and LSEs of the tiles are
-    merged per query row, so no K/V is ever concatenated or copied.
+    ``plan`` says which rectangles run; ``entries`` are the cache entries of the prefix blocks
+    (their ``start``: absolute position of the first cached key), ``q_start`` the segment's.
+    Outputs and LSEs of the tiles are merged per query row, so no K/V is ever concatenated or
+    copied.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, kernels, plan, spec, q_start, starts, flex_docs, *prefix):
+    def forward(ctx, q, k, v, scale, kernels, plan, spec, q_start, entries, flex_docs, *prefix):
+        starts = tuple(e.start for e in entries)
         _, fwd, _ = kernels
         n_rep = q.shape[1] // k.shape[1]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -313,6 +315,7 @@ class _SegmentAttention(torch.autograd.Function):
         out = out_acc.to(q.dtype)
         ctx.scale, ctx.kernels, ctx.n_rep = scale, kernels, n_rep
         ctx.plan, ctx.spec, ctx.q_start, ctx.starts = saved_plan, spec, q_start, starts
+        ctx.entries = entries
         ctx.save_for_backward(q, k, v, out, lse_acc, *prefix)
         return out
 
@@ -349,13 +352,21 @@ class _SegmentAttention(torch.autograd.Function):
         own = dkv.get(-1)
         dk = None if own is None else own[0].to(k.dtype)
         dv = None if own is None else own[1].to(v.dtype)
-        grads: list[torch.Tensor | None] = []
-        for block in range(len(prefix) // 2):
+        # The cached K/V are leaves: their gradients are accumulated here, not returned, so
+        # that a split backward (autograd.grad over the stage inputs only, which would skip
+        # these leaves) leaves them for the owning segment exactly as a full backward does.
+        # (into the cache entries' own tensors: under checkpointing the saved copies unpacked
+        # above are detached aliases, whose .grad nobody reads)
+        for block, entry in enumerate(ctx.entries):
             g = dkv.get(block)
-            kb, vb = prefix[2 * block], prefix[2 * block + 1]
-            grads.append(g[0].to(kb.dtype) if g is not None and kb.requires_grad else None)
-            grads.append(g[1].to(vb.dtype) if g is not None and vb.requires_grad else None)
-        return (dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None, *grads)
+            if g is None:
+                continue
+            for leaf, grad in ((entry.k, g[0]), (entry.v, g[1])):
+                if leaf.requires_grad:
+                    grad = grad.to(leaf.dtype)
+                    leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+        nones = (None,) * len(prefix)
+        return (dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None, *nones)
 
 
 class _InjectKVGrad(torch.autograd.Function):
@@ -468,7 +479,7 @@ def chunk_aware_attention(
             )
         own = _cache_entry(k, v, info, groups, spec, ctx.keep_kv, state.skip_invisible or plain)
         entries.append(own)
-    else:  # recomputation inside this unit's backward (activation checkpointing)
+    else:  # recomputation inside this unit's backward or weight half (checkpointing)
         if len(entries) <= seg:
             raise RuntimeError(
                 f"Seq1F1B: recomputing segment {seg} of sample {info.microbatch} on stage "
@@ -476,7 +487,7 @@ def chunk_aware_attention(
             )
         own = entries[seg]
     prefix: list[torch.Tensor] = []
-    starts: list[int] = []
+    used: list[SegmentKV] = []
     plan: list[tuple[int, Tile]] = []
     bounds, skip = info.bounds, state.skip_invisible or plain
     for j in range(seg):
@@ -489,9 +500,9 @@ def chunk_aware_attention(
                 f"Seq1F1B: K/V of segment {j} (sample {info.microbatch}, stage "
                 f"{state.stage_index}) was freed before segment {seg} used it"
             )
-        plan += [(len(starts), t) for t in tiles]
+        plan += [(len(used), t) for t in tiles]
         prefix += [e.k, e.v]
-        starts.append(e.start)
+        used.append(e)
     own_tiles = plan_tiles(info.start, info.end, info.start, info.end, groups, spec, skip)
     plan += [(-1, t) for t in own_tiles]
     if own is not None and ctx.keep_kv:
@@ -505,7 +516,7 @@ def chunk_aware_attention(
         tuple(plan),
         spec,
         info.start,
-        tuple(starts),
+        tuple(used),
         None if plain else _flex_documents(mask_backend, q, groups, info.seq_len),
         *prefix,
     )

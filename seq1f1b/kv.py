@@ -83,6 +83,7 @@ class StageKVState:
     _cache: dict[int, dict[Hashable, list[SegmentKV | None]]] = field(default_factory=dict)
     _next_fwd: dict[int, int] = field(default_factory=dict)
     _next_bwd: dict[int, int] = field(default_factory=dict)
+    _weights_done: dict[int, set[int]] = field(default_factory=dict)
 
     def layer_entries(self, microbatch: int, layer: Hashable) -> list[SegmentKV | None]:
         return self._cache.setdefault(microbatch, {}).setdefault(layer, [])
@@ -114,9 +115,16 @@ class StageKVState:
                 "Use ScheduleSeq1F1B's own order; GPipe-style ascending backward is not valid."
             )
 
-    def end_backward(self, microbatch: int, segment: int) -> None:
-        """Free the segment's K/V (no later use) and the whole sample after segment 0."""
+    def end_backward(self, microbatch: int, segment: int, free: bool = True) -> None:
+        """Free the segment's K/V (no later use) and the whole sample after segment 0.
+
+        ``free=False`` (the input half of a split backward): keep them, since checkpointing
+        may recompute the segment's attention again in its BACKWARD_WEIGHT; the sample is
+        dropped once every segment's weight half ran (:meth:`end_weight`).
+        """
         self._next_bwd[microbatch] = segment - 1
+        if not free:
+            return
         layers = self._cache.get(microbatch)
         if layers is None:
             return
@@ -127,7 +135,16 @@ class StageKVState:
             if segment < len(entries):
                 entries[segment] = None
 
+    def end_weight(self, microbatch: int, segment: int) -> None:
+        """The weight half of a split backward ran; after the sample's last, drop its K/V."""
+        done = self._weights_done.setdefault(microbatch, set())
+        done.add(segment)
+        if len(done) == self.num_segments:
+            self._cache.pop(microbatch, None)
+            del self._weights_done[microbatch]
+
     def clear(self, reset_peak: bool = False) -> None:
+        self._weights_done.clear()
         if reset_peak:
             self.peak_bytes = 0
         self._cache.clear()
@@ -154,7 +171,7 @@ class UnitContext:
 
     state: StageKVState
     info: SegmentInfo
-    phase: str  # "forward" or "backward" (backward = checkpoint recomputation)
+    phase: str  # "forward" or "backward" (checkpoint recomputation, also in a weight half)
     keep_kv: bool  # a backward will follow: cache K/V as grad-accumulating leaves
 
 

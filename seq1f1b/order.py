@@ -6,7 +6,9 @@ A *unit* is one (sample microbatch ``m``, sequence segment ``k``) pair; its inde
 * forwards of a sample run segment 0..K-1, backwards run K-1..0 (later segments attend to the
   K/V of earlier ones, so their backward produces gradient the earlier segments still need);
 * samples are FIFO;
-* only FORWARD and FULL_BACKWARD actions (a split backward would miss the cached K/V grads).
+* FORWARD and FULL_BACKWARD actions; with ``split_backward`` (ZBSeq1F1B), BACKWARD_INPUT then
+  BACKWARD_WEIGHT instead of FULL_BACKWARD on every stage but the first (the attention
+  accumulates the cached K/V gradients itself, so the input half keeps them exact).
 
 The orders are plain data (no process group), so they can be built and checked anywhere.
 """
@@ -25,6 +27,8 @@ from .topology import StageTopology
 
 F = rt.FORWARD
 B = rt.FULL_BACKWARD
+I = rt.BACKWARD_INPUT  # noqa: E741 - torch's letter for the action
+W = rt.BACKWARD_WEIGHT
 
 __all__ = [
     "OrderSpec",
@@ -32,6 +36,7 @@ __all__ = [
     "build_orders",
     "sample_groups",
     "seq1f1b_warmup",
+    "split_backward",
 ]
 
 
@@ -43,6 +48,7 @@ class OrderSpec:
     stages_per_rank: int
     n_microbatches: int
     seq_chunks: int
+    split_backward: bool = False  # ZBSeq1F1B: I then W instead of B (see split_backward)
 
     @property
     def num_stages(self) -> int:
@@ -173,6 +179,8 @@ def build_orders(spec: OrderSpec) -> dict[int, list[Action]]:
             orders = {r: _one_f_one_b(*seqs[r], warm[r]) for r in range(spec.pp)}
             stuck = list(replay(orders, topology).stuck)
             if not stuck:
+                if spec.split_backward:
+                    return {r: split_backward(acts) for r, acts in orders.items()}
                 return orders
             bumped = False
             for r in stuck:
@@ -181,3 +189,26 @@ def build_orders(spec: OrderSpec) -> dict[int, list[Action]]:
                     bumped = True
             if not bumped:  # pragma: no cover - GPipe order always completes
                 raise RuntimeError(f"Seq1F1B could not build a deadlock-free order for {spec}")
+
+
+def split_backward(actions: Sequence[Action]) -> list[Action]:
+    """ZBSeq1F1B: every full backward of a stage with an input gradient becomes its input
+    half (BACKWARD_INPUT, which sends the gradient upstream) immediately followed by its
+    weight half (BACKWARD_WEIGHT); the first stage keeps full backwards (it has no input
+    gradient, so nothing upstream waits for it).
+
+    Why W right away and not deferred into the cool-down as ZB-H1 does: the upstream rank
+    waits for I only, so the critical path loses every W; the cool-down gaps Seq1F1B leaves are
+    K times shorter than a unit's W, so deferring W into them only delays it (simulated: pp=8,
+    M=8, K=8 at the 8B shape, 0.572x of 1F1B with W right away, 0.583x deferring the last
+    p-1-r, 0.586x deferring by p-1-r). Memory: a unit's activations are freed by its W, one
+    action after I, so the peak equals Seq1F1B's; W's saved intermediates are released with it.
+    """
+    out: list[Action] = []
+    for a in actions:
+        if a.computation_type == B and a.stage_index != 0:
+            out.append(Action(a.stage_index, I, a.microbatch_index))
+            out.append(Action(a.stage_index, W, a.microbatch_index))
+        else:
+            out.append(a)
+    return out

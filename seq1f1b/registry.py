@@ -35,6 +35,7 @@ class ScheduleEntry:
     placement: str = "looped"
     replicas: int = 1
     seq_chunked: bool = False  # samples run as K sequence segments (the Seq1F1B family)
+    split_backward: bool = False  # backwards as BACKWARD_INPUT + BACKWARD_WEIGHT
     ours: bool = False  # built by this library; otherwise torch's get_schedule_class(name)
     min_stages_per_rank: int = 1
     max_stages_per_rank: int | None = 1
@@ -53,6 +54,7 @@ class ScheduleEntry:
         return {
             "Seq1F1B": seq1f1b.ScheduleSeq1F1B,
             "InterleavedSeq1F1B": seq1f1b.ScheduleInterleavedSeq1F1B,
+            "ZBSeq1F1B": seq1f1b.ScheduleZBSeq1F1B,
             "BitPipe": seq1f1b.ScheduleBitPipe,
         }[self.name]
 
@@ -84,7 +86,8 @@ class ScheduleEntry:
         if self.seq_chunked:
             from .order import OrderSpec, build_orders
 
-            return dict(build_orders(OrderSpec(pp, v, n_microbatches, seq_chunks)))
+            spec = OrderSpec(pp, v, n_microbatches, seq_chunks, self.split_backward)
+            return dict(build_orders(spec))
         if self.placement == "bitpipe":
             from .bitpipe import build_bitpipe_orders
 
@@ -134,6 +137,15 @@ REGISTRY: tuple[ScheduleEntry, ...] = (
         seq_chunked=True,
         ours=True,
         bubble_formula=_chain_bubble(lambda m, k, v: k * m),
+        memory_formula=lambda p, m, k, v: min(p + k - 1, m * k) / k,
+    ),
+    ScheduleEntry(
+        "ZBSeq1F1B",
+        1,
+        seq_chunked=True,
+        ours=True,
+        split_backward=True,
+        max_stages_per_rank=None,
         memory_formula=lambda p, m, k, v: min(p + k - 1, m * k) / k,
     ),
     ScheduleEntry(

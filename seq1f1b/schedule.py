@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 _F = rt.FORWARD
 _B = rt.FULL_BACKWARD
+_I = rt.BACKWARD_INPUT
+_W = rt.BACKWARD_WEIGHT
 
 
 def _positive_int(name: str, value: Any, fix: str) -> int:
@@ -86,19 +88,29 @@ class _PlainAttentionGuard(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _kv_backward(a: Action) -> bool:
+    """The action that runs a unit's backward through its attention (and so its K/V): a full
+    backward, or the input half of a split one (on the first stage torch runs the whole
+    backward in BACKWARD_WEIGHT, there being no input gradient)."""
+    t = a.computation_type
+    if t == _B:
+        return True
+    return t == (_W if a.stage_index == 0 else _I)
+
+
 def _check_order_rules(order: Mapping[int, Sequence[Action | None]], k: int) -> None:
-    """Raise ValueError if an order breaks Seq1F1B's rules (split backward, segment order)."""
+    """Raise ValueError if an order breaks Seq1F1B's rules: forwards of a sample in segment
+    order 0..K-1, backwards (full, or the K/V-carrying half of a split one) K-1..0."""
     for rank, actions in order.items():
         next_f: dict[tuple[int, int], int] = {}
         next_b: dict[tuple[int, int], int] = {}
         for a in actions:
             if a is None:
                 continue
-            if a.computation_type not in (_F, _B):
+            if a.computation_type not in (_F, _B, _I, _W):
                 raise ValueError(
-                    f"rank {rank}: action {a} is not FORWARD or FULL_BACKWARD. Seq1F1B needs a "
-                    "full backward: a split backward (I/W) does not accumulate the cached K/V "
-                    "gradients. Use 'F' and 'B' actions only."
+                    f"rank {rank}: action {a} is not a FORWARD or a (full or split) BACKWARD; "
+                    "give compute-only orders (F, B, I, W)"
                 )
             m, seg = divmod(a.microbatch_index, k)
             key = (a.stage_index, m)
@@ -109,11 +121,12 @@ def _check_order_rules(order: Mapping[int, Sequence[Action | None]], k: int) -> 
                         "order; forwards must go 0..K-1"
                     )
                 next_f[key] = seg + 1
-            else:
+            elif _kv_backward(a):
                 if seg != next_b.get(key, k - 1):
                     raise ValueError(
                         f"rank {rank}: {a} runs segment {seg} of sample {m} backward out of "
-                        "order; backwards must go K-1..0"
+                        "order; backwards must go K-1..0 (a later segment leaves K/V "
+                        "gradients for the earlier ones)"
                     )
                 next_b[key] = seg - 1
 
@@ -145,6 +158,9 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
             ``max_active_stages``, ``unshard_lookahead``, ``defer_reduce_grad_wait``,
             ``max_outstanding_sends``), passed through.
     """
+
+    #: run each backward as BACKWARD_INPUT + BACKWARD_WEIGHT (ScheduleZBSeq1F1B)
+    split_backward: bool = False
 
     def __init__(
         self,
@@ -220,7 +236,9 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
             defer_pp_recv=defer_pp_recv,
             **runtime_options,
         )
-        self.order_spec = OrderSpec(self.pp_group_size, len(stage_list), m, k)
+        self.order_spec = OrderSpec(
+            self.pp_group_size, len(stage_list), m, k, split_backward=self.split_backward
+        )
         self._kv_states = {
             s.stage_index: StageKVState(s.stage_index, k, skip_invisible=skip_invisible)
             for s in stage_list
@@ -630,24 +648,34 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         def backward_one_chunk(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
             if not stage.has_backward:
                 return None
-            if not full_backward:
-                raise RuntimeError(
-                    "ScheduleSeq1F1B needs a full backward per unit: a split backward "
-                    "(BACKWARD_INPUT/BACKWARD_WEIGHT) does not accumulate the cached K/V "
-                    "gradients, which would make the gradients silently wrong"
-                )
+            if not full_backward and stage.is_first:
+                # torch runs the first stage's whole backward in its BACKWARD_WEIGHT (there is
+                # no input gradient to split off): the unit's K/V work happens there
+                cls.backward_one_chunk(stage, bwd_chunk_id, loss, full_backward, last_backward)
+                return None
             info = self._segment_info(bwd_chunk_id)
             state.begin_backward(info.microbatch, info.segment)
             with activate(UnitContext(state, info, "backward", True)):
                 cls.backward_one_chunk(stage, bwd_chunk_id, loss, full_backward, last_backward)
-            state.end_backward(info.microbatch, info.segment)
+            state.end_backward(info.microbatch, info.segment, free=full_backward)
             return None
 
-        def backward_weight_one_chunk(*_: Any, **__: Any) -> None:
-            raise RuntimeError(
-                "ScheduleSeq1F1B does not support BACKWARD_WEIGHT: the weight/input split "
-                "backward would skip the K/V gradients that later segments leave for earlier ones"
-            )
+        def backward_weight_one_chunk(bwd_chunk_id, last_backward=False):
+            if not stage.has_backward:
+                return None
+            info = self._segment_info(bwd_chunk_id)
+            if stage.is_first:  # the full backward (see above)
+                state.begin_backward(info.microbatch, info.segment)
+                with activate(UnitContext(state, info, "backward", True)):
+                    cls.backward_weight_one_chunk(stage, bwd_chunk_id, last_backward)
+                state.end_backward(info.microbatch, info.segment)
+                return None
+            # weight gradients from the intermediates BACKWARD_INPUT saved; checkpointing may
+            # recompute the layer (and its attention, from the kept K/V cache) once more here
+            with activate(UnitContext(state, info, "backward", False)):
+                cls.backward_weight_one_chunk(stage, bwd_chunk_id, last_backward)
+            state.end_weight(info.microbatch, info.segment)
+            return None
 
         return {
             "forward_one_chunk": forward_one_chunk,
@@ -665,6 +693,18 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
 
     def kv_state_empty(self) -> bool:
         return all(s.is_empty() for s in self._kv_states.values())
+
+
+class ScheduleZBSeq1F1B(ScheduleSeq1F1B):
+    """Zero-bubble Seq1F1B: the Seq1F1B order with each backward split into its input half
+    (sent upstream at once) and its weight half (see :func:`seq1f1b.order.split_backward`).
+
+    Same arguments as :class:`ScheduleSeq1F1B`, one or several stages per rank; the cached K/V
+    gradients stay exact because the attention accumulates them itself. Activation
+    checkpointing must be non-reentrant (its recomputation then runs in BACKWARD_INPUT).
+    """
+
+    split_backward = True
 
 
 class ScheduleInterleavedSeq1F1B(ScheduleSeq1F1B):

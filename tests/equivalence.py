@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
 from seq1f1b import ModelShape, ScheduleSeq1F1B, packed_documents
+from seq1f1b.registry import lookup
 from seq1f1b.testing import TinyConfig, build_stages, full_model
 
 CFG = TinyConfig(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=8, ffn=64)
@@ -29,6 +30,7 @@ class Case:
     window: int | None = None  # sliding window on the even layers
     sinks: int = 0
     pad: bool = False  # sample 0's targets ignored from position 16 on
+    schedule: str = "Seq1F1B"  # a seq-chunked schedule of the registry
 
     @property
     def cfg(self) -> TinyConfig:
@@ -96,7 +98,8 @@ def run_case(rank: int, world: int, case: Case, tol: float = 1e-5) -> None:
     stages = [PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in mine]
     split = case.split if isinstance(case.split, str) else list(case.split)
     shape = ModelShape(hidden=CFG.dim, n_heads=CFG.n_heads, n_layers=CFG.n_layers, vocab=CFG.vocab)
-    sched = ScheduleSeq1F1B(
+    cls = lookup(case.schedule).schedule_class()
+    sched = cls(
         stages, case.n_microbatches, case.seq_chunks, loss_fn, split=split, model_shape=shape
     )
     x, y = data(case)
@@ -156,6 +159,24 @@ def mask_grid() -> list[Case]:
             Case(spr, 3, 1, docs=True, window=4, pad=True, checkpointing=True),
         ]
     return cases
+
+
+def zb_grid() -> list[Case]:
+    """ZBSeq1F1B (split backward): K in {1,2,4}, uneven splits, checkpointing, documents."""
+    cases = []
+    for spr in (1, 2):
+        cases += [Case(spr, k, m, schedule="ZBSeq1F1B") for k, m in ((1, 2), (2, 3), (4, 2))]
+        cases += [
+            Case(spr, 3, 2, split=(11, 8, 5), schedule="ZBSeq1F1B"),
+            Case(spr, 4, 2, checkpointing=True, split=(9, 7, 5, 3), schedule="ZBSeq1F1B"),
+            Case(spr, 2, 2, checkpointing=True, schedule="ZBSeq1F1B"),
+            Case(spr, 3, 2, docs=True, window=5, schedule="ZBSeq1F1B"),
+        ]
+    return cases
+
+
+def run_zb_grid(rank: int, world: int, stages_per_rank: int) -> None:
+    run_cases(rank, world, [c for c in zb_grid() if c.stages_per_rank == stages_per_rank])
 
 
 def run_cases(rank: int, world: int, cases: list[Case]) -> None:

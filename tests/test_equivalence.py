@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from dist_utils import run_ranks
-from equivalence import Case, run_case, run_eval_case, run_grid, run_mask_grid
+from equivalence import Case, run_case, run_eval_case, run_grid, run_mask_grid, run_zb_grid
 
 
 @pytest.mark.parametrize("stages_per_rank", [1, 2])
@@ -46,3 +46,11 @@ def test_masked_gradients_match_reference(world: int, stages_per_rank: int) -> N
     # checkpointing; K in {1,2,3,4}, uneven splits; against the unpipelined model with the
     # same masks
     run_ranks(run_mask_grid, world, stages_per_rank)
+
+
+@pytest.mark.parametrize("stages_per_rank", [1, 2])
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_bubble_split_backward_matches_reference(world: int, stages_per_rank: int) -> None:
+    # ZBSeq1F1B: BACKWARD_INPUT / BACKWARD_WEIGHT with the cached K/V gradients; K in
+    # {1,2,3,4}, uneven splits, checkpointing, documents + window
+    run_ranks(run_zb_grid, world, stages_per_rank)

@@ -8,7 +8,7 @@ import pytest
 from mockstages import mock_stages
 
 import seq1f1b._runtime as rt
-from seq1f1b import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B
+from seq1f1b import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B, ScheduleZBSeq1F1B
 from seq1f1b._runtime import (
     Action,
     ComputationType,
@@ -107,6 +107,38 @@ def test_grid_passes_torch_validators_and_rules(pp: int) -> None:
         assert p2p == comms[0]
 
 
+@pytest.mark.parametrize("pp", range(1, 9))
+def test_zero_bubble_grid_passes_torch_validators(pp: int) -> None:
+    """ZBSeq1F1B over the grid: torch's validator and comms simulator accept it, each split
+    backward is I then W at once (the first stage keeps B), and merging them gives back the
+    Seq1F1B order exactly."""
+    I, W = ComputationType.BACKWARD_INPUT, ComputationType.BACKWARD_WEIGHT  # noqa: E741
+    for _, spr, m, k in (g for g in GRID if g[0] == pp):
+        sched = ScheduleZBSeq1F1B(mock_stages(pp, spr), n_microbatches=m, seq_chunks=k)
+        spec, order = sched.order_spec, sched.pipeline_order
+        validate_schedule(order, pp, pp * spr, m * k)
+        comms = add_send_recv(
+            {r: list(a) for r, a in order.items()}, spec.stage_to_rank, spec.num_stages
+        )
+        simulate_comms_compute(comms, spec.stage_to_rank, spec.num_stages)
+        lowered = {
+            r: [a for a in acts if a.computation_type not in FSDP]
+            for r, acts in sched.pipeline_order_with_comms.items()
+        }
+        simulate_comms_compute(lowered, spec.stage_to_rank, spec.num_stages)
+        plain = build_orders(OrderSpec(pp, spr, m, k))
+        for r, acts in order.items():
+            merged = []
+            for a in acts:
+                if a.computation_type == W:
+                    assert merged[-1] == Action(a.stage_index, I, a.microbatch_index)
+                    merged[-1] = Action(a.stage_index, B, a.microbatch_index)
+                else:
+                    assert a.computation_type != B or a.stage_index == 0
+                    merged.append(a)
+            assert merged == plain[r]
+
+
 def test_interleaved_when_k_does_not_divide_pp() -> None:
     # the published interleaved code silently needs K | pp; here K=3, pp=4 must work
     for pp, k in ((4, 3), (3, 2), (6, 4), (2, 5)):
@@ -163,5 +195,20 @@ def test_csv_with_wrong_segment_order_is_refused(tmp_path) -> None:
         for r in order
     }
     path.write_text("\n".join(",".join(str(a) for a in split[r]) for r in sorted(split)) + "\n")
-    with pytest.raises(ValueError, match="full backward"):
+    sched.load_csv(str(path))  # a split backward keeps the K/V gradients (in segment order)
+    ascending = {
+        r: [
+            Action(r, F, 0),
+            Action(r, F, 1),
+            Action(r, ComputationType.BACKWARD_INPUT, 0),
+            Action(r, ComputationType.BACKWARD_INPUT, 1),
+            Action(r, ComputationType.BACKWARD_WEIGHT, 0),
+            Action(r, ComputationType.BACKWARD_WEIGHT, 1),
+        ]
+        for r in order
+    }
+    path.write_text(
+        "\n".join(",".join(str(a) for a in ascending[r]) for r in sorted(ascending)) + "\n"
+    )
+    with pytest.raises(ValueError, match="backward out of order"):
         sched.load_csv(str(path))

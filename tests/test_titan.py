@@ -287,3 +287,13 @@ def test_block_causal_documents_pp2_match_unpipelined(seed, tmp_path):
         dump=tmp_path / "bad", check=False,
     )  # fmt: skip
     assert "masks attention by document (block_causal)" in bad.output
+
+
+def test_zero_bubble_seq1f1b_from_toml(seed, reference, tmp_path):
+    """pipeline_parallel_schedule = "ZBSeq1F1B" (split backward) with full activation
+    checkpointing, through the registry, equals the unpipelined run."""
+    run = run_titan(
+        2, *PP2, *seed, "--parallelism.pipeline_parallel_schedule", "ZBSeq1F1B",
+        "--activation_checkpoint.mode", "full", dump=tmp_path,
+    )  # fmt: skip
+    assert_same_curve(run, reference)

@@ -81,6 +81,8 @@ def stages_per_rank(job_config: Any, n_layers: int, pp: int) -> int:
     if entry.max_stages_per_rank == 1:
         return 1
     layers_per_stage = job_config.parallelism.pipeline_parallel_layers_per_stage
+    if layers_per_stage is None and entry.min_stages_per_rank == 1:
+        return 1  # e.g. ZBSeq1F1B: one stage per rank unless layers per stage say otherwise
     if layers_per_stage is not None:
         p = job_config.parallelism
         total = n_layers + p.pipeline_parallel_first_stage_less_layers
