@@ -76,6 +76,7 @@ PRESETS = {
             RunSpec("Seq1F1B", 4, "uniform"),
             RunSpec("Seq1F1B", 4, "compute"),
             RunSpec("Seq1F1B", 8, "compute"),
+            RunSpec("ZBSeq1F1B", 4, "compute"),
             RunSpec("BitPipe"),
         ),
         pp4_seq_len=4096,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from seq1f1b.costmodel import GB, Hardware
+from seq1f1b.costmodel import PRESETS as PLANNER_PRESETS
 from seq1f1b.planner import search
 from seq1f1b.registry import is_baseline, lookup
 
@@ -191,6 +192,7 @@ def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             "met": wins == len(pairs),
         }
     )
+    out += _zero_bubble_targets(results)
     pp4 = results["measured"].get("pp4")
     if pp4:
         runs = {r["label"]: r for r in pp4["runs"]}
@@ -227,6 +229,45 @@ def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                         "met": ratio <= 0.85,
                     }
                 )
+    return out
+
+
+def _zero_bubble_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 14's targets: ZBSeq1F1B K=4 at pp=2, M=2, 4096 tokens <= 0.70x 1F1B (wall and
+    replayed), and simulated below ZBV and Seq1F1B at pp=8, M=8 for the 8B shape."""
+    out = []
+    setting = results["measured"].get("pp2_4096")
+    if setting:
+        runs = {r["label"]: r for r in setting["runs"]}
+        zb, base = runs.get("ZBSeq1F1B K=4 compute"), runs["1F1B"]
+        if zb:
+            wall = zb["step_time_s"] / base["step_time_s"]
+            replay = zb["replay_step_time_s"] / base["replay_step_time_s"]
+            plain = runs["Seq1F1B K=4 compute"]["step_time_s"] / base["step_time_s"]
+            out.append(
+                {
+                    "name": "measured step time, pp=2, M=2, 4096 tokens, ZBSeq1F1B K=4 vs 1F1B",
+                    "value": f"{wall:.3f}x wall (replayed {replay:.3f}x; Seq1F1B K=4 "
+                    f"{plain:.3f}x; limit M/(M+p-1) = 0.667x)",
+                    "target": "<= 0.70x wall and replayed",
+                    "met": wall <= 0.70 and replay <= 0.70,
+                }
+            )
+    shape, seq = PLANNER_PRESETS["llama3-8b"], 32768
+    times = {}
+    for name, k in (("1F1B", 1), ("ZBVZeroBubble", 1), ("Seq1F1B", 8), ("ZBSeq1F1B", 8)):
+        res, _ = simulate_spec(ScheduleSpec(name, 8, 8, k), shape, seq)
+        times[name] = res.makespan
+    ratio = {n: t / times["1F1B"] for n, t in times.items()}
+    out.append(
+        {
+            "name": "simulated step time, 8B, pp=8, M=8, 32k: ZBSeq1F1B K=8 vs ZBV and Seq1F1B",
+            "value": f"ZBSeq1F1B {ratio['ZBSeq1F1B']:.3f}x, Seq1F1B K=8 {ratio['Seq1F1B']:.3f}x, "
+            f"ZBV {ratio['ZBVZeroBubble']:.3f}x of 1F1B",
+            "target": "below both",
+            "met": ratio["ZBSeq1F1B"] < min(ratio["Seq1F1B"], ratio["ZBVZeroBubble"]),
+        }
+    )
     return out
 
 

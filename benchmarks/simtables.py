@@ -83,6 +83,7 @@ def paper_specs(pp: int, m: int) -> list[tuple[ScheduleSpec, str]]:
         for split in ("uniform", "compute"):
             out.append((ScheduleSpec("Seq1F1B", pp, m, k), split))
     out.append((ScheduleSpec("InterleavedSeq1F1B", pp, m, 4), "compute"))
+    out += [(ScheduleSpec("ZBSeq1F1B", pp, m, k), "compute") for k in (4, 8)]
     return out
 
 

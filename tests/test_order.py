@@ -177,38 +177,17 @@ def test_csv_round_trip(tmp_path) -> None:
 
 def test_csv_with_wrong_segment_order_is_refused(tmp_path) -> None:
     sched = ScheduleSeq1F1B(mock_stages(2, 1), n_microbatches=1, seq_chunks=2)
-    order = sched.pipeline_order
-    # GPipe-style ascending backward on every rank: F0 F1 B0 B1
-    bad = {r: [Action(r, F, 0), Action(r, F, 1), Action(r, B, 0), Action(r, B, 1)] for r in order}
-    path = tmp_path / "bad.csv"
-    path.write_text("\n".join(",".join(str(a) for a in bad[r]) for r in sorted(bad)) + "\n")
-    with pytest.raises(ValueError, match="backward out of order"):
+    path = tmp_path / "order.csv"
+
+    def load(codes: str) -> None:
+        """The same actions on every rank, e.g. "F0 F1 I1 W1 B0"."""
+        acts = [(ComputationType.from_str(c[0]), int(c[1:])) for c in codes.split()]
+        rows = [",".join(str(Action(r, t, u)) for t, u in acts) for r in sched.pipeline_order]
+        path.write_text("\n".join(rows) + "\n")
         sched.load_csv(str(path))
-    split = {
-        r: [
-            Action(r, F, 0),
-            Action(r, F, 1),
-            Action(r, ComputationType.BACKWARD_INPUT, 1),
-            Action(r, ComputationType.BACKWARD_WEIGHT, 1),
-            Action(r, B, 0),
-        ]
-        for r in order
-    }
-    path.write_text("\n".join(",".join(str(a) for a in split[r]) for r in sorted(split)) + "\n")
-    sched.load_csv(str(path))  # a split backward keeps the K/V gradients (in segment order)
-    ascending = {
-        r: [
-            Action(r, F, 0),
-            Action(r, F, 1),
-            Action(r, ComputationType.BACKWARD_INPUT, 0),
-            Action(r, ComputationType.BACKWARD_INPUT, 1),
-            Action(r, ComputationType.BACKWARD_WEIGHT, 0),
-            Action(r, ComputationType.BACKWARD_WEIGHT, 1),
-        ]
-        for r in order
-    }
-    path.write_text(
-        "\n".join(",".join(str(a) for a in ascending[r]) for r in sorted(ascending)) + "\n"
-    )
+
     with pytest.raises(ValueError, match="backward out of order"):
-        sched.load_csv(str(path))
+        load("F0 F1 B0 B1")  # GPipe-style ascending backward
+    load("F0 F1 I1 W1 B0")  # a split backward keeps the K/V gradients (in segment order)
+    with pytest.raises(ValueError, match="backward out of order"):
+        load("F0 F1 I0 I1 W0 W1")
