@@ -135,6 +135,12 @@ class TimeModel:
         moved = 4 * self.dtype_bytes * self.shape.hidden * (self.tp - 1) / self.tp
         return self.layers_per_stage * moved / (self.hardware.tp_gbps * GB)
 
+    def tp_comm_share(self, flops: float, tokens: int) -> float:
+        """Share of a forward spent in TP collectives (the rest is compute)."""
+        compute = flops / (self.tp * self.hardware.tflops * 1e12)
+        comm = tokens * self._tp_seconds_per_token_pass()
+        return comm / (compute + comm) if compute + comm > 0 else 0.0
+
     def forward_backward(self, flops: float, tokens: int) -> tuple[float, float]:
         """(forward, full backward) seconds of a unit of ``tokens`` and ``flops`` forward FLOPs
         on this stage (whole model width: divided by ``tp`` here)."""

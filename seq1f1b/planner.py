@@ -257,10 +257,7 @@ def _price(
             in_flight[s] * sum(lengths), max(lengths), layers, last, k > 1
         )
         peaks.append(memory.state_bytes(layers, first, last) + act)
-    fwd, _ = time.forward_backward(sum(costs.segment_costs), sum(lengths))
-    bare = TimeModel(hardware, shape, 1, False, layers, dtype_bytes)
-    compute_only, _ = bare.forward_backward(sum(costs.segment_costs), sum(lengths))
-    comm_share = 1.0 - compute_only / setting.tp / fwd if fwd > 0 else 0.0
+    comm_share = time.tp_comm_share(sum(costs.segment_costs), sum(lengths))
     return Candidate(
         setting,
         list(lengths),
