@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from seq1f1b import ModelShape, ScheduleBitPipe
 from seq1f1b.bitpipe import BitPipeLayout, new_pair_group
+from seq1f1b.context_parallel import comm_stats
 from seq1f1b.registry import ScheduleEntry, lookup
 from seq1f1b.testing import TinyConfig, build_stages
 
@@ -58,6 +59,7 @@ class RunSpec:
     memory_only: bool = False  # one step, memory only (no timed steps)
     documents: int = 0  # packed documents of about this many tokens (0: one sequence)
     skip_invisible: bool = True  # False: the mask-alone baseline (see ScheduleSeq1F1B)
+    cp_prefix: str = "auto"  # with Setting.cp > 1: how segments reach the cached prefix
 
     @property
     def entry(self) -> ScheduleEntry:
@@ -70,6 +72,8 @@ class RunSpec:
             name = f"{self.schedule} K={self.seq_chunks} {self.split}"
         if self.documents:
             name += f", documents ~{self.documents}" + ("" if self.skip_invisible else " mask only")
+        if self.cp_prefix != "auto":
+            name += f", {self.cp_prefix}"
         return name if self.seq_len is None else f"{name} @{self.seq_len}"
 
     @property
@@ -98,6 +102,11 @@ class Setting:
     timed_steps: int = 3  # 0: memory only (e.g. when ranks outnumber cores)
     fresh_processes: bool = False  # one process group per schedule (clean peak RSS)
     keep_trace: bool = True
+    cp: int = 1  # context parallelism: pp x cp ranks (pp outer), Seq1F1B schedules only
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.cp
 
 
 @dataclass
@@ -112,6 +121,7 @@ class RunResult:
     param_bytes: int = 0  # this rank's parameters (BitPipe: two replicas' chunks)
     loss: float | None = None
     kv_peak_bytes: int = 0  # Seq1F1B's cached K/V at its peak (this rank)
+    cp_sent_bytes: dict[str, int] = field(default_factory=dict)  # one step's CP ring traffic
     trace: list[dict[str, Any]] = field(default_factory=list)
     step_traces: list[list[dict[str, Any]]] = field(default_factory=list)
 
@@ -156,6 +166,16 @@ def _data(setting: Setting, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def _mesh(rank: int, setting: Setting) -> tuple[int, int, Any, Any]:
+    """(pp rank, pp size, pp group, cp group) of this rank in the pp x cp mesh."""
+    if setting.cp == 1:
+        return rank, setting.pp, None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (setting.pp, setting.cp), mesh_dim_names=("pp", "cp"))
+    return rank // setting.cp, setting.pp, mesh["pp"].get_group(), mesh["cp"].get_group()
+
+
 class _Run:
     """One schedule on this rank: its stages, parameters and a ``step`` on fixed data."""
 
@@ -172,11 +192,12 @@ class _Run:
         if entry.replicas == 2:
             self._bitpipe(rank, world, setting, probe)
             return
-        n = world * spec.stages_per_rank
+        pp_rank, pp, pp_group, cp_group = _mesh(rank, setting)
+        n = pp * spec.stages_per_rank
         mods = build_stages(setting.model, n, seed=0)
-        self.mine = list(range(rank, n, world))
+        self.mine = list(range(pp_rank, n, pp))
         cpu = torch.device("cpu")
-        stages = [ProbedStage(mods[s], s, n, cpu, probe=probe) for s in self.mine]
+        stages = [ProbedStage(mods[s], s, n, cpu, probe=probe, group=pp_group) for s in self.mine]
         self.params = [p for s in self.mine for p in mods[s].parameters()]
         self.first, self.last = 0 in self.mine, n - 1 in self.mine
         m = setting.microbatches
@@ -191,6 +212,8 @@ class _Run:
                 model_shape=model_shape(setting.model),
                 seq_len=_seq_len(setting, spec),
                 skip_invisible=spec.skip_invisible,
+                cp_group=cp_group,
+                cp_prefix=spec.cp_prefix,
             )
         else:
             self.sched = cls(stages[0] if entry.single_stage else stages, m, loss_fn=_loss_fn)
@@ -258,11 +281,13 @@ def _memory_step(run: _Run, probe: RankProbe) -> None:
     meter = SavedTensorMeter(exclude=run.params)
     probe.meter = meter
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    comm_stats().reset()
     try:
         with meter.active():
             run.result.loss = run.step()
     finally:
         probe.meter = None
+    run.result.cp_sent_bytes = dict(comm_stats().sent)
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     run.result.peak_activation_bytes = {s: meter.peak.get(s, 0) for s in run.mine}
     run.result.peak_activation_rank_bytes = meter.peak_total
@@ -327,9 +352,10 @@ def _spawn(setting: Setting, specs: list[RunSpec]) -> list[list[dict[str, Any]]]
     os.environ["MKL_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        mp.spawn(_entry, args=(setting.pp, store, tmp, setting, specs), nprocs=setting.pp)
+        world = setting.world
+        mp.spawn(_entry, args=(world, store, tmp, setting, specs), nprocs=world)
         per_rank = []
-        for r in range(setting.pp):
+        for r in range(world):
             with open(os.path.join(tmp, f"rank{r}.json")) as f:
                 per_rank.append(json.load(f))
     return per_rank
@@ -340,14 +366,16 @@ def _merge(setting: Setting, spec: RunSpec, per_rank: list[dict[str, Any]]) -> d
     times = [max(ts) for ts in zip(*(r["step_times_s"] for r in per_rank), strict=True)]
     median = statistics.median(times) if times else None
     steps = list(zip(*(r["step_traces"] for r in per_rank), strict=True))
-    replays = [replay_step_time(traces, spec.replicas) for traces in steps]
+    # the replay knows one rank per stage: with CP, per-rank traces are not replayed
+    replays = [replay_step_time(t, spec.replicas) for t in steps] if setting.cp == 1 else []
     cpu = [sum(ev["cpu"] for t in traces for ev in t) for traces in steps]
     wall = [sum(ev["end"] - ev["start"] for t in traces for ev in t) for traces in steps]
     seq_len = _seq_len(setting, spec)
     tokens = setting.microbatches * seq_len
     stages: dict[int, int] = {}
     for r in per_rank:
-        stages.update({int(s): int(b) for s, b in r["peak_activation_bytes"].items()})
+        for s, b in r["peak_activation_bytes"].items():  # CP: a stage's largest rank
+            stages[int(s)] = max(stages.get(int(s), 0), int(b))
     trace = [dict(ev, rank=rank) for rank, r in enumerate(per_rank) for ev in r["trace"]]
     loss = next((r["loss"] for r in per_rank if r["loss"] is not None), None)
     return {
@@ -356,6 +384,7 @@ def _merge(setting: Setting, spec: RunSpec, per_rank: list[dict[str, Any]]) -> d
         "seq_chunks": spec.seq_chunks,
         "split": spec.split if spec.entry.seq_chunked else None,
         "pp": setting.pp,
+        "cp": setting.cp,
         "microbatches": setting.microbatches,
         "seq_len": seq_len,
         "step_time_s": median,
@@ -372,6 +401,7 @@ def _merge(setting: Setting, spec: RunSpec, per_rank: list[dict[str, Any]]) -> d
         "peak_activation_rank_bytes": [r["peak_activation_rank_bytes"] for r in per_rank],
         "param_bytes_rank": [r["param_bytes"] for r in per_rank],
         "kv_peak_bytes_rank": [r["kv_peak_bytes"] for r in per_rank],
+        "cp_sent_bytes_rank": [r["cp_sent_bytes"] for r in per_rank],
         "peak_rss_bytes": (
             [r["peak_rss_bytes"] for r in per_rank] if setting.fresh_processes else None
         ),

@@ -157,6 +157,8 @@ def markdown_report(results: dict[str, Any]) -> str:
         out.append("")
     if results.get("masks"):
         out += masks_tables(results["masks"])
+    if results.get("context_parallel"):
+        out += cp_tables(results["context_parallel"])
     if results.get("planner_example"):
         out += ["## Planner vs the published 7B memory (32 GPUs of 80 GB, pp 8 x tp 4, M = 8)", ""]
         out += planner_table(results["planner_example"])
@@ -177,6 +179,65 @@ def planner_table(example: dict[str, Any]) -> list[str]:
         "",
         *_table(["tokens", "K", "planner GB", "fits", "paper GB (K not stated)"], rows),
     ]
+
+
+def cp_tables(cp: dict[str, Any]) -> list[str]:
+    """CP x Seq1F1B: per-rank memory and ring bytes (measured), longest sequence (simulated)."""
+    m = cp["measured"]
+    rows = []
+    for r in m["runs"]:
+        sent = r["cp_sent_bytes_rank"][0] or {}
+        formula = r.get("cp_formula_bytes") or {}
+        rows.append(
+            [
+                r["label"],
+                f"{r['pp']} x {r['cp']}",
+                _fmt(r["step_time_s"]),
+                f"{r['peak_activation_bytes'][0] / MIB:.2f}",
+                f"{r['kv_peak_bytes_rank'][0] / MIB:.2f}",
+                f"{sent.get('own_kv', 0) / MIB:.2f}",
+                f"{sent.get('prefix', 0) / MIB:.2f}",
+                "-" if r["cp"] == 1 else ("yes" if sent == formula else "no"),
+            ]
+        )
+    out = [
+        f"## Context parallelism: pp x cp, M={m['microbatches']}, {m['seq_len']} tokens "
+        "(stage 0, per rank)",
+        "",
+        "Ring traffic is what one rank sends per step (K/V of the own segment; the cached "
+        "prefix by pass-Q or pass-KV), checked against the formula in benchmarks/"
+        "context_parallel.py. Step times with 4 ranks on 2 cores are contended.",
+        "",
+        *_table(
+            [
+                "schedule",
+                "pp x cp",
+                "step s",
+                "activations MiB",
+                "K/V cache MiB",
+                "own K/V ring MiB",
+                "prefix MiB",
+                "= formula",
+            ],
+            rows,
+        ),
+        "",
+        "## Simulated: longest sequence per GPU budget, Llama 3 8B, 8 x 80 GB",
+        "",
+        *_table(
+            ["setting", "no AC: tokens", "full AC: tokens"],
+            [
+                [
+                    r["label"],
+                    f"{r['longest_tokens']:,}",
+                    f"{other['longest_tokens']:,}",
+                ]
+                for r, other in zip(cp["simulated"][::2], cp["simulated"][1::2], strict=True)
+            ],
+        ),
+        "",
+    ]
+    return out
 
 
 def masks_tables(masks: dict[str, Any]) -> list[str]:

@@ -21,6 +21,7 @@ from seq1f1b.planner import search
 from seq1f1b.registry import is_baseline, lookup
 
 from .budget import budget_rows, verify_rows
+from .context_parallel import longest_sequences, measure_cp
 from .masks import measure_skipping, simulate_masked_splits
 from .measured import RunSpec, Setting, measure, model_shape
 from .orders import ScheduleSpec
@@ -385,6 +386,14 @@ def run_all(preset: Preset, out: str, command: str, budget: float | None = None)
         "simulated": simulate_masked_splits(PAPER_SHAPE, chunks=(4, 8)),
     }
     timings["masks_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    _log("context parallelism: pp=2 x cp=2 (measured), longest sequence at 8B (simulated)")
+    results["context_parallel"] = {
+        "measured": measure_cp(preset),
+        "simulated": longest_sequences(),
+    }
+    timings["context_parallel_s"] = time.perf_counter() - t
     results["targets"] = _targets(results)
 
     t = time.perf_counter()

@@ -3,7 +3,13 @@
 from .attention import ChunkAwareAttention, chunk_aware_attention
 from .bitpipe import ScheduleBitPipe, build_bitpipe_stages
 from .kv import SegmentInfo, current_segment, packed_documents
-from .partition import ModelShape, compute_balanced_split, resolve_split, uniform_split
+from .partition import (
+    ModelShape,
+    compute_balanced_split,
+    resolve_split,
+    segment_multiple,
+    uniform_split,
+)
 from .schedule import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B, ScheduleZBSeq1F1B
 
 __version__ = "0.1.0"
@@ -22,5 +28,6 @@ __all__ = [
     "current_segment",
     "packed_documents",
     "resolve_split",
+    "segment_multiple",
     "uniform_split",
 ]

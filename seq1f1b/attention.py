@@ -30,8 +30,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _runtime as rt
-from .kv import SegmentInfo, SegmentKV, current_documents, current_unit, inferring_metadata
-from .masks import MaskSpec, RowGroups, Tile, plan_tiles, tile_mask
+from .context_parallel import cp_attention
+from .kv import (
+    InjectKVGrad,
+    SegmentInfo,
+    SegmentKV,
+    accumulate_cache_grads,
+    cached_entry,
+    current_documents,
+    current_unit,
+    inferring_metadata,
+    segment_entries,
+)
+from .masks import MaskSpec, RowGroups, plan_tiles
+from .tiles import (
+    PlanEntry,
+    accumulator_dtype,
+    kv_blocks,
+    math_backward,
+    math_forward,
+    merge,
+    place_tiles,
+    run_tiles_backward,
+    run_tiles_forward,
+)
 
 try:  # optional, CUDA only
     from flash_attn import flash_attn_interface as _fa  # type: ignore[import-not-found]
@@ -44,37 +66,6 @@ _Block = tuple[torch.Tensor, torch.Tensor]
 
 
 # ----------------------------------------------------------------------------- block kernels
-def _math_scores(q, k, causal: bool, scale: float, visible: torch.Tensor | None, acc):
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
-    if causal:
-        lq, lk = s.shape[-2], s.shape[-1]
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(lk - lq + 1)
-        s = s.masked_fill(mask, float("-inf"))
-    if visible is not None:
-        s = s.masked_fill(~visible, float("-inf"))
-    return s
-
-
-def _math_fwd(q, k, v, causal: bool, scale: float, visible: torch.Tensor | None = None):
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s = _math_scores(q, k, causal, scale, visible, acc)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(acc))
-    return out.nan_to_num(0.0).to(q.dtype), lse
-
-
-def _math_bwd(g, q, k, v, out, lse, causal: bool, scale: float, visible=None):
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q_, k_, v_, g_ = q.to(acc), k.to(acc), v.to(acc), g.to(acc)
-    s = _math_scores(q, k, causal, scale, visible, acc)
-    p = torch.exp(s - lse.to(acc).unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), g_)
-    dp = torch.matmul(g_, v_.transpose(-1, -2))
-    delta = (g_ * out.to(acc)).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * scale
-    return ds.matmul(k_).to(q.dtype), ds.transpose(-1, -2).matmul(q_).to(k.dtype), dv.to(v.dtype)
-
-
 def _cpu_fwd(q, k, v, causal: bool, scale: float):
     return rt.flash_cpu_forward(q, k, v, causal, scale)
 
@@ -162,49 +153,7 @@ def block_attention_kernels(t: torch.Tensor) -> tuple[str, Any, Any]:
         if _fa is not None:
             return "flash_attn", _flash_attn_fwd, _flash_attn_bwd
         return "cuda_flash", _cuda_aten_fwd, _cuda_aten_bwd
-    return "math", _math_fwd, _math_bwd
-
-
-# ----------------------------------------------------------------------------- autograd pieces
-def _expand_kv(t: torch.Tensor, n_rep: int) -> torch.Tensor:
-    return t if n_rep == 1 else t.repeat_interleave(n_rep, dim=1)
-
-
-def _reduce_kv(g: torch.Tensor, n_rep: int) -> torch.Tensor:
-    if n_rep == 1:
-        return g
-    b, h, s, d = g.shape
-    return g.view(b, h // n_rep, n_rep, s, d).sum(2)
-
-
-def _masked_fwd(q, k, v, visible: torch.Tensor, scale: float):
-    """One masked tile: (out, lse) with out 0 and lse -inf on rows that see no key."""
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
-        bias = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))
-        out, lse = rt.flash_cpu_forward(q, k, v, False, scale, bias)
-    else:  # GPU masked tiles: plain torch (the fast GPU paths are whole-tile kernels)
-        out, lse = _math_fwd(q, k, v, False, scale, visible)
-    empty = ~visible.any(-1)
-    if bool(empty.any()):
-        lse = lse.masked_fill(empty, float("-inf"))
-        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-    return out, lse
-
-
-def _masked_bwd(g, q, k, v, out, lse, visible: torch.Tensor, scale: float):
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
-        bias = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))
-        return rt.flash_cpu_backward(g, q, k, v, out, lse, False, scale, bias)
-    return _math_bwd(g, q, k, v, out, lse, False, scale, visible)
-
-
-def _merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor):
-    """Combine two partial softmax results by log-sum-exp (rows with -inf on both stay 0)."""
-    new = torch.logaddexp(lse_acc, lse)
-    finite = torch.isfinite(new)
-    w_acc = torch.where(finite, torch.exp(lse_acc - new), 0.0).unsqueeze(-1)
-    w_new = torch.where(finite, torch.exp(lse - new), 0.0).unsqueeze(-1)
-    return out_acc * w_acc + o.to(out_acc.dtype) * w_new, new
+    return "math", math_forward, math_backward
 
 
 # ---------------------------------------------------------------------- FlexAttention forward
@@ -265,56 +214,32 @@ def _flex_block_fwd(q, k, v, q0: int, k0: int, docs, spec: MaskSpec, scale: floa
     return out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
 
 
-# A planned call: (block, tile) with block -1 = the segment's own K/V, j = prefix block j.
-_Plan = tuple[tuple[int, Tile], ...]
-
-
 class _SegmentAttention(torch.autograd.Function):
     """softmax(q [K_0..K_{k-1}, K_own]^T) [V_0..V_{k-1}, V_own] over the planned tiles only.
 
-    ``plan`` says which rectangles run; ``entries`` are the cache entries of the prefix blocks
-    (their ``start``: absolute position of the first cached key), ``q_start`` the segment's.
-    Outputs and LSEs of the tiles are merged per query row, so no K/V is ever concatenated or
-    copied.
+    ``plan`` says which rectangles run (block -1: the segment's own K/V, block j: prefix block
+    j); ``entries`` are the cache entries of the prefix blocks (their ``start``: absolute
+    position of the first cached key), ``q_start`` the segment's. Outputs and LSEs of the tiles
+    are merged per query row, so no K/V is ever concatenated or copied.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, scale, kernels, plan, spec, q_start, entries, flex_docs, *prefix):
-        starts = tuple(e.start for e in entries)
-        _, fwd, _ = kernels
-        n_rep = q.shape[1] // k.shape[1]
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = accumulator_dtype(q)
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        saved_plan = plan
+        blocks = kv_blocks(k, v, prefix)
         if flex_docs is not None:  # one FlexAttention call per block the plan touches
-            for block in sorted({b for b, _ in plan}):
-                kb, vb, off = (k, v, q_start) if block < 0 else (
-                    prefix[2 * block], prefix[2 * block + 1], starts[block]
-                )  # fmt: skip
+            starts = tuple(e.start for e in entries)
+            for block in sorted({entry[0] for entry in plan}):
+                kb, vb = blocks[block]
+                off = q_start if block < 0 else starts[block]
                 o, lse = _flex_block_fwd(q, kb, vb, q_start, off, flex_docs, spec, scale)
-                out_acc, lse_acc = _merge(out_acc, lse_acc, o, lse.to(acc))
-            plan = ()  # the tiles below are for backward
-        for block, t in plan:
-            kb, vb, off = (
-                (k, v, q_start)
-                if block < 0
-                else (*prefix[2 * block : 2 * block + 2], starts[block])
-            )
-            rows, qs = slice(t.r0, t.r1), slice(t.q0 - q_start, t.q1 - q_start)
-            ks = slice(t.k0 - off, t.k1 - off)
-            qt = q[rows, :, qs]
-            kt, vt = _expand_kv(kb[rows, :, ks], n_rep), _expand_kv(vb[rows, :, ks], n_rep)
-            if t.kind == "masked":
-                o, lse = _masked_fwd(qt, kt, vt, tile_mask(t, spec, q.device), scale)
-            else:
-                o, lse = fwd(qt, kt, vt, t.kind == "causal", scale)
-            out_acc[rows, :, qs], lse_acc[rows, :, qs] = _merge(
-                out_acc[rows, :, qs], lse_acc[rows, :, qs], o, lse.to(acc)
-            )
+                out_acc, lse_acc = merge(out_acc, lse_acc, o, lse.to(acc))
+        else:
+            run_tiles_forward(q, blocks, plan, spec, scale, kernels, out_acc, lse_acc)
         out = out_acc.to(q.dtype)
-        ctx.scale, ctx.kernels, ctx.n_rep = scale, kernels, n_rep
-        ctx.plan, ctx.spec, ctx.q_start, ctx.starts = saved_plan, spec, q_start, starts
+        ctx.scale, ctx.kernels, ctx.plan, ctx.spec = scale, kernels, plan, spec
         ctx.entries = entries
         ctx.save_for_backward(q, k, v, out, lse_acc, *prefix)
         return out
@@ -322,80 +247,18 @@ class _SegmentAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, *prefix = ctx.saved_tensors
-        _, _, bwd = ctx.kernels
-        n_rep, scale, q_start = ctx.n_rep, ctx.scale, ctx.q_start
-        wide = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
+        dq = torch.zeros(q.shape, dtype=accumulator_dtype(q), device=q.device)
         dkv: dict[int, list[torch.Tensor]] = {}
-        for block, t in ctx.plan:
-            if block < 0:
-                kb, vb, off = k, v, q_start
-            else:
-                kb, vb, off = prefix[2 * block], prefix[2 * block + 1], ctx.starts[block]
-            rows, qs = slice(t.r0, t.r1), slice(t.q0 - q_start, t.q1 - q_start)
-            ks = slice(t.k0 - off, t.k1 - off)
-            kt, vt = _expand_kv(kb[rows, :, ks], n_rep), _expand_kv(vb[rows, :, ks], n_rep)
-            args = (grad_out[rows, :, qs], q[rows, :, qs], kt, vt, out[rows, :, qs])
-            if t.kind == "masked":
-                visible = tile_mask(t, ctx.spec, q.device)
-                dqt, dkt, dvt = _masked_bwd(*args, lse[rows, :, qs], visible, scale)
-            else:
-                dqt, dkt, dvt = bwd(*args, lse[rows, :, qs], t.kind == "causal", scale)
-            dq[rows, :, qs] += dqt
-            if block not in dkv:
-                dkv[block] = [
-                    torch.zeros(kb.shape, dtype=wide, device=kb.device),
-                    torch.zeros(vb.shape, dtype=wide, device=vb.device),
-                ]
-            dkv[block][0][rows, :, ks] += _reduce_kv(dkt, n_rep)
-            dkv[block][1][rows, :, ks] += _reduce_kv(dvt, n_rep)
+        run_tiles_backward(
+            grad_out, q, out, lse, kv_blocks(k, v, prefix), ctx.plan, ctx.spec, ctx.scale,
+            ctx.kernels, dq, dkv,
+        )  # fmt: skip
         own = dkv.get(-1)
         dk = None if own is None else own[0].to(k.dtype)
         dv = None if own is None else own[1].to(v.dtype)
-        # The cached K/V are leaves: their gradients are accumulated here, not returned, so
-        # that a split backward (autograd.grad over the stage inputs only, which would skip
-        # these leaves) leaves them for the owning segment exactly as a full backward does.
-        # (into the cache entries' own tensors: under checkpointing the saved copies unpacked
-        # above are detached aliases, whose .grad nobody reads)
-        for block, entry in enumerate(ctx.entries):
-            g = dkv.get(block)
-            if g is None:
-                continue
-            for leaf, grad in ((entry.k, g[0]), (entry.v, g[1])):
-                if leaf.requires_grad:
-                    grad = grad.to(leaf.dtype)
-                    leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+        accumulate_cache_grads(ctx.entries, dkv)
         nones = (None,) * len(prefix)
         return (dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None, *nones)
-
-
-class _InjectKVGrad(torch.autograd.Function):
-    """Identity on (k, v) whose backward adds the grads later segments left on the cache
-    (the cache may hold only the segment's last positions: ``offset`` is where they start)."""
-
-    @staticmethod
-    def forward(ctx, k: torch.Tensor, v: torch.Tensor, entry: SegmentKV, offset: int):
-        ctx.entry, ctx.offset = entry, offset
-        ctx.shapes = (k.shape, v.shape)
-        return k.view_as(k), v.view_as(v)
-
-    @staticmethod
-    def backward(ctx, gk, gv):
-        entry: SegmentKV = ctx.entry
-        gk = _add_rows(gk, entry.k.grad, ctx.offset, ctx.shapes[0])
-        gv = _add_rows(gv, entry.v.grad, ctx.offset, ctx.shapes[1])
-        return gk, gv, None, None
-
-
-def _add_rows(g, extra, offset: int, shape: torch.Size):
-    """``g`` plus ``extra`` added at positions ``offset..`` of the sequence dim (-2)."""
-    if extra is None:
-        return g
-    if offset == 0 and extra.shape == shape:
-        return extra if g is None else g + extra
-    out = torch.zeros(shape, dtype=extra.dtype, device=extra.device) if g is None else g.clone()
-    out[..., offset : offset + extra.shape[-2], :] += extra
-    return out
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -451,6 +314,11 @@ def chunk_aware_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     plain = groups is None and spec.window is None
+    if ctx is not None and ctx.info.cp is not None:  # sharded over a context-parallel group
+        groups = groups or ((0, q.shape[0], ((0, ctx.info.seq_len),)),)
+        skip = ctx.state.skip_invisible or plain
+        kernels = block_attention_kernels(q)
+        return cp_attention(q, k, v, ctx, layer, groups, spec, scale, kernels, skip)
     if ctx is None or ctx.info.num_segments == 1:
         if plain:
             return F.scaled_dot_product_attention(
@@ -459,9 +327,8 @@ def chunk_aware_attention(
         seq = q.shape[-2]
         start = 0 if ctx is None else ctx.info.start
         groups = groups or ((0, q.shape[0], ((0, start + seq),)),)
-        plan = tuple(
-            (-1, t) for t in plan_tiles(start, start + seq, start, start + seq, groups, spec)
-        )
+        run = ((start, start + seq),)
+        plan = tuple(place_tiles(run, run, groups, spec, -1))
         docs = _flex_documents(mask_backend, q, groups, start + seq)
         return _SegmentAttention.apply(
             q, k, v, scale, block_attention_kernels(q), plan, spec, start, (), docs
@@ -469,44 +336,28 @@ def chunk_aware_attention(
     info, state = ctx.info, ctx.state
     groups = groups or ((0, q.shape[0], ((0, info.seq_len),)),)
     seg = info.segment
-    entries = state.layer_entries(info.microbatch, layer)
-    if ctx.phase == "forward":
-        if len(entries) != seg:
-            raise RuntimeError(
-                f"Seq1F1B: attention layer {layer!r} of stage {state.stage_index} has cached "
-                f"{len(entries)} segments of sample {info.microbatch} but runs segment {seg}; "
-                "each attention layer must run exactly once per unit forward"
-            )
-        own = _cache_entry(k, v, info, groups, spec, ctx.keep_kv, state.skip_invisible or plain)
-        entries.append(own)
-    else:  # recomputation inside this unit's backward or weight half (checkpointing)
-        if len(entries) <= seg:
-            raise RuntimeError(
-                f"Seq1F1B: recomputing segment {seg} of sample {info.microbatch} on stage "
-                f"{state.stage_index} but its K/V cache is gone"
-            )
-        own = entries[seg]
+    entries, own = segment_entries(
+        ctx,
+        layer,
+        lambda: _cache_entry(k, v, info, groups, spec, ctx.keep_kv, state.skip_invisible or plain),
+    )
     prefix: list[torch.Tensor] = []
     used: list[SegmentKV] = []
-    plan: list[tuple[int, Tile]] = []
+    plan: list[PlanEntry] = []
     bounds, skip = info.bounds, state.skip_invisible or plain
+    own_run = ((info.start, info.end),)
     for j in range(seg):
         tiles = plan_tiles(info.start, info.end, bounds[j], bounds[j + 1], groups, spec, skip)
         if not tiles:
             continue  # nothing of segment j is visible: no kernel call, no K/V needed
-        e = entries[j]
-        if e is None:
-            raise RuntimeError(
-                f"Seq1F1B: K/V of segment {j} (sample {info.microbatch}, stage "
-                f"{state.stage_index}) was freed before segment {seg} used it"
-            )
-        plan += [(len(used), t) for t in tiles]
+        e = cached_entry(ctx, entries, j)
+        cached = ((e.start, bounds[j + 1]),)
+        plan += place_tiles(own_run, cached, groups, spec, len(used), skip)
         prefix += [e.k, e.v]
         used.append(e)
-    own_tiles = plan_tiles(info.start, info.end, info.start, info.end, groups, spec, skip)
-    plan += [(-1, t) for t in own_tiles]
+    plan += place_tiles(own_run, own_run, groups, spec, -1, skip)
     if own is not None and ctx.keep_kv:
-        k, v = _InjectKVGrad.apply(k, v, own, own.start - info.start)
+        k, v = InjectKVGrad.apply(k, v, own, own.start - info.start)
     return _SegmentAttention.apply(
         q,
         k,

@@ -13,15 +13,17 @@ must see the unit that is being differentiated. It is only set inside ``step()``
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .masks import RowGroups, document_runs
 
 __all__ = [
+    "ContextParallel",
     "SegmentInfo",
     "SegmentKV",
     "StageKVState",
@@ -31,6 +33,41 @@ __all__ = [
     "current_unit",
     "packed_documents",
 ]
+
+
+Runs = tuple[tuple[int, int], ...]  # absolute (start, end) pieces of a local shard
+
+
+def zigzag_runs(start: int, end: int, rank: int, size: int) -> Runs:
+    """The load-balanced context-parallel shard of positions ``[start, end)`` on CP rank
+    ``rank`` of ``size``: chunks ``rank`` and ``2*size-1-rank`` of ``2*size`` equal chunks, so
+    every rank gets the same causal work (Megatron CP's and torch's head-tail layout).
+    ``end - start`` must be a multiple of ``2*size``."""
+    if size == 1:
+        return ((start, end),)
+    chunk, rem = divmod(end - start, 2 * size)
+    if rem or chunk == 0:
+        raise ValueError(
+            f"a segment of {end - start} tokens cannot be split over {size} context-parallel "
+            f"ranks: each segment must be a positive multiple of 2*cp = {2 * size} tokens (use "
+            "split_multiple_of, or a sequence length divisible by seq_chunks * 2 * cp)"
+        )
+    a, b = start + rank * chunk, end - (rank + 1) * chunk
+    return ((a, a + chunk), (b, b + chunk))
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """The context-parallel group a stage's sequence is sharded over (see
+    :mod:`seq1f1b.context_parallel`); ``prefix`` is how cached segments are reached."""
+
+    group: Any  # torch.distributed.ProcessGroup
+    rank: int
+    size: int
+    prefix: str = "auto"  # "pass_q", "pass_kv" or "auto" (fewer bytes, per segment)
+
+    def runs(self, start: int, end: int, rank: int | None = None) -> Runs:
+        return zigzag_runs(start, end, self.rank if rank is None else rank, self.size)
 
 
 @dataclass(frozen=True)
@@ -45,14 +82,30 @@ class SegmentInfo:
     seq_len: int  # full sequence length of the sample
     bounds: tuple[int, ...] = ()  # every segment's start, then seq_len
     documents: RowGroups | None = None  # the sample's document runs (packed documents)
+    cp: ContextParallel | None = None  # context parallelism: this rank holds a shard
 
     @property
     def end(self) -> int:
         return self.start + self.length
 
+    @property
+    def local_runs(self) -> Runs:
+        """The absolute position runs this rank holds of the segment (all of it without CP)."""
+        if self.cp is None:
+            return ((self.start, self.end),)
+        return self.cp.runs(self.start, self.end)
+
+    @property
+    def local_length(self) -> int:
+        """Positions of the segment on this rank: the input's sequence length."""
+        return sum(b - a for a, b in self.local_runs)
+
     def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """Absolute positions ``start .. start + length - 1`` (for RoPE)."""
-        return torch.arange(self.start, self.start + self.length, device=device)
+        """Absolute positions of this rank's tokens of the segment, in order (for RoPE):
+        ``start .. start + length - 1``, or the two chunks of a context-parallel shard."""
+        if self.cp is None:
+            return torch.arange(self.start, self.start + self.length, device=device)
+        return torch.cat([torch.arange(a, b, device=device) for a, b in self.local_runs])
 
 
 @dataclass
@@ -165,6 +218,53 @@ class StageKVState:
         return not self._cache
 
 
+def accumulate_cache_grads(entries: Sequence[SegmentKV], dkv: dict[int, list[torch.Tensor]]):
+    """Add cached K/V gradients (``dkv[j]`` for ``entries[j]``) into the entries' ``.grad``.
+
+    The cached K/V are leaves: their gradients are accumulated here, not returned, so that a
+    split backward (autograd.grad over the stage inputs only, which would skip these leaves)
+    leaves them for the owning segment exactly as a full backward does. They go into the cache
+    entries' own tensors: under checkpointing the saved copies are detached aliases, whose
+    ``.grad`` nobody reads."""
+    for block, entry in enumerate(entries):
+        g = dkv.get(block)
+        if g is None:
+            continue
+        for leaf, grad in ((entry.k, g[0]), (entry.v, g[1])):
+            if leaf.requires_grad:
+                grad = grad.to(leaf.dtype)
+                leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+
+
+class InjectKVGrad(torch.autograd.Function):
+    """Identity on (k, v) whose backward adds the grads later segments left on the cache
+    (the cache may hold only the segment's last positions: ``offset`` is where they start)."""
+
+    @staticmethod
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, entry: SegmentKV, offset: int):
+        ctx.entry, ctx.offset = entry, offset
+        ctx.shapes = (k.shape, v.shape)
+        return k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, gk, gv):
+        entry: SegmentKV = ctx.entry
+        gk = _add_rows(gk, entry.k.grad, ctx.offset, ctx.shapes[0])
+        gv = _add_rows(gv, entry.v.grad, ctx.offset, ctx.shapes[1])
+        return gk, gv, None, None
+
+
+def _add_rows(g, extra, offset: int, shape: torch.Size):
+    """``g`` plus ``extra`` added at positions ``offset..`` of the sequence dim (-2)."""
+    if extra is None:
+        return g
+    if offset == 0 and extra.shape == shape:
+        return extra if g is None else g + extra
+    out = torch.zeros(shape, dtype=extra.dtype, device=extra.device) if g is None else g.clone()
+    out[..., offset : offset + extra.shape[-2], :] += extra
+    return out
+
+
 @dataclass(frozen=True)
 class UnitContext:
     """The unit a stage is running, with the state its attention layers use."""
@@ -173,6 +273,41 @@ class UnitContext:
     info: SegmentInfo
     phase: str  # "forward" or "backward" (checkpoint recomputation, also in a weight half)
     keep_kv: bool  # a backward will follow: cache K/V as grad-accumulating leaves
+
+
+def segment_entries(
+    ctx: UnitContext, layer: Hashable, make: Callable[[], SegmentKV | None]
+) -> tuple[list[SegmentKV | None], SegmentKV | None]:
+    """A layer's cache entries for the running sample, and the running segment's own entry:
+    made (``make()``) and appended in a forward, found again in a recomputation."""
+    info, state = ctx.info, ctx.state
+    seg = info.segment
+    entries = state.layer_entries(info.microbatch, layer)
+    if ctx.phase == "forward":
+        if len(entries) != seg:
+            raise RuntimeError(
+                f"Seq1F1B: attention layer {layer!r} of stage {state.stage_index} has cached "
+                f"{len(entries)} segments of sample {info.microbatch} but runs segment {seg}; "
+                "each attention layer must run exactly once per unit forward"
+            )
+        entries.append(make())
+    elif len(entries) <= seg:  # recomputation inside a backward (checkpointing)
+        raise RuntimeError(
+            f"Seq1F1B: recomputing segment {seg} of sample {info.microbatch} on stage "
+            f"{state.stage_index} but its K/V cache is gone"
+        )
+    return entries, entries[seg]
+
+
+def cached_entry(ctx: UnitContext, entries: list[SegmentKV | None], j: int) -> SegmentKV:
+    """Segment ``j``'s cache entry, which the running segment reads."""
+    e = entries[j]
+    if e is None:
+        raise RuntimeError(
+            f"Seq1F1B: K/V of segment {j} (sample {ctx.info.microbatch}, stage "
+            f"{ctx.state.stage_index}) was freed before segment {ctx.info.segment} used it"
+        )
+    return e
 
 
 _ACTIVE: list[UnitContext] = []

@@ -165,3 +165,48 @@ def merge_unit_outputs(
         else:
             return outputs
     return merge_chunks(samples, output_merge_spec)
+
+
+Runs = tuple[tuple[int, int], ...]
+
+
+def shard_sequence(t: torch.Tensor, dim: int, runs: Runs, start: int) -> torch.Tensor:
+    """The positions ``runs`` of ``t``, whose index 0 along ``dim`` is position ``start``
+    (a context-parallel rank's share of one segment)."""
+    pieces = [t.narrow(dim, a - start, b - a) for a, b in runs]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def shard_units(
+    unit_args: list[tuple[Any, ...]],
+    unit_kwargs: list[dict[str, Any]],
+    unit_targets: list[Any] | None,
+    shards: Sequence[tuple[Runs, int]],
+    seq_dim: int,
+    kwargs_seq_dims: Mapping[str, int | None] | None = None,
+) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[Any] | None]:
+    """Units cut down to this rank's context-parallel shard: ``shards[u]`` is the unit's
+    ``(runs, segment start)``. Tensors are cut where :func:`split_units` cut them."""
+    seq_dims = dict(kwargs_seq_dims or {})
+    args_out, kwargs_out = [], []
+    for (runs, start), args, kwargs in zip(shards, unit_args, unit_kwargs, strict=True):
+        args_out.append(
+            tuple(
+                shard_sequence(a, seq_dim, runs, start) if isinstance(a, torch.Tensor) else a
+                for a in args
+            )
+        )
+        kw = {}
+        for name, value in kwargs.items():
+            dim = seq_dims.get(name, seq_dim)
+            if isinstance(value, torch.Tensor) and dim is not None:
+                value = shard_sequence(value, dim, runs, start)
+            kw[name] = value
+        kwargs_out.append(kw)
+    targets = None
+    if unit_targets is not None:
+        targets = [
+            shard_sequence(t, seq_dim, runs, start)
+            for (runs, start), t in zip(shards, unit_targets, strict=True)
+        ]
+    return args_out, kwargs_out, targets

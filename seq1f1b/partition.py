@@ -273,6 +273,15 @@ def explicit_split(lengths: Sequence[int], seq_len: int, k: int, multiple_of: in
     return out
 
 
+def segment_multiple(multiple_of: int, cp: int = 1) -> int:
+    """What every segment length must be a multiple of: ``multiple_of`` positions per rank
+    (e.g. the TP degree for sequence-parallel activations) on each of ``cp`` context-parallel
+    ranks, whose load-balanced layout also cuts each segment into ``2 * cp`` equal chunks."""
+    if cp == 1:
+        return multiple_of
+    return math.lcm(multiple_of * cp, 2 * cp)
+
+
 def resolve_split(
     split: str | Sequence[int],
     seq_len: int,

@@ -29,21 +29,37 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from . import _runtime as rt
 from ._runtime import Action, PipelineStageBase
-from .kv import SegmentInfo, StageKVState, UnitContext, activate, metadata_inference
+from .context_parallel import CP_PREFIX_MODES
+from .kv import (
+    ContextParallel,
+    SegmentInfo,
+    StageKVState,
+    UnitContext,
+    activate,
+    metadata_inference,
+)
 from .masks import document_runs
 from .microbatch import (
     count_tokens,
     merge_unit_outputs,
+    shard_units,
     split_presplit_units,
     split_target,
     split_units,
 )
 from .order import OrderSpec, build_orders
-from .partition import SPLIT_MODES, ModelShape, resolve_split, segment_offsets
+from .partition import (
+    SPLIT_MODES,
+    ModelShape,
+    resolve_split,
+    segment_multiple,
+    segment_offsets,
+)
 
 __all__ = ["ScheduleInterleavedSeq1F1B", "ScheduleSeq1F1B"]
 
@@ -144,7 +160,8 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         seq_dim: sequence dimension of inputs, targets, per-token kwargs and activations.
         split: "uniform", "compute" (equal FLOPs; needs ``model_shape``) or explicit lengths.
         model_shape: transformer shape for ``split="compute"``.
-        split_multiple_of: every segment length is a multiple of this (e.g. the TP degree).
+        split_multiple_of: every segment length (with context parallelism: each rank's share
+            of it) is a multiple of this (e.g. the TP degree).
         seq_len: sequence length, if known up front (validates the split at construction and
             saves a tiny all-reduce per step that tells middle stages the length).
         ignore_index: target value that does not count as a token (as in cross entropy).
@@ -154,6 +171,16 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         skip_invisible: with packed documents / sliding windows, skip (query, key) blocks that
             share no visible pair and cache only what later segments see; False computes every
             block under the mask and caches every segment (the mask-alone baseline).
+        cp_group: context parallelism: the process group this stage's sequence is sharded
+            over (ring attention, see :mod:`seq1f1b.context_parallel`). Every CP rank passes
+            the same whole batch; the schedule keeps its load-balanced share of each segment
+            (every segment a multiple of ``2 * cp`` tokens). Each rank's losses are scaled so
+            that their mean over the CP group is the batch's mean loss.
+        cp_prefix: how a segment reaches the cached K/V of earlier segments on the other CP
+            ranks: "pass_q" (its queries travel), "pass_kv" (the cache travels) or "auto"
+            (whichever moves fewer bytes, per segment).
+        cp_reduce_grads: average parameter gradients over ``cp_group`` at the end of
+            ``step()``; pass False when FSDP/DDP over a mesh that includes CP averages them.
         runtime_options: torch's runtime options of the installed release (2.15:
             ``max_active_stages``, ``unshard_lookahead``, ``defer_reduce_grad_wait``,
             ``max_outstanding_sends``), passed through.
@@ -178,6 +205,9 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         kwargs_seq_dims: Mapping[str, int | None] | None = None,
         check_attention: bool = True,
         skip_invisible: bool = True,
+        cp_group: dist.ProcessGroup | None = None,
+        cp_prefix: str = "auto",
+        cp_reduce_grads: bool = True,
         args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
         kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
         output_merge_spec: dict[str, Any] | tuple[Any] | None = None,
@@ -210,6 +240,8 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
                 f"split has {len(split)} lengths but seq_chunks={k}: give exactly seq_chunks "
                 "lengths, or change seq_chunks"
             )
+        self._cp = self._check_cp(cp_group, cp_prefix)
+        self.cp_reduce_grads = cp_reduce_grads
         self.n_samples = m
         self.seq_chunks = k
         self.seq_dim = seq_dim
@@ -248,7 +280,7 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         self._documents: list | None = None  # per sample: document runs (packed documents)
         self._recv_base: dict[tuple[int, bool, int, int], int] = {}
         self._presplit: tuple[list, list, list | None] | None = None
-        self._attention_checked = not check_attention or k == 1
+        self._attention_checked = not check_attention or (k == 1 and self._cp is None)
         self._documents_checked = not check_attention
         self._install_order(dict(build_orders(self.order_spec)))
 
@@ -276,16 +308,46 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
             )
         return stage_list
 
+    @staticmethod
+    def _check_cp(group: dist.ProcessGroup | None, prefix: str) -> ContextParallel | None:
+        if prefix not in CP_PREFIX_MODES:
+            raise ValueError(f"cp_prefix={prefix!r} is unknown: use one of {list(CP_PREFIX_MODES)}")
+        if group is None:
+            return None
+        size = dist.get_world_size(group)
+        if size < 1 or dist.get_rank(group) < 0:
+            raise ValueError(
+                "cp_group does not contain this rank: pass the context-parallel group this "
+                "rank belongs to (e.g. device_mesh['cp'].get_group())"
+            )
+        return ContextParallel(group, dist.get_rank(group), size, prefix) if size > 1 else None
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self._cp is None else self._cp.size
+
     def segment_lengths(self, seq_len: int) -> list[int]:
         """Segment lengths for a sequence of ``seq_len`` tokens (cached per length)."""
         if seq_len not in self._lengths_cache:
-            self._lengths_cache[seq_len] = resolve_split(
+            cp = self.cp_size
+            multiple = segment_multiple(self.split_multiple_of, cp)
+            if cp > 1 and (seq_len % multiple or seq_len < multiple * self.seq_chunks):
+                raise ValueError(
+                    f"seq_len={seq_len} cannot be cut into {self.seq_chunks} segments that are "
+                    f"each a multiple of {multiple} tokens (context parallelism over {cp} ranks "
+                    f"cuts each segment into 2 * cp = {2 * cp} chunks, and each rank's share "
+                    f"must be a multiple of split_multiple_of={self.split_multiple_of}): use a "
+                    f"sequence length that is a multiple of {multiple} and at least "
+                    f"{multiple * self.seq_chunks}, or fewer seq_chunks"
+                )
+            lengths = resolve_split(
                 self.split,
                 seq_len,
                 self.seq_chunks,
                 shape=self.model_shape,
-                multiple_of=self.split_multiple_of,
+                multiple_of=multiple,
             )
+            self._lengths_cache[seq_len] = lengths
         return self._lengths_cache[seq_len]
 
     def check_loaded_order(self, actions: Mapping[int, Sequence[Action | None]]) -> None:
@@ -334,17 +396,31 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
             if target is not None:
                 target_units = split_target(target, self.n_samples, self._lengths, self.seq_dim)
         self._unit_loss_weights = [1.0] * (self.n_samples * self.seq_chunks)
-        if target_units is not None:
-            if self.scale_grads:
-                tokens = [count_tokens(t, self.ignore_index) for t in target_units]
-                total = sum(tokens)
-                if total == 0:
-                    raise ValueError(
-                        f"every target of this batch is ignore_index={self.ignore_index}: a mean "
-                        "loss over zero tokens is undefined. Drop the batch, or pass "
-                        "scale_grads=False with a sum loss"
-                    )
-                self._unit_loss_weights = [len(tokens) * t / total for t in tokens]
+        total = 0
+        if target_units is not None and self.scale_grads:
+            total = sum(count_tokens(t, self.ignore_index) for t in target_units)
+            if total == 0:
+                raise ValueError(
+                    f"every target of this batch is ignore_index={self.ignore_index}: a mean "
+                    "loss over zero tokens is undefined. Drop the batch, or pass "
+                    "scale_grads=False with a sum loss"
+                )
+        if self._cp is not None:  # keep this CP rank's share of every segment
+            starts = segment_offsets(self._lengths)
+            shards = [
+                (self._cp.runs(starts[seg], starts[seg] + self._lengths[seg]), starts[seg])
+                for _ in range(self.n_samples)
+                for seg in range(self.seq_chunks)
+            ]
+            arg_units, kwarg_units, target_units = shard_units(
+                arg_units, kwarg_units, target_units, shards, self.seq_dim, self.kwargs_seq_dims
+            )
+        if total:
+            # token share of each (local) unit, times the CP size: the mean over the CP group
+            # of each rank's loss is the batch's mean loss, as FSDP/DDP averaging expects
+            tokens = [count_tokens(t, self.ignore_index) for t in target_units]
+            scale = len(tokens) * self.cp_size / total
+            self._unit_loss_weights = [scale * t for t in tokens]
         return arg_units, kwarg_units, target_units
 
     def _prepare_step(
@@ -460,12 +536,33 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         self.run_microbatches(
             arg_units, kwarg_units, target_units, losses, return_outputs, loss_kwargs=loss_kwargs
         )
+        if self._cp is not None and self.cp_reduce_grads and self.has_backward:
+            self._average_cp_grads()
         for stage in self.local_stages:
             if stage.is_last and return_outputs:
                 return merge_unit_outputs(
                     stage.output_chunks, self.n_samples, self.seq_dim, self.chunk_specs[2]
                 )
         return None
+
+    def _average_cp_grads(self) -> None:
+        """Each CP rank holds the gradient of its shard's loss share: average them (one
+        flat all-reduce per stage)."""
+        assert self._cp is not None
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for stage in self.local_stages:
+            for p in stage.submod.parameters():
+                if p.grad is not None:
+                    g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    by_dtype.setdefault(g.dtype, []).append(g)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self._cp.group)
+            flat /= self._cp.size
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def _split_documents(self, document_ids: Any, seq_len: int) -> list:
         """Per-sample document runs, checked against the batch and the sequence length."""
@@ -618,6 +715,7 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
             seq_len=total,
             bounds=(*starts[: self.seq_chunks], total),
             documents=None if self._documents is None else self._documents[m],
+            cp=self._cp,
         )
 
     def _stage_wrappers(

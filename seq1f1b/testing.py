@@ -38,8 +38,8 @@ def rope_positions(seq_len: int, device: torch.device) -> torch.Tensor:
     info = current_segment()
     if info is None:
         return torch.arange(seq_len, device=device)
-    if info.length != seq_len:
-        raise RuntimeError(f"segment length {info.length} != input length {seq_len}")
+    if info.local_length != seq_len:
+        raise RuntimeError(f"segment length {info.local_length} != input length {seq_len}")
     return info.positions(device)
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
 from seq1f1b import ModelShape, ScheduleSeq1F1B, packed_documents
+from seq1f1b.kv import zigzag_runs
 from seq1f1b.registry import lookup
 from seq1f1b.testing import TinyConfig, build_stages, full_model
 
@@ -31,6 +32,8 @@ class Case:
     sinks: int = 0
     pad: bool = False  # sample 0's targets ignored from position 16 on
     schedule: str = "Seq1F1B"  # a seq-chunked schedule of the registry
+    cp: int = 1  # context-parallel degree (the world is pp x cp, pp outer)
+    cp_prefix: str = "auto"
 
     @property
     def cfg(self) -> TinyConfig:
@@ -39,14 +42,15 @@ class Case:
 
 # one row per sample of a batch of 6 at 24 tokens: a document over three segments of 8, no
 # boundary, a boundary on a segment boundary, short documents, two halves, a 1-token document
+# (columns 24..31 for the context-parallel cases, whose segments are multiples of 2*cp)
 DOCS = torch.tensor(
     [
-        [0] * 3 + [1] * 18 + [2] * 3,
-        [0] * 24,
-        [0] * 8 + [1] * 16,
-        [0, 0, 1, 1, 1, 2, 3, 3, 3, 3, 3, 4, 5, 5, 6, 6, 6, 6, 6, 6, 7, 7, 8, 9],
-        [0] * 12 + [1] * 12,
-        [0] + [1] * 23,
+        [0] * 3 + [1] * 18 + [2] * 3 + [2] * 2 + [3] * 6,
+        [0] * 24 + [0] * 8,
+        [0] * 8 + [1] * 16 + [2] * 8,
+        [0, 0, 1, 1, 1, 2, 3, 3, 3, 3, 3, 4, 5, 5, 6, 6, 6, 6, 6, 6, 7, 7, 8, 9] + [9] * 8,
+        [0] * 12 + [1] * 12 + [1] * 5 + [2] * 3,
+        [0] + [1] * 23 + [1] * 8,
     ]
 )
 
@@ -90,17 +94,36 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _groups(rank: int, world: int, cp: int) -> tuple[int, int, object, object]:
+    """(pp rank, pp size, pp group, cp group) of a pp x cp mesh (pp outer); no groups at cp=1."""
+    if cp == 1:
+        return rank, world, None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("pp", "cp"))
+    return rank // cp, world // cp, mesh["pp"].get_group(), mesh["cp"].get_group()
+
+
 def run_case(rank: int, world: int, case: Case, tol: float = 1e-5) -> None:
-    num_stages = world * case.stages_per_rank
+    pp_rank, pp, pp_group, cp_group = _groups(rank, world, case.cp)
+    num_stages = pp * case.stages_per_rank
     ref_loss, ref_grads = reference(case, num_stages)
     mods = build_stages(case.cfg, num_stages, checkpointing=case.checkpointing)
-    mine = list(range(rank, num_stages, world))
-    stages = [PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in mine]
+    mine = list(range(pp_rank, num_stages, pp))
+    dev = torch.device("cpu")
+    stages = [PipelineStage(mods[s], s, num_stages, dev, group=pp_group) for s in mine]
     split = case.split if isinstance(case.split, str) else list(case.split)
     shape = ModelShape(hidden=CFG.dim, n_heads=CFG.n_heads, n_layers=CFG.n_layers, vocab=CFG.vocab)
     cls = lookup(case.schedule).schedule_class()
+    cp_kwargs = {} if cp_group is None else {"cp_group": cp_group, "cp_prefix": case.cp_prefix}
     sched = cls(
-        stages, case.n_microbatches, case.seq_chunks, loss_fn, split=split, model_shape=shape
+        stages,
+        case.n_microbatches,
+        case.seq_chunks,
+        loss_fn,
+        split=split,
+        model_shape=shape,
+        **cp_kwargs,
     )
     x, y = data(case)
     losses: list[torch.Tensor] = []
@@ -115,10 +138,14 @@ def run_case(rank: int, world: int, case: Case, tol: float = 1e-5) -> None:
     assert sched.kv_state_empty(), "K/V state survived step()"
     if has_last:
         assert len(losses) == case.n_microbatches * case.seq_chunks
-        loss = torch.stack(losses).mean().item()
         assert all(bool(torch.isfinite(x)) for x in losses), losses
+        loss_t = torch.stack(losses).mean()
+        if cp_group is not None:  # each CP rank's loss is its share: their mean is the loss
+            torch.distributed.all_reduce(loss_t, group=cp_group)
+            loss_t /= case.cp
+        loss = loss_t.item()
         assert abs(loss - ref_loss) <= tol * abs(ref_loss), (case, loss, ref_loss)
-        assert out.shape == (case.batch, case.seq_len, CFG.vocab), out.shape
+        assert out.shape == (case.batch, case.seq_len // case.cp, CFG.vocab), out.shape
     for s in mine:
         for n, p in mods[s].named_parameters():
             err = rel_err(p.grad, ref_grads[f"{s}.{n}"])
@@ -201,17 +228,34 @@ def run_grid(rank: int, world: int, stages_per_rank: int) -> None:
 
 
 def run_eval_case(rank: int, world: int, case: Case) -> None:
-    """eval() with K > 1: logits and losses equal the full-sequence forward, no state left."""
-    num_stages = world * case.stages_per_rank
+    """eval() with K > 1: logits and losses equal the full-sequence forward, no state left
+    (with CP: this rank's share of the logits, and the CP mean of the losses)."""
+    pp_rank, pp, pp_group, cp_group = _groups(rank, world, case.cp)
+    num_stages = pp * case.stages_per_rank
     mods = build_stages(case.cfg, num_stages)
     x, y = data(case)
     with torch.no_grad(), _masked(case):
         ref_logits = full_model(mods)(x)
         ref_loss = loss_fn(ref_logits, y).item()
-    mine = list(range(rank, num_stages, world))
-    stages = [PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in mine]
+    mine = list(range(pp_rank, num_stages, pp))
+    dev = torch.device("cpu")
+    stages = [PipelineStage(mods[s], s, num_stages, dev, group=pp_group) for s in mine]
     split = case.split if isinstance(case.split, str) else list(case.split)
-    sched = ScheduleSeq1F1B(stages, case.n_microbatches, case.seq_chunks, loss_fn, split=split)
+    cp_kwargs = {} if cp_group is None else {"cp_group": cp_group}
+    sched = ScheduleSeq1F1B(
+        stages, case.n_microbatches, case.seq_chunks, loss_fn, split=split, **cp_kwargs
+    )
+    if cp_group is not None:  # this rank's positions, segment by segment
+        lengths = sched.segment_lengths(case.seq_len)
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        cp_rank = torch.distributed.get_rank(cp_group)
+        pos = [
+            i
+            for s, n in zip(starts, lengths, strict=True)
+            for a, b in zigzag_runs(s, s + n, cp_rank, case.cp)
+            for i in range(a, b)
+        ]
+        ref_logits = ref_logits[:, pos]
     has_first, has_last = 0 in mine, num_stages - 1 in mine
     for _ in range(2):  # twice: the second call reuses the initialised stages
         losses: list[torch.Tensor] = []
@@ -225,6 +269,41 @@ def run_eval_case(rank: int, world: int, case: Case) -> None:
         assert sched.kv_state_empty()
         if has_last:
             assert rel_err(out, ref_logits) <= 1e-5
-            assert abs(torch.stack(losses).mean().item() - ref_loss) <= 1e-5 * ref_loss
+            loss = torch.stack(losses).mean()
+            if cp_group is not None:
+                torch.distributed.all_reduce(loss, group=cp_group)
+                loss /= case.cp
+            assert abs(loss.item() - ref_loss) <= 1e-5 * ref_loss
     for p in (p for s in mine for p in mods[s].parameters()):
         assert p.grad is None
+
+
+def cp_grid(pp: int) -> list[Case]:
+    """Context parallelism (cp=2) with Seq1F1B: K in {1,2,4}, 1 and 2 stages per rank, uneven
+    segments, checkpointing, GQA (the model's K/V heads are half its query heads), packed
+    documents and windows, each prefix mode."""
+    base = {"cp": 2, "seq_len": 32}
+    cases = [
+        Case(1, 1, 2, **base),
+        Case(1, 2, 2, **base, cp_prefix="pass_q"),
+        Case(1, 4, 2, **base, cp_prefix="pass_kv"),
+        Case(2, 4, 3, **base),
+        Case(2, 3, 2, **base, split=(12, 8, 12), cp_prefix="pass_q"),
+        Case(1, 4, 2, **base, split=(12, 8, 4, 8), checkpointing=True, cp_prefix="pass_kv"),
+        Case(2, 2, 2, **base, checkpointing=True, cp_prefix="pass_q"),
+        Case(1, 4, 2, **base, docs=True, cp_prefix="pass_q"),
+        Case(2, 2, 3, **base, docs=True, window=6, sinks=2, cp_prefix="pass_kv"),
+        Case(1, 4, 2, **base, window=5, checkpointing=True),
+    ]
+    if pp > 1:
+        cases.append(Case(1, 4, 2, **base, schedule="ZBSeq1F1B", cp_prefix="pass_q"))
+    return cases
+
+
+def run_cp_grid(rank: int, world: int) -> None:
+    run_cases(rank, world, cp_grid(world // 2))
+    for case in (
+        Case(1, 4, 2, cp=2, seq_len=32),
+        Case(2, 3, 2, cp=2, seq_len=32, docs=True, window=5, sinks=2, pad=True),
+    ):
+        run_eval_case(rank, world, case)

@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from seq1f1b import SegmentInfo, chunk_aware_attention, current_segment
-from seq1f1b.attention import _cpu_bwd, _cpu_fwd, _math_bwd, _math_fwd
+from seq1f1b.attention import _cpu_bwd, _cpu_fwd
 from seq1f1b.kv import StageKVState, UnitContext, activate
 from seq1f1b.partition import segment_offsets
+from seq1f1b.tiles import math_backward as _math_bwd
+from seq1f1b.tiles import math_forward as _math_fwd
 
 
 def _qkv(dtype: torch.dtype, h: int = 4, hkv: int = 2, s: int = 20, seed: int = 0):

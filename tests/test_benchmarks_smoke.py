@@ -72,6 +72,20 @@ def test_results_json(smoke_out: Path) -> None:
     )
     assert res["budget"]["rows"] and all(r["longest_seq_len"] > 0 for r in res["budget"]["rows"])
     assert [t["name"] for t in res["targets"]]
+    cp = {(r["label"], r["cp"]): r for r in res["context_parallel"]["measured"]["runs"]}
+    for (_, c), r in cp.items():  # the ring moved exactly what the formula says
+        if c > 1:
+            assert all(sent == r["cp_formula_bytes"] for sent in r["cp_sent_bytes_rank"])
+    with_cp, without = cp[("Seq1F1B K=4 uniform", 2)], cp[("Seq1F1B K=4 uniform", 1)]
+    assert with_cp["peak_activation_bytes"][0] < 0.6 * without["peak_activation_bytes"][0]
+    assert with_cp["kv_peak_bytes_rank"][0] * 2 == without["kv_peak_bytes_rank"][0]
+    q, kv = cp[("Seq1F1B K=4 uniform, pass_q", 2)], cp[("Seq1F1B K=4 uniform, pass_kv", 2)]
+    assert q["cp_sent_bytes_rank"][0]["prefix"] != kv["cp_sent_bytes_rank"][0]["prefix"]
+    sim = {
+        (r["label"], r["recompute"]): r["longest_tokens"]
+        for r in res["context_parallel"]["simulated"]
+    }
+    assert sim[("Seq1F1B K=4, pp=4 x cp=2", False)] > sim[("1F1B, pp=4 x cp=2", False)]
     _, skip, mask_only = res["masks"]["measured"]["runs"]
     assert skip["kv_peak_bytes_rank"][0] < mask_only["kv_peak_bytes_rank"][0]
     assert skip["loss"] == pytest.approx(mask_only["loss"], rel=1e-6)  # same masked model

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 from dist_utils import run_ranks
-from equivalence import Case, run_case, run_eval_case, run_grid, run_mask_grid, run_zb_grid
+from equivalence import (
+    Case,
+    run_case,
+    run_cp_grid,
+    run_eval_case,
+    run_grid,
+    run_mask_grid,
+    run_zb_grid,
+)
 
 
 @pytest.mark.parametrize("stages_per_rank", [1, 2])
@@ -38,8 +46,13 @@ def test_eval_forward_only_matches_reference() -> None:
     run_ranks(_eval, 2)
 
 
+# the 4-rank mask and zero-bubble grids run on the default torch only (the 2-rank ones on every
+# release): CI's time budget
+FOUR_RANKS = pytest.param(4, marks=pytest.mark.default_release_only)
+
+
 @pytest.mark.parametrize("stages_per_rank", [1, 2])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR_RANKS])
 def test_masked_gradients_match_reference(world: int, stages_per_rank: int) -> None:
     # packed documents (one spanning three segments, none, boundaries on segment boundaries),
     # sliding windows smaller / equal / larger than a segment, sinks, all-padding units and
@@ -49,8 +62,17 @@ def test_masked_gradients_match_reference(world: int, stages_per_rank: int) -> N
 
 
 @pytest.mark.parametrize("stages_per_rank", [1, 2])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR_RANKS])
 def test_zero_bubble_split_backward_matches_reference(world: int, stages_per_rank: int) -> None:
     # ZBSeq1F1B: BACKWARD_INPUT / BACKWARD_WEIGHT with the cached K/V gradients; K in
     # {1,2,3,4}, uneven splits, checkpointing, documents + window
     run_ranks(run_zb_grid, world, stages_per_rank)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_matches_reference(world: int) -> None:
+    # cp=2 alone (world 2) and pp=2 x cp=2 (world 4): K in {1,2,3,4}, 1 and 2 stages per
+    # rank, uneven segments, checkpointing, GQA, packed documents, window + sinks, pass-Q,
+    # pass-KV and auto for the cached prefix, ZBSeq1F1B; the whole sequence in one process as
+    # the reference
+    run_ranks(run_cp_grid, world)

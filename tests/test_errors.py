@@ -33,6 +33,7 @@ from seq1f1b.testing import build_stages
         ({"seq_len": 1}, "seq_len"),
         ({"seq_len": 10, "split": [3, 3]}, "sum"),
         ({"seq_len": 6, "split_multiple_of": 4}, "multiple"),
+        ({"cp_prefix": "ring"}, "cp_prefix='ring' is unknown"),
     ],
 )
 def test_invalid_arguments(kwargs: dict, match: str) -> None:
@@ -167,3 +168,31 @@ def _docs_on_one_rank(rank: int, world: int) -> None:
 
 def test_document_ids_on_some_ranks_only_fail_everywhere() -> None:
     run_ranks(_docs_on_one_rank, 2)
+
+
+def _cp_errors(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    mods = build_stages(CFG, 1)
+    stage = PipelineStage(mods[0], 0, 1, torch.device("cpu"), group=singles[rank])
+    # each segment must split into 2 * cp chunks: refused at construction, naming the fix
+    with pytest.raises(ValueError, match=r"multiple of 4 tokens \(context parallelism over 2"):
+        ScheduleSeq1F1B([stage], 1, 2, loss_fn, cp_group=group, seq_len=30)
+    with pytest.raises(ValueError, match="split lengths must be a multiple of multiple_of=4"):
+        ScheduleSeq1F1B([stage], 1, 2, loss_fn, cp_group=group, seq_len=24, split=[14, 10])
+    # ... or at the first step when the length comes with the batch (on every CP rank alike)
+    sched = ScheduleSeq1F1B([stage], 1, 2, loss_fn, cp_group=group)
+    x = torch.zeros(2, 30, dtype=torch.long)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        sched.step(x, target=x)
+    # with CP even K = 1 must route attention through chunk_aware_attention (the ring)
+    plain = PipelineStage(_PlainSDPA(), 0, 1, torch.device("cpu"), group=singles[rank])
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(RuntimeError, match="scaled_dot_product_attention directly"):
+        ScheduleSeq1F1B([plain], 1, 1, loss_fn, cp_group=group).step(ids, target=ids)
+
+
+def test_context_parallel_errors() -> None:
+    run_ranks(_cp_errors, 2)

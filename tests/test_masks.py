@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from seq1f1b import SegmentInfo, chunk_aware_attention, packed_documents
-from seq1f1b.attention import _math_fwd
 from seq1f1b.kv import StageKVState, UnitContext, activate
 from seq1f1b.masks import MaskSpec, document_runs, plan_tiles, tile_mask
 from seq1f1b.partition import segment_offsets
+from seq1f1b.tiles import math_forward as _math_fwd
 
 S = 24
 DOCS = torch.tensor(

@@ -23,6 +23,7 @@ from torchtitan_integration.pipeline import (  # noqa: E402
     check_config,
     check_schedule_name,
     model_shape,
+    validate_before_start,
 )
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "train_configs").glob("*.toml"))
@@ -57,6 +58,67 @@ def test_bitpipe_start_up_check_names_the_key() -> None:
     with pytest.raises(ValueError, match="pipeline_parallel_degree = 3: BitPipe pairs rank r"):
         check_bitpipe(SimpleNamespace(pp=3))
     check_bitpipe(SimpleNamespace(pp=4))  # FSDP/TP/DP-replicate degrees are not refused
+
+
+DEBUG = Path(__file__).resolve().parents[1] / "train_configs" / "llama3_debug_seq1f1b.toml"
+
+
+@pytest.mark.parametrize(
+    ("args", "dims", "message"),
+    [
+        (
+            ["--training.seq_len", "6", "--seq1f1b.seq_chunks", "8"],
+            {},
+            "[training] seq_len = 6 cannot be split by [seq1f1b] seq_chunks = 8",
+        ),
+        (
+            ["--parallelism.pipeline_parallel_schedule", "Seq2F2B"],
+            {},
+            "[parallelism] pipeline_parallel_schedule = 'Seq2F2B' is unknown",
+        ),
+        (
+            [
+                "--parallelism.pipeline_parallel_schedule",
+                "InterleavedSeq1F1B",
+                "--seq1f1b.stages_per_rank",
+                "8",
+            ],
+            {},
+            "cannot be placed on a model with 6 layers: at most n_layers + 2 = 8",
+        ),
+        (
+            [
+                "--model.flavor",
+                "debugmodel_flex_attn",
+                "--parallelism.pipeline_parallel_schedule",
+                "1F1B",
+            ],
+            {},
+            "masks attention by document (block_causal)",
+        ),
+        (
+            ["--training.seq_len", "250"],
+            {"cp": 2},
+            "and context_parallel_degree = 2 (each segment a multiple of 4)",
+        ),
+        (
+            ["--parallelism.pipeline_parallel_schedule", "1F1B"],
+            {"cp": 2},
+            "torch's context_parallel (which torch's schedules use) has no CPU attention",
+        ),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_key(args: list, dims: dict, message: str) -> None:
+    """Start-up checks (validate_before_start, which the train entry runs before torchtitan
+    builds anything) name the TOML key and the fix."""
+    from types import SimpleNamespace
+
+    job = ConfigManager().parse_args(["--job.config_file", str(DEBUG), *args])
+    cp = dims.get("cp", 1)
+    par = SimpleNamespace(pp=2, tp=1, cp=cp, pp_enabled=True, cp_enabled=cp > 1)
+    with pytest.raises(ValueError) as err:
+        validate_before_start(job, par, llama3_args[job.model.flavor])
+    assert message in str(err.value)
 
 
 def teardown_module() -> None:

@@ -17,9 +17,13 @@ handle it returns:
    relative to what one rank's cores can actually do;
 5. (any device, BitPipe only) for the length of one ``train_step``, torchtitan's
    ``clip_grad_norm_`` takes the norm over each layer chunk once (``trainer.py``), since BitPipe
-   holds every chunk twice; torchtitan offers no hook for the norm.
+   holds every chunk twice; torchtitan offers no hook for the norm;
+6. (any device, context parallelism with a Seq1F1B schedule only) for the length of the
+   ``parallelize_fn`` call, torchtitan's ``apply_cp_to_attention_module`` only checks that the
+   attention is chunk-aware (``spec.py``): the schedule shards the sequence and runs its own
+   ring attention, and the trainer skips torchtitan's CP input sharding (``trainer.py``).
 
-Nothing is changed when CUDA is available (patch 5 apart). Checked against torchtitan 0.2.2.
+Nothing is changed when CUDA is available (patches 5 and 6 apart). Checked against torchtitan 0.2.2.
 """
 
 from __future__ import annotations

@@ -48,17 +48,20 @@ class ChunkAwareSDPA(nn.Module):
 
 
 def _shift_rope(_module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
-    """Pre-hook on Attention(x, freqs_cis, attention_masks, positions=None)."""
+    """Pre-hook on Attention(x, freqs_cis, attention_masks, positions=None): the RoPE rows of
+    the segment's positions (with context parallelism, of this rank's two chunks of it)."""
     info = current_segment()
-    if info is None or info.start == 0:
+    if info is None or (info.start == 0 and info.cp is None):
         return None
     positions = kwargs.get("positions", args[3] if len(args) > 3 else None)
     if positions is not None:
         return None  # the caller already gave absolute positions
+    freqs = kwargs["freqs_cis"] if "freqs_cis" in kwargs else args[1]
+    freqs = freqs[info.start :] if info.cp is None else freqs[info.positions(freqs.device)]
     if "freqs_cis" in kwargs:
-        kwargs = {**kwargs, "freqs_cis": kwargs["freqs_cis"][info.start :]}
+        kwargs = {**kwargs, "freqs_cis": freqs}
     else:
-        args = (args[0], args[1][info.start :], *args[2:])
+        args = (args[0], freqs, *args[2:])
     return args, kwargs
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from seq1f1b import ModelShape, resolve_split
+from seq1f1b import ModelShape, resolve_split, segment_multiple
 from seq1f1b.registry import ScheduleEntry, lookup, schedule_names
 
 from .model import block_causal, make_chunk_aware
@@ -99,7 +99,12 @@ def stages_per_rank(job_config: Any, n_layers: int, pp: int) -> int:
 
 
 def check_config(
-    job_config: Any, pp: int, n_layers: int, tp: int, shape: ModelShape | None = None
+    job_config: Any,
+    pp: int,
+    n_layers: int,
+    tp: int,
+    shape: ModelShape | None = None,
+    cp: int = 1,
 ) -> list[int]:
     """Validate the Seq1F1B settings at start-up; returns the segment lengths."""
     cfg = job_config.seq1f1b
@@ -124,15 +129,21 @@ def check_config(
             "own). Lower [seq1f1b] stages_per_rank or the PP degree"
         )
     seq_len = job_config.training.seq_len
+    multiple = segment_multiple(tp, cp)
     try:
         return resolve_split(
-            parse_split(cfg.split), seq_len, cfg.seq_chunks, shape=shape, multiple_of=tp
+            parse_split(cfg.split), seq_len, cfg.seq_chunks, shape=shape, multiple_of=multiple
         )
     except ValueError as exc:
         raise ValueError(
             f"[training] seq_len = {seq_len} cannot be split by [seq1f1b] seq_chunks = "
             f"{cfg.seq_chunks}, split = {cfg.split!r}"
             + (f" with tensor_parallel_degree = {tp}" if tp > 1 else "")
+            + (
+                f" and context_parallel_degree = {cp} (each segment a multiple of {multiple})"
+                if cp > 1
+                else ""
+            )
             + f": {exc}"
         ) from None
 
@@ -165,10 +176,10 @@ def pipeline_seq1f1b(
             model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn
         )
 
-    pp, tp = parallel_dims.pp, parallel_dims.tp
+    pp, tp, cp = parallel_dims.pp, parallel_dims.tp, parallel_dims.cp
     n_layers = model_args.n_layers
     shape = model_shape(model_args, model)
-    lengths = check_config(job_config, pp, n_layers, tp, shape)
+    lengths = check_config(job_config, pp, n_layers, tp, shape, cp)
     v = stages_per_rank(job_config, n_layers, pp)
     par = job_config.parallelism
     names = par.module_fqns_per_model_part or generate_llm_fqn_per_model_part(
@@ -202,13 +213,18 @@ def pipeline_seq1f1b(
         split=lengths,
         seq_len=job_config.training.seq_len,
         scale_grads=False,  # the loss divides by the global token count (see spec.py)
+        # context parallelism: our ring attention shards each segment over the cp mesh;
+        # FSDP over the fsdp mesh (dp_shard x cp) sums the gradients, as torchtitan's own CP
+        cp_group=parallel_dims.get_mesh("cp").get_group() if cp > 1 else None,
+        cp_reduce_grads=False,
     )
     logger.info(
-        "Seq1F1B: pp=%d stages/rank=%d M=%d K=%d segments=%s (%s split, model %s)",
+        "Seq1F1B: pp=%d stages/rank=%d M=%d K=%d cp=%d segments=%s (%s split, model %s)",
         pp,
         v,
         batch // mb_size,
         job_config.seq1f1b.seq_chunks,
+        cp,
         lengths,
         job_config.seq1f1b.split,
         shape,
@@ -238,10 +254,20 @@ def validate_before_start(job_config: Any, parallel_dims: Any, model_args: Any) 
             "here: use pipeline_parallel_schedule = 'Seq1F1B' (or 'InterleavedSeq1F1B'), or an "
             "sdpa flavor"
         )
+    if parallel_dims.cp_enabled and not entry.seq_chunked and not torch.cuda.is_available():
+        raise ValueError(
+            f"[parallelism] context_parallel_degree = {parallel_dims.cp} with "
+            f"pipeline_parallel_schedule = "
+            f"{job_config.parallelism.pipeline_parallel_schedule!r}: torch's context_parallel "
+            "(which torch's schedules use) has no CPU attention kernels; on CPU, context "
+            "parallelism runs with the Seq1F1B schedules' own ring attention: use 'Seq1F1B', "
+            "'InterleavedSeq1F1B' or 'ZBSeq1F1B'"
+        )
     if entry.replicas == 2:
         from .bitpipe import check_bitpipe
 
         check_bitpipe(parallel_dims)
     elif entry.seq_chunked:
         shape = model_shape(model_args)
-        check_config(job_config, parallel_dims.pp, model_args.n_layers, parallel_dims.tp, shape)
+        pd = parallel_dims
+        check_config(job_config, pd.pp, model_args.n_layers, pd.tp, shape, pd.cp)

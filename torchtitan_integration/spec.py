@@ -6,9 +6,11 @@ models), so existing TOML files keep ``[model] name = "llama3"``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -78,6 +80,44 @@ def _replicate(model: nn.Module, mesh: Any) -> None:
     replicate(model, mesh=mesh)
 
 
+def schedule_shards_cp(parallel_dims: Any, job_config: Any) -> bool:
+    """Context parallelism is done by the Seq1F1B schedule's ring attention (PP with one of
+    our seq-chunked schedules), not by torch's ``context_parallel``."""
+    from seq1f1b.registry import lookup
+
+    if not (parallel_dims.cp_enabled and parallel_dims.pp_enabled):
+        return False
+    return lookup(job_config.parallelism.pipeline_parallel_schedule).seq_chunked
+
+
+@contextlib.contextmanager
+def _without_torch_cp() -> Iterator[None]:
+    """torchtitan's parallelize_fn without its CP step (patch 6 in cpu.py's list): its
+    ``apply_cp_to_attention_module`` would route our attention's q/k/v through torch's CP
+    dispatcher; the schedule shards the sequence and runs the ring itself. Upstream hook that
+    would remove this: a per-model switch for how CP reaches the attention."""
+    import torchtitan.models.llama3.infra.parallelize as par
+
+    from .model import ChunkAwareSDPA
+
+    original = par.apply_cp_to_attention_module
+
+    def check_only(modules: Any, cp_mesh: Any, attention_type: str) -> None:
+        del cp_mesh, attention_type
+        for m in modules:
+            if not isinstance(m, ChunkAwareSDPA):
+                raise ValueError(
+                    f"{type(m).__name__} is not chunk-aware attention: Seq1F1B's context "
+                    "parallelism needs every attention layer converted (make_chunk_aware)"
+                )
+
+    par.apply_cp_to_attention_module = check_only
+    try:
+        yield
+    finally:
+        par.apply_cp_to_attention_module = original
+
+
 def parallelize_with_pp_replicate(parallelize_fn: Any) -> Any:
     """Wrap torchtitan's parallelize_fn for two compositions it lacks in 0.2.2.
 
@@ -102,13 +142,15 @@ def parallelize_with_pp_replicate(parallelize_fn: Any) -> Any:
             and not parallel_dims.fsdp_enabled
             and parallel_dims.world_size != parallel_dims.dp_replicate
         )
-        if own_replicate:
-            without_dp = copy.copy(parallel_dims)
-            without_dp.dp_replicate = 1
-            model = parallelize_fn(model, without_dp, job_config)
-            _replicate(model, parallel_dims.get_mesh("dp_replicate"))
-        else:
-            model = parallelize_fn(model, parallel_dims, job_config)
+        our_cp = schedule_shards_cp(parallel_dims, job_config)
+        with _without_torch_cp() if our_cp else contextlib.nullcontext():
+            if own_replicate:
+                without_dp = copy.copy(parallel_dims)
+                without_dp.dp_replicate = 1
+                model = parallelize_fn(model, without_dp, job_config)
+                _replicate(model, parallel_dims.get_mesh("dp_replicate"))
+            else:
+                model = parallelize_fn(model, parallel_dims, job_config)
         gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
         from torch.distributed.fsdp import FSDPModule
 

@@ -14,6 +14,7 @@ from seq1f1b import ScheduleBitPipe, packed_documents
 
 from .bitpipe import clip_counting_each_chunk_once, sync_twins
 from .model import block_causal, document_ids_from_eos
+from .spec import schedule_shards_cp
 
 
 class Seq1F1BTrainer(Trainer):
@@ -26,17 +27,25 @@ class Seq1F1BTrainer(Trainer):
         """The flavor masks by packed document (torchtitan's block_causal)."""
         return block_causal(self.model_args)
 
+    @property
+    def _schedule_shards_cp(self) -> bool:
+        """Context parallelism by the Seq1F1B schedule (it shards each segment itself)."""
+        return schedule_shards_cp(self.parallel_dims, self.job_config)
+
     def post_dataloading_process(
         self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
         """With block_causal, no FlexAttention BlockMask (our attention takes the documents
-        from ``document_ids`` instead); otherwise torchtitan's."""
-        if not self._documents:
+        from ``document_ids`` instead); with the schedule's context parallelism, the whole
+        sequence (the schedule keeps each rank's share); otherwise torchtitan's."""
+        ours_cp = self._schedule_shards_cp
+        if not self._documents and not ours_cp:
             return super().post_dataloading_process(input_dict, labels)
-        if self.parallel_dims.cp_enabled:
+        if self.parallel_dims.cp_enabled and not ours_cp:
             raise ValueError(
-                "block_causal flavors with context parallelism are not supported by this "
-                "integration yet: set [parallelism] context_parallel_degree = 1"
+                "block_causal flavors with context parallelism need a Seq1F1B pipeline "
+                "schedule in this integration (its ring attention masks by document): set "
+                "pipeline_parallel_schedule = 'Seq1F1B' with PP, or context_parallel_degree = 1"
             )
         extra_inputs = {k: v for k, v in input_dict.items() if k != "input"}
         return input_dict["input"], labels, extra_inputs, {}

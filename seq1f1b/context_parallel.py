@@ -1,0 +1,317 @@
+"""Context parallelism (ring attention) composed with Seq1F1B's sequence segments.
+
+Each segment of a sample is sharded over the CP group in the load-balanced head-tail layout
+(:func:`seq1f1b.kv.zigzag_runs`): rank ``r`` of ``c`` holds chunks ``r`` and ``2c-1-r``, so the
+causal work of the segment's own block is equal on every rank. A query needs
+
+* the segment's own keys, spread over the CP ranks: their K/V blocks go around the ring
+  ("pass-KV", ``c-1`` hops), as in ring self-attention;
+* the keys of earlier segments, cached where they were computed (each rank keeps its shard):
+  either the *queries* go around the ring and their partial outputs come back ("pass-Q",
+  communication proportional to the new segment, as in context-parallel inference over a
+  K/V cache), or the cached K/V shards go around ("pass-KV", proportional to the prefix).
+  ``"auto"`` picks, per segment, the one that moves fewer bytes.
+
+Partial results are merged by log-sum-exp, as on one device, so the backward is exact: it
+sends the same blocks around the ring again together with their gradient accumulators, which
+return to their owner after the last hop. All tiles are planned at absolute positions, so
+packed documents, sliding windows and sinks work unchanged (only the tiles with a visible pair
+run; the communication is not skipped).
+
+Communication is point-to-point on the CP group (``batch_isend_irecv``: send to the next rank,
+receive from the previous one), which gloo runs on CPU; torch's own ``context_parallel`` has
+no CPU flash-attention strategy (see REFERENCE.md).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .kv import (
+    ContextParallel,
+    InjectKVGrad,
+    SegmentKV,
+    UnitContext,
+    accumulate_cache_grads,
+    cached_entry,
+    segment_entries,
+)
+from .masks import MaskSpec, RowGroups, plan_tiles
+from .tiles import (
+    PlanEntry,
+    Runs,
+    accumulator_dtype,
+    kv_blocks,
+    merge,
+    place_tiles,
+    run_tiles_backward,
+    run_tiles_forward,
+)
+
+__all__ = ["CP_PREFIX_MODES", "CommStats", "comm_stats", "cp_attention"]
+
+CP_PREFIX_MODES = ("auto", "pass_q", "pass_kv")
+
+
+class CommStats:
+    """Bytes this process sent over CP groups, by what moved (for benchmarks and tests)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, int] = defaultdict(int)
+
+    def add(self, label: str, tensors: Sequence[torch.Tensor]) -> None:
+        self.sent[label] += sum(t.numel() * t.element_size() for t in tensors)
+
+    def total(self) -> int:
+        return sum(self.sent.values())
+
+    def reset(self) -> None:
+        self.sent.clear()
+
+
+_STATS = CommStats()
+
+
+def comm_stats() -> CommStats:
+    return _STATS
+
+
+def _ring_shift(tensors: list[torch.Tensor], cp: ContextParallel) -> list[torch.Tensor]:
+    """Send ``tensors`` to the next CP rank, receive the previous rank's (same shapes)."""
+    nxt = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.size)
+    prv = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.size)
+    send = [t.contiguous() for t in tensors]
+    recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in send]
+    ops = [dist.P2POp(dist.isend, t, nxt, cp.group) for t in send]
+    ops += [dist.P2POp(dist.irecv, r, prv, cp.group) for r in recv]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return recv
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Everything static about one segment's CP attention (same on every CP rank)."""
+
+    cp: ContextParallel
+    q_runs: tuple[Runs, ...]  # per CP rank: its shard of the segment (queries and own K/V)
+    prefix_runs: tuple[tuple[Runs, ...], ...]  # per CP rank, per used prefix block
+    groups: RowGroups
+    spec: MaskSpec
+    skip: bool
+    pass_q: bool  # prefix by moving queries (else its K/V blocks move)
+    scale: float
+    kernels: tuple[str, Any, Any]
+
+    def kv_plan(self, src: int) -> list[PlanEntry]:
+        """Local queries against rank ``src``'s own-segment block (-1) and, with pass-KV,
+        its prefix blocks."""
+        q = self.q_runs[self.cp.rank]
+        plan = place_tiles(q, self.q_runs[src], self.groups, self.spec, -1, self.skip)
+        if not self.pass_q:
+            for j, runs in enumerate(self.prefix_runs[src]):
+                plan += place_tiles(q, runs, self.groups, self.spec, j, self.skip)
+        return plan
+
+    def q_plan(self, src: int) -> list[PlanEntry]:
+        """Rank ``src``'s queries against the local prefix blocks (pass-Q)."""
+        plan: list[PlanEntry] = []
+        for j, runs in enumerate(self.prefix_runs[self.cp.rank]):
+            plan += place_tiles(self.q_runs[src], runs, self.groups, self.spec, j, self.skip)
+        return plan
+
+    def local_plan(self) -> list[PlanEntry]:
+        plan = self.kv_plan(self.cp.rank)
+        return plan + self.q_plan(self.cp.rank) if self.pass_q else plan
+
+
+class _CPAttention(torch.autograd.Function):
+    """One segment's attention on one CP rank: local tiles, then ``c-1`` ring hops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: _Layout, entries, *prefix):
+        cp, acc = layout.cp, accumulator_dtype(q)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        local = kv_blocks(k, v, prefix)
+        args = (layout.spec, layout.scale, layout.kernels)
+        run_tiles_forward(q, local, layout.local_plan(), *args, out, lse)
+        moving = [k, v] + ([] if layout.pass_q else list(prefix))
+        if layout.pass_q:
+            moving.append(q)
+        n = len(moving)
+        travel: list[torch.Tensor] = []  # partial (out, lse) of the visiting queries
+        for hop in range(1, cp.size):
+            _STATS.add("own_kv", moving[:2])
+            _STATS.add("prefix", moving[2:] + travel)
+            recv = _ring_shift(moving + travel, cp)
+            moving, src = recv[:n], (cp.rank - hop) % cp.size
+            kv = kv_blocks(moving[0], moving[1], [] if layout.pass_q else moving[2:])
+            run_tiles_forward(q, kv, layout.kv_plan(src), *args, out, lse)
+            if layout.pass_q:
+                q_src = moving[-1]
+                o_t, l_t = recv[n:] or (torch.zeros_like(out), torch.full_like(lse, -torch.inf))
+                prefix_blocks = {j: b for j, b in local.items() if j >= 0}
+                run_tiles_forward(q_src, prefix_blocks, layout.q_plan(src), *args, o_t, l_t)
+                travel = [o_t, l_t]
+        if travel:  # the partial results of the previous rank's queries go home
+            _STATS.add("prefix", travel)
+            o_t, l_t = _ring_shift(travel, cp)
+            out, lse = merge(out, lse, o_t, l_t)
+        result = out.to(q.dtype)
+        ctx.layout, ctx.entries = layout, entries
+        ctx.save_for_backward(q, k, v, result, lse, *prefix)
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, *prefix = ctx.saved_tensors
+        layout: _Layout = ctx.layout
+        cp, wide = layout.cp, accumulator_dtype(q)
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
+        dkv: dict[int, list[torch.Tensor]] = {}
+        local = kv_blocks(k, v, prefix)
+        args = (layout.spec, layout.scale, layout.kernels)
+        run_tiles_backward(grad_out, q, out, lse, local, layout.local_plan(), *args, dq, dkv)
+        n_kv = 2 + (0 if layout.pass_q else len(prefix))
+        moving = [k, v] + ([] if layout.pass_q else list(prefix))
+        if layout.pass_q:
+            moving += [q, grad_out, out, lse]
+        n = len(moving)
+        kv_ids = [-1, *range((n_kv - 2) // 2)]
+        accs: list[torch.Tensor] = []  # gradient accumulators of the visiting blocks / queries
+        for hop in range(1, cp.size):
+            _STATS.add("own_kv", moving[:2] + accs[:2])
+            _STATS.add("prefix", moving[2:] + accs[2:])
+            recv = _ring_shift(moving + accs, cp)
+            moving, src = recv[:n], (cp.rank - hop) % cp.size
+            held = recv[n:]
+            kv = kv_blocks(moving[0], moving[1], moving[2:n_kv])
+            got: dict[int, list[torch.Tensor]] = {}
+            run_tiles_backward(grad_out, q, out, lse, kv, layout.kv_plan(src), *args, dq, got)
+            accs = []
+            for i, block in enumerate(kv_ids):
+                for which in (0, 1):
+                    g = (
+                        got[block][which]
+                        if block in got
+                        else torch.zeros_like(kv[block][which], dtype=wide)
+                    )
+                    accs.append(g + held[2 * i + which] if held else g)
+            if layout.pass_q:
+                q_src, do_src, o_src, lse_src = moving[n_kv:]
+                dq_src = held[-1] if held else torch.zeros_like(q_src, dtype=wide)
+                prefix_blocks = {j: b for j, b in local.items() if j >= 0}
+                run_tiles_backward(
+                    do_src, q_src, o_src, lse_src, prefix_blocks, layout.q_plan(src), *args,
+                    dq_src, dkv,
+                )  # fmt: skip
+                accs.append(dq_src)
+        if accs:  # every accumulator returns to its owner
+            _STATS.add("own_kv", accs[:2])
+            _STATS.add("prefix", accs[2:])
+            home = _ring_shift(accs, cp)
+            for i, block in enumerate(kv_ids):
+                pair = dkv.setdefault(
+                    block, [torch.zeros_like(home[2 * i]), torch.zeros_like(home[2 * i + 1])]
+                )
+                pair[0] += home[2 * i]
+                pair[1] += home[2 * i + 1]
+            if layout.pass_q:
+                dq += home[-1]
+        own = dkv.get(-1)
+        dk = None if own is None else own[0].to(k.dtype)
+        dv = None if own is None else own[1].to(v.dtype)
+        accumulate_cache_grads(ctx.entries, dkv)
+        return (dq.to(q.dtype), dk, dv, None, None, *((None,) * len(prefix)))
+
+
+def _prefix_by_queries(mode: str, ctx: UnitContext, used: Sequence[int], q, k) -> bool:
+    """pass-Q or pass-KV for the cached prefix: by the bytes each would move per hop
+    (forward + backward: Q, O and Q, dO, O, dQ for pass-Q; K, V and K, V, dK, dV of every cached
+    block for pass-KV, i.e. ``6 L H d`` against ``6 P H_kv d`` for a segment of ``L`` tokens
+    and a visible prefix of ``P``), the same decision on every CP rank."""
+    if not used:
+        return False  # nothing cached to reach: no prefix traffic at all
+    if mode != "auto":
+        return mode == "pass_q"
+    bounds = ctx.info.bounds
+    prefix_len = sum(bounds[j + 1] - bounds[j] for j in used)
+    return ctx.info.length * q.shape[1] <= prefix_len * k.shape[1]
+
+
+def _cache_entry(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: UnitContext,
+    groups: RowGroups,
+    spec: MaskSpec,
+    skip: bool,
+) -> SegmentKV | None:
+    """This rank's shard of the segment's K/V, if any later segment sees the segment (the
+    decision is per segment, so it is the same on every CP rank)."""
+    info = ctx.info
+    bounds = info.bounds
+    seen = any(
+        plan_tiles(bounds[later], bounds[later + 1], info.start, info.end, groups, spec, skip)
+        for later in range(info.segment + 1, info.num_segments)
+    )
+    if not seen:
+        return None
+    keep = ctx.keep_kv
+    return SegmentKV(k.detach().requires_grad_(keep), v.detach().requires_grad_(keep), info.start)
+
+
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: UnitContext,
+    layer: Any,
+    groups: RowGroups,
+    spec: MaskSpec,
+    scale: float,
+    kernels: tuple[str, Any, Any],
+    skip: bool,
+) -> torch.Tensor:
+    """:func:`seq1f1b.chunk_aware_attention` inside a unit whose sequence is CP-sharded
+    (``skip``: plan only the tiles with a visible pair; False is the mask-alone baseline)."""
+    info = ctx.info
+    cp = info.cp
+    assert cp is not None
+    seg, bounds = info.segment, info.bounds
+    entries, own = segment_entries(ctx, layer, lambda: _cache_entry(k, v, ctx, groups, spec, skip))
+    used = [
+        j
+        for j in range(seg)
+        if plan_tiles(info.start, info.end, bounds[j], bounds[j + 1], groups, spec, skip)
+    ]
+    used_entries: list[SegmentKV] = []
+    prefix: list[torch.Tensor] = []
+    for j in used:
+        e = cached_entry(ctx, entries, j)
+        used_entries.append(e)
+        prefix += [e.k, e.v]
+    layout = _Layout(
+        cp=cp,
+        q_runs=tuple(cp.runs(info.start, info.end, r) for r in range(cp.size)),
+        prefix_runs=tuple(
+            tuple(cp.runs(bounds[j], bounds[j + 1], r) for j in used) for r in range(cp.size)
+        ),
+        groups=groups,
+        spec=spec,
+        skip=skip,
+        pass_q=_prefix_by_queries(cp.prefix, ctx, used, q, k),
+        scale=scale,
+        kernels=kernels,
+    )
+    if own is not None and ctx.keep_kv:
+        k, v = InjectKVGrad.apply(k, v, own, 0)
+    return _CPAttention.apply(q, k, v, layout, tuple(used_entries), *prefix)

@@ -1,0 +1,212 @@
+"""Running a tile plan on local tensors: forward (merge by log-sum-exp) and exact backward.
+
+Why a module of its own: the same tile loop serves a segment's attention on one device
+(:mod:`seq1f1b.attention`) and every hop of the context-parallel ring
+(:mod:`seq1f1b.context_parallel`), where a tensor holds several runs of absolute positions
+(a load-balanced shard). A planned call is ``(block, tile, q_shift, k_shift)``: the tile's
+absolute query range ``[q0, q1)`` sits at local indices ``[q0 + q_shift, q1 + q_shift)`` of the
+query tensor, its keys likewise in block ``block`` of the key/value blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from . import _runtime as rt
+from .masks import MaskSpec, RowGroups, Tile, plan_tiles, tile_mask
+
+__all__ = ["PlanEntry", "Runs", "merge", "place_tiles", "run_tiles_backward", "run_tiles_forward"]
+
+PlanEntry = tuple[int, Tile, int, int]  # (block, tile, q_shift, k_shift)
+Runs = tuple[tuple[int, int], ...]  # absolute (start, end) of each piece of a local tensor
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+def place_tiles(
+    q_runs: Runs,
+    k_runs: Runs,
+    groups: RowGroups,
+    spec: MaskSpec,
+    block: int,
+    skip: bool = True,
+) -> list[PlanEntry]:
+    """Tiles of the queries held as ``q_runs`` against the keys held as ``k_runs``.
+
+    Runs are whole chunks of the sequence: a key run is the query run itself (a causal
+    square), lies wholly before it, or wholly after it (invisible under causal masking)."""
+    out: list[PlanEntry] = []
+    q_off = 0
+    for qa, qb in q_runs:
+        k_off = 0
+        for ka, kb in k_runs:
+            if ka < qb and (kb <= qa or (ka, kb) == (qa, qb)):
+                for t in plan_tiles(qa, qb, ka, kb, groups, spec, skip):
+                    out.append((block, t, q_off - qa, k_off - ka))
+            elif ka < qb:
+                raise ValueError(f"key run {(ka, kb)} straddles query run {(qa, qb)}")
+            k_off += kb - ka
+        q_off += qb - qa
+    return out
+
+
+def kv_blocks(k: torch.Tensor, v: torch.Tensor, prefix: Sequence[torch.Tensor]) -> dict[int, KV]:
+    """Blocks by plan index: -1 the segment's own K/V, j the j-th (k, v) pair of ``prefix``."""
+    blocks: dict[int, KV] = {j: (prefix[2 * j], prefix[2 * j + 1]) for j in range(len(prefix) // 2)}
+    blocks[-1] = (k, v)
+    return blocks
+
+
+def expand_kv(t: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return t if n_rep == 1 else t.repeat_interleave(n_rep, dim=1)
+
+
+def reduce_kv(g: torch.Tensor, n_rep: int) -> torch.Tensor:
+    if n_rep == 1:
+        return g
+    b, h, s, d = g.shape
+    return g.view(b, h // n_rep, n_rep, s, d).sum(2)
+
+
+def accumulator_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor):
+    """Combine two partial softmax results by log-sum-exp (rows with -inf on both stay 0)."""
+    new = torch.logaddexp(lse_acc, lse)
+    finite = torch.isfinite(new)
+    w_acc = torch.where(finite, torch.exp(lse_acc - new), 0.0).unsqueeze(-1)
+    w_new = torch.where(finite, torch.exp(lse - new), 0.0).unsqueeze(-1)
+    return out_acc * w_acc + o.to(out_acc.dtype) * w_new, new
+
+
+# ----------------------------------------------------------------------------- math kernels
+def _math_scores(q, k, causal: bool, scale: float, visible: torch.Tensor | None, acc):
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if causal:
+        lq, lk = s.shape[-2], s.shape[-1]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(lk - lq + 1)
+        s = s.masked_fill(mask, float("-inf"))
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    return s
+
+
+def math_forward(q, k, v, causal: bool, scale: float, visible: torch.Tensor | None = None):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = _math_scores(q, k, causal, scale, visible, acc)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(acc))
+    return out.nan_to_num(0.0).to(q.dtype), lse
+
+
+def math_backward(g, q, k, v, out, lse, causal: bool, scale: float, visible=None):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_, k_, v_, g_ = q.to(acc), k.to(acc), v.to(acc), g.to(acc)
+    s = _math_scores(q, k, causal, scale, visible, acc)
+    p = torch.exp(s - lse.to(acc).unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), g_)
+    dp = torch.matmul(g_, v_.transpose(-1, -2))
+    delta = (g_ * out.to(acc)).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    return ds.matmul(k_).to(q.dtype), ds.transpose(-1, -2).matmul(q_).to(k.dtype), dv.to(v.dtype)
+
+
+def _cpu_flash(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+
+
+def masked_forward(q, k, v, visible: torch.Tensor, scale: float):
+    """One masked tile: (out, lse) with out 0 and lse -inf on rows that see no key."""
+    if _cpu_flash(q):
+        bias = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))
+        out, lse = rt.flash_cpu_forward(q, k, v, False, scale, bias)
+    else:  # GPU masked tiles: plain torch (the fast GPU paths are whole-tile kernels)
+        out, lse = math_forward(q, k, v, False, scale, visible)
+    empty = ~visible.any(-1)
+    if bool(empty.any()):
+        lse = lse.masked_fill(empty, float("-inf"))
+        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+    return out, lse
+
+
+def masked_backward(g, q, k, v, out, lse, visible: torch.Tensor, scale: float):
+    if _cpu_flash(q):
+        bias = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))
+        return rt.flash_cpu_backward(g, q, k, v, out, lse, False, scale, bias)
+    return math_backward(g, q, k, v, out, lse, False, scale, visible)
+
+
+def _slices(entry: PlanEntry) -> tuple[slice, slice, slice]:
+    _, t, qsh, ksh = entry
+    return slice(t.r0, t.r1), slice(t.q0 + qsh, t.q1 + qsh), slice(t.k0 + ksh, t.k1 + ksh)
+
+
+def run_tiles_forward(
+    q: torch.Tensor,
+    blocks: Mapping[int, KV],
+    plan: Sequence[PlanEntry],
+    spec: MaskSpec,
+    scale: float,
+    kernels: tuple[str, Any, Any],
+    out_acc: torch.Tensor,
+    lse_acc: torch.Tensor,
+) -> None:
+    """Add the planned tiles' softmax results into ``out_acc`` / ``lse_acc`` (in place)."""
+    fwd = kernels[1]
+    for entry in plan:
+        kb, vb = blocks[entry[0]]
+        t = entry[1]
+        rows, qs, ks = _slices(entry)
+        n_rep = q.shape[1] // kb.shape[1]
+        qt = q[rows, :, qs]
+        kt, vt = expand_kv(kb[rows, :, ks], n_rep), expand_kv(vb[rows, :, ks], n_rep)
+        if t.kind == "masked":
+            o, lse = masked_forward(qt, kt, vt, tile_mask(t, spec, q.device), scale)
+        else:
+            o, lse = fwd(qt, kt, vt, t.kind == "causal", scale)
+        out_acc[rows, :, qs], lse_acc[rows, :, qs] = merge(
+            out_acc[rows, :, qs], lse_acc[rows, :, qs], o, lse.to(lse_acc.dtype)
+        )
+
+
+def run_tiles_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    blocks: Mapping[int, KV],
+    plan: Sequence[PlanEntry],
+    spec: MaskSpec,
+    scale: float,
+    kernels: tuple[str, Any, Any],
+    dq: torch.Tensor,
+    dkv: dict[int, list[torch.Tensor]],
+) -> None:
+    """Exact gradients of the planned tiles, given the merged ``out`` / ``lse``: into ``dq``
+    and ``dkv[block] = [dk, dv]`` (wide accumulators, created on first use)."""
+    bwd = kernels[2]
+    for entry in plan:
+        block, t = entry[0], entry[1]
+        kb, vb = blocks[block]
+        rows, qs, ks = _slices(entry)
+        n_rep = q.shape[1] // kb.shape[1]
+        kt, vt = expand_kv(kb[rows, :, ks], n_rep), expand_kv(vb[rows, :, ks], n_rep)
+        args = (grad_out[rows, :, qs], q[rows, :, qs], kt, vt, out[rows, :, qs])
+        if t.kind == "masked":
+            visible = tile_mask(t, spec, q.device)
+            dqt, dkt, dvt = masked_backward(*args, lse[rows, :, qs], visible, scale)
+        else:
+            dqt, dkt, dvt = bwd(*args, lse[rows, :, qs], t.kind == "causal", scale)
+        dq[rows, :, qs] += dqt
+        if block not in dkv:
+            wide = dq.dtype
+            dkv[block] = [
+                torch.zeros(kb.shape, dtype=wide, device=kb.device),
+                torch.zeros(vb.shape, dtype=wide, device=vb.device),
+            ]
+        dkv[block][0][rows, :, ks] += reduce_kv(dkt, n_rep)
+        dkv[block][1][rows, :, ks] += reduce_kv(dvt, n_rep)
