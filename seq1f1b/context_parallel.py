@@ -82,17 +82,36 @@ def comm_stats() -> CommStats:
     return _STATS
 
 
+class _Shift:
+    """One ring hop in flight: ``tensors`` to the next CP rank, the previous rank's into
+    buffers of the same shapes. Started at construction, so compute can run before
+    :meth:`wait` (every rank posts its hops in the same order, which is what pairs them)."""
+
+    def __init__(self, tensors: list[torch.Tensor], cp: ContextParallel) -> None:
+        nxt = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.size)
+        prv = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.size)
+        self.send = [t.contiguous() for t in tensors]
+        self.recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in self.send]
+        ops = [dist.P2POp(dist.isend, t, nxt, cp.group) for t in self.send]
+        ops += [dist.P2POp(dist.irecv, r, prv, cp.group) for r in self.recv]
+        self.works = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        return self.recv
+
+
 def _ring_shift(tensors: list[torch.Tensor], cp: ContextParallel) -> list[torch.Tensor]:
     """Send ``tensors`` to the next CP rank, receive the previous rank's (same shapes)."""
-    nxt = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.size)
-    prv = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.size)
-    send = [t.contiguous() for t in tensors]
-    recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in send]
-    ops = [dist.P2POp(dist.isend, t, nxt, cp.group) for t in send]
-    ops += [dist.P2POp(dist.irecv, r, prv, cp.group) for r in recv]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return recv
+    return _Shift(tensors, cp).wait()
+
+
+def _start(moving: list[torch.Tensor], cp: ContextParallel) -> _Shift:
+    """Start the next hop of the blocks that travel unchanged (counted as sent)."""
+    _STATS.add("own_kv", moving[:2])
+    _STATS.add("prefix", moving[2:])
+    return _Shift(moving, cp)
 
 
 @dataclass(frozen=True)
@@ -141,22 +160,25 @@ class _CPAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         local = kv_blocks(k, v, prefix)
         args = (layout.spec, layout.scale, layout.kernels)
-        run_tiles_forward(q, local, layout.local_plan(), *args, out, lse)
+        # the blocks that travel unchanged go on to the next rank while this one computes
         moving = [k, v] + ([] if layout.pass_q else list(prefix))
         if layout.pass_q:
             moving.append(q)
-        n = len(moving)
+        pending = _start(moving, cp) if cp.size > 1 else None
+        run_tiles_forward(q, local, layout.local_plan(), *args, out, lse)
         travel: list[torch.Tensor] = []  # partial (out, lse) of the visiting queries
         for hop in range(1, cp.size):
-            _STATS.add("own_kv", moving[:2])
-            _STATS.add("prefix", moving[2:] + travel)
-            recv = _ring_shift(moving + travel, cp)
-            moving, src = recv[:n], (cp.rank - hop) % cp.size
+            assert pending is not None
+            moving, src = pending.wait(), (cp.rank - hop) % cp.size
+            pending = _start(moving, cp) if hop < cp.size - 1 else None
+            if travel:  # the visiting queries' partial results so far (computed last hop)
+                _STATS.add("prefix", travel)
+                travel = _ring_shift(travel, cp)
             kv = kv_blocks(moving[0], moving[1], [] if layout.pass_q else moving[2:])
             run_tiles_forward(q, kv, layout.kv_plan(src), *args, out, lse)
             if layout.pass_q:
                 q_src = moving[-1]
-                o_t, l_t = recv[n:] or (torch.zeros_like(out), torch.full_like(lse, -torch.inf))
+                o_t, l_t = travel or (torch.zeros_like(out), torch.full_like(lse, -torch.inf))
                 prefix_blocks = {j: b for j, b in local.items() if j >= 0}
                 run_tiles_forward(q_src, prefix_blocks, layout.q_plan(src), *args, o_t, l_t)
                 travel = [o_t, l_t]
@@ -179,20 +201,23 @@ class _CPAttention(torch.autograd.Function):
         dkv: dict[int, list[torch.Tensor]] = {}
         local = kv_blocks(k, v, prefix)
         args = (layout.spec, layout.scale, layout.kernels)
-        run_tiles_backward(grad_out, q, out, lse, local, layout.local_plan(), *args, dq, dkv)
         n_kv = 2 + (0 if layout.pass_q else len(prefix))
         moving = [k, v] + ([] if layout.pass_q else list(prefix))
         if layout.pass_q:
             moving += [q, grad_out, out, lse]
-        n = len(moving)
+        pending = _start(moving, cp) if cp.size > 1 else None
+        run_tiles_backward(grad_out, q, out, lse, local, layout.local_plan(), *args, dq, dkv)
         kv_ids = [-1, *range((n_kv - 2) // 2)]
         accs: list[torch.Tensor] = []  # gradient accumulators of the visiting blocks / queries
         for hop in range(1, cp.size):
-            _STATS.add("own_kv", moving[:2] + accs[:2])
-            _STATS.add("prefix", moving[2:] + accs[2:])
-            recv = _ring_shift(moving + accs, cp)
-            moving, src = recv[:n], (cp.rank - hop) % cp.size
-            held = recv[n:]
+            assert pending is not None
+            moving, src = pending.wait(), (cp.rank - hop) % cp.size
+            pending = _start(moving, cp) if hop < cp.size - 1 else None
+            held: list[torch.Tensor] = []
+            if accs:  # accumulated so far for these blocks / queries (computed last hop)
+                _STATS.add("own_kv", accs[:2])
+                _STATS.add("prefix", accs[2:])
+                held = _ring_shift(accs, cp)
             kv = kv_blocks(moving[0], moving[1], moving[2:n_kv])
             got: dict[int, list[torch.Tensor]] = {}
             run_tiles_backward(grad_out, q, out, lse, kv, layout.kv_plan(src), *args, dq, got)

@@ -300,6 +300,22 @@ def cp_grid(pp: int) -> list[Case]:
     return cases
 
 
+def wide_cp_grid(cp: int) -> list[Case]:
+    """cp = 3 or 4 on as many ranks (pp = 1): the ring's middle hops, where partial outputs and
+    gradient accumulators travel along with the blocks."""
+    base = {"cp": cp, "seq_len": 24 if cp == 3 else 32}
+    return [
+        Case(1, 1, 2, **base),
+        Case(1, 2, 2, **base, cp_prefix="pass_q"),
+        Case(1, 2, 2, **base, cp_prefix="pass_kv", checkpointing=True),
+        Case(2, 2, 1, **base, docs=True, window=5, sinks=2),
+    ]
+
+
+def run_wide_cp_grid(rank: int, world: int) -> None:
+    run_cases(rank, world, wide_cp_grid(world))
+
+
 def run_cp_grid(rank: int, world: int) -> None:
     run_cases(rank, world, cp_grid(world // 2))
     for case in (

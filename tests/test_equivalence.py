@@ -11,12 +11,17 @@ from equivalence import (
     run_eval_case,
     run_grid,
     run_mask_grid,
+    run_wide_cp_grid,
     run_zb_grid,
 )
 
+# the 4-rank grids (and the ring of 4) run on the default torch only, their 2-rank (3-rank)
+# versions on every release: CI's time budget
+FOUR_RANKS = pytest.param(4, marks=pytest.mark.default_release_only)
+
 
 @pytest.mark.parametrize("stages_per_rank", [1, 2])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR_RANKS])
 def test_gradients_match_reference_grid(world: int, stages_per_rank: int) -> None:
     # pp = world ranks; K in {1,2,4}; M in {1,2,3}; uniform, compute-balanced and uneven
     # explicit splits; with and without checkpointing. Every failing case is listed.
@@ -46,11 +51,6 @@ def test_eval_forward_only_matches_reference() -> None:
     run_ranks(_eval, 2)
 
 
-# the 4-rank mask and zero-bubble grids run on the default torch only (the 2-rank ones on every
-# release): CI's time budget
-FOUR_RANKS = pytest.param(4, marks=pytest.mark.default_release_only)
-
-
 @pytest.mark.parametrize("stages_per_rank", [1, 2])
 @pytest.mark.parametrize("world", [2, FOUR_RANKS])
 def test_masked_gradients_match_reference(world: int, stages_per_rank: int) -> None:
@@ -69,10 +69,17 @@ def test_zero_bubble_split_backward_matches_reference(world: int, stages_per_ran
     run_ranks(run_zb_grid, world, stages_per_rank)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR_RANKS])
 def test_context_parallel_matches_reference(world: int) -> None:
     # cp=2 alone (world 2) and pp=2 x cp=2 (world 4): K in {1,2,3,4}, 1 and 2 stages per
     # rank, uneven segments, checkpointing, GQA, packed documents, window + sinks, pass-Q,
     # pass-KV and auto for the cached prefix, ZBSeq1F1B; the whole sequence in one process as
     # the reference
     run_ranks(run_cp_grid, world)
+
+
+@pytest.mark.parametrize("cp", [3, FOUR_RANKS])
+def test_context_parallel_ring_of_three_and_four(cp: int) -> None:
+    # cp = 3, 4 (pp = 1): the hops where partial outputs (pass-Q) and gradient accumulators
+    # travel with the blocks before returning to their owner
+    run_ranks(run_wide_cp_grid, cp)
