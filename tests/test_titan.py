@@ -16,12 +16,10 @@ from pathlib import Path
 import pytest
 from titan_utils import (
     CONFIG,
-    FAST,
     ROOT,
     assert_same_curve,
     run_titan,
     titan_available,
-    titan_command,
 )
 
 titan_available()
@@ -198,18 +196,20 @@ def test_bitpipe_composes(seed, reference, reference_dp2, tmp_path, dims, dp2):
     assert_same_curve(run, reference_dp2 if dp2 else reference)
 
 
-def test_launcher_runs_from_another_directory(tmp_path: Path) -> None:
-    # a user's project: their own TOML, a relative CONFIG_FILE, outputs where they asked
+def test_default_run_from_another_directory_visibly_learns(tmp_path: Path) -> None:
+    """The README's main job through its launcher, as a user runs it: ``run_train.sh`` from
+    their own project directory with a relative CONFIG_FILE (a copy of the default TOML, no
+    overrides), outputs where they asked. Loss 8.11 at step 1, about 5.7 by step 30."""
     shutil.copy(CONFIG, tmp_path / "my.toml")
     env = dict(os.environ, CONFIG_FILE="./my.toml", NGPU="2", OMP_NUM_THREADS="1")
-    args = [*FAST, "--training.steps", "2", "--job.dump_folder", "./my_outputs"]
+    args = ["--job.dump_folder", "./my_outputs", "--metrics.disable_color_printing"]
     proc = subprocess.run(
         ["bash", str(ROOT / "run_train.sh"), *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
         check=False,
     )
     out = proc.stdout + proc.stderr
@@ -218,25 +218,9 @@ def test_launcher_runs_from_another_directory(tmp_path: Path) -> None:
     assert "setting up" not in out  # .venv is set up: no pip on a later launch
     assert (tmp_path / "my_outputs" / "tb").is_dir(), sorted(p.name for p in tmp_path.iterdir())
     assert not (ROOT / "my_outputs").exists()
-    # rank 0 logs, as with torchtitan: the real loss (not -1) and "Training completed"
     assert "Training completed" in out, out[-2000:]
-    assert re.search(r"step:\s*1\s+loss:\s*8\.\d+", out), out[-2000:]
-
-
-def test_default_run_visibly_learns(tmp_path: Path) -> None:
-    # the README's promise for `./run_train.sh`: loss 8.11 at step 1, about 5.7 by step 30
-    cmd, env = titan_command(2, dump=tmp_path)
-    cmd = cmd[: cmd.index("--job.dump_folder") + 2]  # the default TOML as it is, no FAST overrides
-    cmd += ["--metrics.disable_color_printing"]
-    assert str(CONFIG) in cmd
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    losses = {
-        int(s): float(v)
-        for s, v in re.findall(r"step:\s*(\d+)\s+loss:\s*([\d.]+)", out)
-        if float(v) >= 0
-    }
+    # rank 0 logs, as with torchtitan: the real loss (not -1)
+    losses = {int(s): float(v) for s, v in re.findall(r"step:\s*(\d+)\s+loss:\s*([-\d.]+)", out)}
     assert sorted(losses) == list(range(1, 31)), out[-3000:]
     assert abs(losses[1] - 8.11) < 0.05, losses[1]
     last5 = sum(losses[s] for s in range(26, 31)) / 5
