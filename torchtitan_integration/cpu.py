@@ -1,4 +1,5 @@
-"""CPU/gloo support for torchtitan 0.2.2, and the list of every patch this integration makes.
+"""CPU/gloo support for torchtitan 0.2.2, and the list of every patch this integration makes
+to it (0.3.0's list, which shares patches 1-4, is in :mod:`.v03.cpu`).
 
 torchtitan picks its device once, at import (``tools.utils.device_type`` falls back to "cuda"
 when no accelerator is found) and then assumes the CUDA allocator and NCCL. The patches, all
@@ -146,8 +147,30 @@ class CPUSupport:
 _MISSING = object()
 
 
+def rebind_device(patches: CPUSupport, module_names: tuple[str, ...]) -> None:
+    """Modules that copied torchtitan's device choice at import see "cpu" (shared by both
+    torchtitan versions' patch lists: patch 1)."""
+    for name in module_names:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "device_type"):
+            patches.set(module, "device_type", "cpu")
+            if hasattr(module, "device_module"):
+                patches.set(module, "device_module", torch.cpu)
+
+
+def patch_metrics_and_comms(patches: CPUSupport, metrics: Any, dist_utils: Any, tools: Any) -> None:
+    """Patches 2-4, the same names in torchtitan 0.2.2 and 0.3.0: resident-memory monitor,
+    gloo-safe ``set_pg_timeouts``, measured CPU peak FLOP/s."""
+    if hasattr(metrics, "DeviceMemoryMonitor"):
+        patches.set(metrics, "DeviceMemoryMonitor", CPUMemoryMonitor)
+    patches.set(metrics, "build_device_memory_monitor", CPUMemoryMonitor)
+    patches.set(dist_utils, "set_pg_timeouts", _set_pg_timeouts)
+    patches.set(tools, "get_peak_flops", measured_peak_flops)
+
+
 def install() -> CPUSupport | None:
-    """Make torchtitan run on CPU with gloo when there is no GPU; None if nothing was needed.
+    """Make torchtitan 0.2.2 run on CPU with gloo when there is no GPU; None if nothing was
+    needed.
 
     Best called before anything imports torchtitan; if it was imported earlier, the modules
     that copied its device choice are rebound.
@@ -160,19 +183,12 @@ def install() -> CPUSupport | None:
         import torchtitan.train
     patches = CPUSupport()
     # if torchtitan was imported before us, its modules hold "cuda": rebind them
-    for name in _DEVICE_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "device_type"):
-            patches.set(module, "device_type", "cpu")
-            patches.set(module, "device_module", torch.cpu)
+    rebind_device(patches, _DEVICE_MODULES)
 
     import torchtitan.components.metrics as metrics
     import torchtitan.distributed.utils as dist_utils
 
-    patches.set(metrics, "DeviceMemoryMonitor", CPUMemoryMonitor)
-    patches.set(metrics, "build_device_memory_monitor", CPUMemoryMonitor)
-    patches.set(dist_utils, "set_pg_timeouts", _set_pg_timeouts)
-    patches.set(torchtitan.tools.utils, "get_peak_flops", measured_peak_flops)
+    patch_metrics_and_comms(patches, metrics, dist_utils, torchtitan.tools.utils)
     assert torchtitan.tools.utils.device_type == "cpu"
     logger.info("torchtitan runs on CPU with gloo (no CUDA device found)")
     return patches

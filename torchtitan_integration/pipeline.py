@@ -98,6 +98,56 @@ def stages_per_rank(job_config: Any, n_layers: int, pp: int) -> int:
     return job_config.seq1f1b.stages_per_rank
 
 
+#: below this many tokens a segment's GEMMs are too small to keep a device busy
+MIN_SEGMENT_TOKENS = 64
+
+
+def warn_short_segments(lengths: list[int], cfg: Any) -> None:
+    """Segments of a few tokens pass every check yet run many times slower (kernel launches
+    and per-unit overhead dominate): say so, as the planner's ``--min-segment`` does."""
+    if min(lengths) < MIN_SEGMENT_TOKENS:
+        logger.warning(
+            "[seq1f1b] seq_chunks = %d gives segments as short as %d tokens (%s): below %d "
+            "tokens per segment the per-segment overhead dominates and steps get much slower; "
+            "lower seq_chunks",
+            cfg.seq_chunks,
+            min(lengths),
+            lengths,
+            MIN_SEGMENT_TOKENS,
+        )
+
+
+def check_world_size(parallelism: Any, world_size: int) -> None:
+    """Refuse degrees the world cannot give, before torchtitan's bare ``assert dp_shard >= 1``.
+
+    Works on 0.2.2's and 0.3's ``parallelism`` sections (the same field names).
+    """
+    p = parallelism
+    fixed = {
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+        "tensor_parallel_degree": p.tensor_parallel_degree,
+        "context_parallel_degree": p.context_parallel_degree,
+        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+    }
+    shard = p.data_parallel_shard_degree
+    if shard not in (-1, None):
+        fixed["data_parallel_shard_degree"] = shard
+    product = math.prod(fixed.values())
+    what = " x ".join(f"{k} = {v}" for k, v in fixed.items() if v != 1) or "all degrees 1"
+    if shard in (-1, None):
+        ok = product <= world_size and world_size % product == 0
+        rule = "must divide the world size (data_parallel_shard_degree = -1 takes the rest)"
+    else:
+        ok = product == world_size
+        rule = "must equal the world size"
+    if not ok:
+        raise ValueError(
+            f"[parallelism] {what}: their product {product} {rule}, but {world_size} "
+            f"processes were launched: set NGPU (processes per node) x NNODES to {product} "
+            "(or a multiple, with data_parallel_shard_degree = -1), or lower the degrees"
+        )
+
+
 def check_config(
     job_config: Any,
     pp: int,
@@ -131,7 +181,7 @@ def check_config(
     seq_len = job_config.training.seq_len
     multiple = segment_multiple(tp, cp)
     try:
-        return resolve_split(
+        lengths = resolve_split(
             parse_split(cfg.split), seq_len, cfg.seq_chunks, shape=shape, multiple_of=multiple
         )
     except ValueError as exc:
@@ -146,6 +196,56 @@ def check_config(
             )
             + f": {exc}"
         ) from None
+    warn_short_segments(lengths, cfg)
+    return lengths
+
+
+def build_schedule(
+    entry: ScheduleEntry,
+    stages: list[Any],
+    config: Any,
+    lengths: list[int],
+    loss_fn: Any,
+    cp_group: Any,
+    shape: ModelShape,
+    v: int,
+) -> Any:
+    """The registry's schedule class built from a torchtitan config (0.2.2's JobConfig or
+    0.3's Trainer.Config: both have ``training``, ``parallelism`` and ``seq1f1b``)."""
+    par = config.parallelism
+    mb_size = par.pipeline_parallel_microbatch_size
+    batch = config.training.local_batch_size
+    if batch % mb_size:
+        raise ValueError(
+            f"[training] local_batch_size = {batch} is not divisible by [parallelism] "
+            f"pipeline_parallel_microbatch_size = {mb_size}"
+        )
+    cls = entry.schedule_class()
+    schedule = cls(
+        stages,
+        batch // mb_size,
+        config.seq1f1b.seq_chunks,
+        loss_fn,
+        split=lengths,
+        seq_len=config.training.seq_len,
+        scale_grads=False,  # the loss divides by the global token count
+        # context parallelism: our ring attention shards each segment over the cp mesh;
+        # FSDP over the fsdp mesh (dp_shard x cp) sums the gradients, as torchtitan's own CP
+        cp_group=cp_group,
+        cp_reduce_grads=False,
+    )
+    logger.info(
+        "Seq1F1B: pp=%d stages/rank=%d M=%d K=%d cp=%d segments=%s (%s split, model %s)",
+        par.pipeline_parallel_degree,
+        v,
+        batch // mb_size,
+        config.seq1f1b.seq_chunks,
+        1 if cp_group is None else torch.distributed.get_world_size(cp_group),
+        lengths,
+        config.seq1f1b.split,
+        shape,
+    )
+    return schedule
 
 
 def pipeline_seq1f1b(
@@ -197,38 +297,8 @@ def pipeline_seq1f1b(
         parts[i] = parallelize_fn(part, parallel_dims, job_config)
         stages[i].submod = parts[i]
 
-    mb_size = par.pipeline_parallel_microbatch_size
-    batch = job_config.training.local_batch_size
-    if batch % mb_size:
-        raise ValueError(
-            f"[training] local_batch_size = {batch} is not divisible by [parallelism] "
-            f"pipeline_parallel_microbatch_size = {mb_size}"
-        )
-    cls = entry.schedule_class()
-    schedule = cls(
-        stages,
-        batch // mb_size,
-        job_config.seq1f1b.seq_chunks,
-        loss_fn,
-        split=lengths,
-        seq_len=job_config.training.seq_len,
-        scale_grads=False,  # the loss divides by the global token count (see spec.py)
-        # context parallelism: our ring attention shards each segment over the cp mesh;
-        # FSDP over the fsdp mesh (dp_shard x cp) sums the gradients, as torchtitan's own CP
-        cp_group=parallel_dims.get_mesh("cp").get_group() if cp > 1 else None,
-        cp_reduce_grads=False,
-    )
-    logger.info(
-        "Seq1F1B: pp=%d stages/rank=%d M=%d K=%d cp=%d segments=%s (%s split, model %s)",
-        pp,
-        v,
-        batch // mb_size,
-        job_config.seq1f1b.seq_chunks,
-        cp,
-        lengths,
-        job_config.seq1f1b.split,
-        shape,
-    )
+    cp_group = parallel_dims.get_mesh("cp").get_group() if cp > 1 else None
+    schedule = build_schedule(entry, stages, job_config, lengths, loss_fn, cp_group, shape, v)
     return (
         schedule,
         parts,

@@ -1,5 +1,8 @@
 """Train entry (torchtitan's TRAIN_FILE): ``python -m torchtitan_integration.train``.
 
+On torchtitan 0.3 it hands over to :mod:`.v03.train` (same TOML and overrides, mapped onto
+0.3's config, or 0.3's ``--module/--config``); the rest of this module is 0.2.2's.
+
 Same flags as ``python -m torchtitan.train``. Adds the ``[seq1f1b]`` config section, the
 Seq1F1B schedules, CPU/gloo support when there is no GPU, the offline ``pycode`` dataset, and a
 trainer whose pipeline loss is divided by the global token count *before* backward. Importing
@@ -12,6 +15,7 @@ import os
 import sys
 
 from . import assets, cpu, spec
+from .versions import TITAN_0_3, titan_generation
 
 CONFIG_MODULE = "torchtitan_integration.config"
 
@@ -41,7 +45,16 @@ def _with_config_module(argv: list[str]) -> list[str]:
 
 
 def run() -> None:
-    """The entry point: the only place that installs the CPU patches (for this process)."""
+    """The entry point for the installed torchtitan (found by feature: :mod:`.versions`)."""
+    if titan_generation() == TITAN_0_3:
+        from .v03.train import run as run_0_3
+
+        return run_0_3()
+    return run_0_2()
+
+
+def run_0_2() -> None:
+    """torchtitan 0.2.2: the only place that installs the CPU patches (for this process)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with cpu.cpu_support():  # before torchtitan is imported; undone when training ends

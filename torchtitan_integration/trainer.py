@@ -6,13 +6,13 @@ import contextlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torchtitan.distributed.utils as dist_utils
 from torchtitan.train import Trainer
 
 from seq1f1b import ScheduleBitPipe, packed_documents
 
 from .bitpipe import clip_counting_each_chunk_once, sync_twins
+from .common import loss_on_every_pp_rank
 from .model import block_causal, document_ids_from_eos
 from .spec import schedule_shards_cp
 
@@ -100,18 +100,8 @@ class Seq1F1BTrainer(Trainer):
         return self._loss_on_every_pp_rank(loss)
 
     def _loss_on_every_pp_rank(self, loss: torch.Tensor | None) -> torch.Tensor:
-        """The last PP rank's loss on every PP rank, so that rank 0 logs it like torchtitan's
-        unpipelined runs (torchtitan logs -1 on ranks without the last stage)."""
         group = self.parallel_dims.get_mesh("pp").get_group()
-        full = getattr(loss, "full_tensor", None)  # TP's loss parallel: a replicated DTensor
-        if callable(full):
-            loss = full()
-        value = (
-            loss.detach().reshape(()) if loss is not None else torch.zeros((), device=self.device)
-        )
-        value = value.clone()
-        dist.broadcast(value, group=group, group_src=dist.get_world_size(group) - 1)
-        return value
+        return loss_on_every_pp_rank(loss, group, self.device)
 
     def train_step(self, data_iterator: Any) -> None:
         schedule = getattr(self, "pp_schedule", None)

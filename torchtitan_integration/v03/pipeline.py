@@ -1,0 +1,137 @@
+"""``ModelSpec.pipelining_fn`` for torchtitan 0.3.0: Seq1F1B stages and schedules.
+
+0.3 builds its schedule by name through torch's ``get_schedule_class`` (unknown names raise)
+and has no schedule registry, so the trainer wraps the model spec's ``pipelining_fn`` with
+:func:`pipeline_seq1f1b`, bound to the ``seq1f1b`` config section. Our names build stages the
+Seq1F1B way with torchtitan's own split and ``parallelize_fn``; every other name goes to the
+spec's original function (``pipeline_llm``). The settings checks, split and schedule
+construction are shared with 0.2.2 (:mod:`torchtitan_integration.pipeline`).
+
+torchtitan privates used (0.3.0; no public stage-split API): ``_pipeline_module_split``,
+``_generate_llm_fqn_per_model_part``, ``_build_get_mesh_callback``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from seq1f1b import ModelShape
+
+from ..pipeline import build_schedule, check_config, check_schedule_name, stages_per_rank
+from .model import make_chunk_aware
+
+
+def model_shape(model_config: Any) -> ModelShape:
+    """The FLOPs-model shape of a 0.3 decoder config (GQA heads, SwiGLU FFN width)."""
+    first = model_config.layers[0]
+    attn = first.attention
+    return ModelShape(
+        hidden=model_config.dim,
+        n_heads=attn.n_heads,
+        n_layers=len(model_config.layers),
+        vocab=model_config.vocab_size,
+        ffn_hidden=first.feed_forward.w1.out_features,
+        n_kv_heads=attn.n_kv_heads or attn.n_heads,
+        gated_ffn=True,
+    )
+
+
+def config_view(trainer_config: Any, parallelism: Any = None, training: Any = None) -> Any:
+    """The trainer config with the parallelism/training sections torchtitan passed in (they
+    may be replaced copies, e.g. ``pipeline_vlm``'s)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        parallelism=parallelism or trainer_config.parallelism,
+        training=training or trainer_config.training,
+        seq1f1b=trainer_config.seq1f1b,
+    )
+
+
+def pipeline_seq1f1b(
+    model: nn.Module,
+    *,
+    trainer_config: Any,
+    base_pipelining_fn: Any,
+    parallel_dims: Any,
+    training: Any,
+    parallelism: Any,
+    compile_config: Any,
+    ac_config: Any,
+    dump_folder: str,
+    device: torch.device,
+    model_config: Any,
+    parallelize_fn: Any,
+    loss_fn: Any,
+) -> tuple[Any, list[nn.Module], bool, bool]:
+    """0.3's pipelining_fn contract, plus the bound ``trainer_config`` and base function."""
+    entry = check_schedule_name(parallelism.pipeline_parallel_schedule)
+    if not entry.seq_chunked or entry.replicas != 1:
+        return base_pipelining_fn(
+            model,
+            parallel_dims=parallel_dims,
+            training=training,
+            parallelism=parallelism,
+            compile_config=compile_config,
+            ac_config=ac_config,
+            dump_folder=dump_folder,
+            device=device,
+            model_config=model_config,
+            parallelize_fn=parallelize_fn,
+            loss_fn=loss_fn,
+        )
+    from torchtitan.distributed.pipeline_parallel import (
+        _build_get_mesh_callback,
+        _generate_llm_fqn_per_model_part,
+        _pipeline_module_split,
+    )
+
+    config = config_view(trainer_config, parallelism, training)
+    pp, tp, cp = parallel_dims.pp, parallel_dims.tp, parallel_dims.cp
+    n_layers = len(model_config.layers)
+    shape = model_shape(model_config)
+    lengths = check_config(config, pp, n_layers, tp, shape, cp)
+    v = stages_per_rank(config, n_layers, pp)
+    names = parallelism.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(
+        pp * v,
+        n_layers,
+        parallelism.pipeline_parallel_first_stage_less_layers,
+        parallelism.pipeline_parallel_last_stage_less_layers,
+    )
+    make_chunk_aware(model)
+    # "1F1B"/"Interleaved1F1B" only pick torchtitan's looped placement (stage s on rank s % pp)
+    stages, parts = _pipeline_module_split(
+        model,
+        parallel_dims.get_mesh("pp"),
+        "1F1B" if v == 1 else "Interleaved1F1B",
+        device,
+        names,
+        get_mesh=_build_get_mesh_callback(parallel_dims),
+    )
+    for i, part in enumerate(parts):
+        parts[i] = parallelize_fn(
+            part,
+            parallel_dims=parallel_dims,
+            training=training,
+            parallelism=parallelism,
+            compile_config=compile_config,
+            ac_config=ac_config,
+            dump_folder=dump_folder,
+        )
+        stages[i].submod = parts[i]
+
+    def scalar_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+        loss, _ = loss_fn(*args, **kwargs)  # 0.3 losses return (loss, metrics)
+        return loss
+
+    cp_group = parallel_dims.get_mesh("cp").get_group() if cp > 1 else None
+    schedule = build_schedule(entry, stages, config, lengths, scalar_loss, cp_group, shape, v)
+    return (
+        schedule,
+        parts,
+        any(s.is_first for s in stages),
+        any(s.is_last for s in stages),
+    )

@@ -1,0 +1,229 @@
+"""A torchtitan 0.2.2 TOML (and ``--section.key value`` overrides) onto 0.3's config.
+
+0.3 has no TOML: a run is a config function returning a ``Trainer.Config``. The product's
+usage stays "``CONFIG_FILE=x.toml ./run_train.sh``", so this module maps a 0.2.2 file onto
+:func:`~.configs.seq1f1b_llama3`'s config. Keys keep their section and name where 0.3 has
+them (``parallelism``, ``training`` mostly, ``lr_scheduler``, ``checkpoint``, ``metrics``,
+``compile``, ``debug``, ``comm``, ``seq1f1b``); the keys that moved are in :data:`MOVED`;
+a key with no home in 0.3 is an error that names it and what to use instead, never silently
+dropped. 0.3-native dotted keys (``--dataloader.dataset pycode``) work too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+#: 0.2.2 key -> 0.3 attribute path (same value, new place)
+MOVED = {
+    "job.dump_folder": "dump_folder",
+    "job.print_config": "debug.print_config",
+    "job.save_config_file": "debug.save_config_file",
+    "model.hf_assets_path": "hf_assets_path",
+    "training.dataset": "dataloader.dataset",
+    "training.dataset_path": "dataloader.dataset_path",
+    "validation.enable": "validator.enable",
+    "validation.freq": "validator.freq",
+    "validation.steps": "validator.steps",
+    "validation.dataset": "validator.dataloader.dataset",
+    "validation.dataset_path": "validator.dataloader.dataset_path",
+}
+#: 0.2.2 keys that are ours or metadata: read, nothing to set in 0.3
+ACCEPTED = {
+    "job.config_file": "the file being read",
+    "job.custom_config_module": "0.3's Seq1F1BTrainer.Config has the seq1f1b section built in",
+    "job.description": "logged at start-up",
+    "model.name": "only 'llama3' (checked)",
+    "model.flavor": "picks torchtitan's llama3 model_registry(flavor)",
+}
+#: 0.2.2 keys without a home in 0.3 -> what to use instead
+NO_HOME = {
+    "model.tokenizer_path": "put tokenizer.json in hf_assets_path (0.3 reads the tokenizer there)",
+    "model.converters": "a config function passing converters to llama3's model_registry()",
+    "model.print_after_conversion": "--debug.print_config",
+    "job.use_for_integration_test": "nothing (0.3 dropped it)",
+    "experimental.custom_args_module": "a Trainer.Config subclass (0.3 has no custom args module)",
+    "experimental.custom_import": "--module with your own config_registry",
+    "training.dataset_type": "a dataloader config in a config function",
+    "activation_checkpoint.selective_ac_option": (
+        "--activation_checkpoint selective (op-level SAC); 0.3 has no per-layer option"
+    ),
+}
+_OPTIMIZER_KWARGS = {"lr": "lr", "eps": "eps", "weight_decay": "weight_decay"}
+
+
+class TomlKeyError(ValueError):
+    """A key of the TOML or the command line that 0.3 has no place for."""
+
+
+def parse_overrides(argv: Iterable[str]) -> dict[str, Any]:
+    """``--section.key value`` / ``--section.key=value`` / bare ``--section.key`` (true)."""
+    out: dict[str, Any] = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or "." not in a:
+            raise TomlKeyError(
+                f"command-line argument {a!r} is not of the form --section.key value"
+            )
+        key, _, value = a[2:].partition("=")
+        key = key.replace("-", "_")
+        if not _:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value = args[i + 1]
+                i += 1
+            else:
+                value = True
+        out[key] = value
+        i += 1
+    return out
+
+
+def flatten(toml: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"training": {"steps": 5}}`` -> ``{"training.steps": 5}`` (sections one level)."""
+    out: dict[str, Any] = {}
+    for section, body in toml.items():
+        if not isinstance(body, Mapping):
+            raise TomlKeyError(f"top-level TOML key {section!r} is not a [section]")
+        for key, value in body.items():
+            out[f"{section}.{key}"] = value
+    return out
+
+
+def _coerce(value: Any, current: Any, key: str) -> Any:
+    """A command-line string as the type of the value it replaces (TOML values are typed)."""
+    if not isinstance(value, str) or isinstance(current, str):
+        return value
+    low = value.lower()
+    if isinstance(current, bool) or (current is None and low in ("true", "false")):
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise TomlKeyError(f"{key} = {value!r}: expected true or false")
+    for kind in (int, float):
+        if isinstance(current, kind) or current is None:
+            try:
+                return kind(value)
+            except ValueError:
+                if current is not None:
+                    raise TomlKeyError(f"{key} = {value!r}: expected {kind.__name__}") from None
+    if isinstance(current, list | tuple) or (current is None and value[:1] in "[{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return [v.strip() for v in value.split(",") if v.strip()]
+    if current is None and low in ("none", "null"):
+        return None
+    return value
+
+
+def _resolve(config: Any, path: str) -> tuple[Any, str] | None:
+    """(object, attribute) of a dotted 0.3 path, or None where it does not exist."""
+    *parents, leaf = path.split(".")
+    obj = config
+    for p in parents:
+        if not dataclasses.is_dataclass(obj) or not hasattr(obj, p):
+            return None
+        obj = getattr(obj, p)
+    if not dataclasses.is_dataclass(obj) or leaf not in {f.name for f in dataclasses.fields(obj)}:
+        return None
+    return obj, leaf
+
+
+def _set(config: Any, path: str, value: Any, source: str) -> None:
+    found = _resolve(config, path)
+    if found is None:
+        raise TomlKeyError(_no_home(source, path))
+    obj, leaf = found
+    setattr(obj, leaf, _coerce(value, getattr(obj, leaf), source))
+
+
+def _no_home(key: str, path: str | None = None) -> str:
+    section, _, name = key.partition(".")
+    hint = NO_HOME.get(key)
+    where = f"[{section}] {name}"
+    if hint:
+        return f"{where} has no equivalent in torchtitan 0.3: use {hint}"
+    return (
+        f"{where} has no equivalent in torchtitan 0.3's config"
+        + (f" (no field {path})" if path and path != key else "")
+        + ": remove it, or see `python -m torchtitan.train --module torchtitan_integration "
+        "--config seq1f1b_llama3 --help` for 0.3's fields"
+    )
+
+
+def _activation_checkpoint(mode: Any) -> Any:
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    modes = {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}
+    if mode not in modes:
+        raise TomlKeyError(
+            f"[activation_checkpoint] mode = {mode!r}: use 'none', 'selective' or 'full'"
+        )
+    return modes[mode]
+
+
+def _optimizer(opts: Mapping[str, Any], current: Any) -> Any:
+    """0.2.2's [optimizer] name/lr/eps/weight_decay as 0.3's one catch-all param group."""
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+    group = current.param_groups[0] if current.param_groups else None
+    kwargs = dict(group.optimizer_kwargs) if group is not None else {}
+    name = opts.get("name", group.optimizer_name if group is not None else "AdamW")
+    for key, value in opts.items():
+        if key == "name":
+            continue
+        if key not in _OPTIMIZER_KWARGS:
+            raise TomlKeyError(
+                f"[optimizer] {key} has no equivalent in torchtitan 0.3's param groups here: "
+                f"use one of name, {', '.join(_OPTIMIZER_KWARGS)}"
+            )
+        kwargs[_OPTIMIZER_KWARGS[key]] = float(value)
+    return dataclasses.replace(
+        current, param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name=str(name),
+                                                optimizer_kwargs=kwargs)]
+    )  # fmt: skip
+
+
+def build_config(toml_path: str | Path | None, argv: Iterable[str] = ()) -> Any:
+    """The 0.3 ``Seq1F1BTrainer.Config`` for a 0.2.2 TOML plus ``--section.key`` overrides."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    from .configs import seq1f1b_llama3
+
+    values: dict[str, Any] = {}
+    if toml_path is not None:
+        with open(toml_path, "rb") as f:
+            values.update(flatten(tomllib.load(f)))
+    values.update(parse_overrides(argv))
+
+    name = values.pop("model.name", "llama3")
+    if name != "llama3":
+        raise TomlKeyError(
+            f"[model] name = {name!r}: the Seq1F1B integration trains torchtitan's llama3"
+        )
+    config = seq1f1b_llama3(str(values.pop("model.flavor", "debugmodel")))
+    for key in [k for k in values if k in ACCEPTED]:
+        values.pop(key)
+    optimizer = {
+        k.split(".", 1)[1]: values.pop(k) for k in list(values) if k.startswith("optimizer.")
+    }
+    if optimizer:
+        config.optimizer = _optimizer(optimizer, config.optimizer)
+    if "activation_checkpoint.mode" in values:
+        config.activation_checkpoint = _activation_checkpoint(
+            values.pop("activation_checkpoint.mode")
+        )
+    for key, value in values.items():
+        if key in NO_HOME:
+            raise TomlKeyError(_no_home(key))
+        _set(config, MOVED.get(key, key), value, key)
+    config.__post_init__()  # 0.3's own cross-field checks, as after tyro
+    return config

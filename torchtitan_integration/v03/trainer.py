@@ -1,0 +1,217 @@
+"""torchtitan 0.3's Trainer with a ``seq1f1b`` config section and Seq1F1B's PP step.
+
+``Seq1F1BTrainer.Config`` is ``Trainer.Config`` plus ``seq1f1b`` (tyro parses
+``--seq1f1b.seq_chunks 4``), and ``config.build()`` builds this trainer, so torchtitan's own
+``python -m torchtitan.train --module torchtitan_integration --config ...`` runs it. The
+trainer binds the model spec's ``pipelining_fn`` to the section (0.3 passes it none), makes
+the attention chunk-aware, cuts nothing itself (the schedule cuts each pre-split microbatch's
+tokens, labels and ``positions`` per segment) and gives every rank the documents as
+``document_ids`` derived from ``positions`` instead of a full-sequence BlockMask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+from seq1f1b import packed_documents
+from seq1f1b.registry import lookup
+
+from .. import assets
+from ..common import loss_on_every_pp_rank
+from ..config import Seq1F1B
+from ..pipeline import check_schedule_name, check_world_size
+from . import cpu
+from .model import default_positions, document_ids_from_positions, make_chunk_aware
+from .pipeline import pipeline_seq1f1b
+from .validate import validate_before_start
+
+
+def _parallelize_chunk_aware(parallelize_fn: Any, convert: bool) -> Any:
+    """torchtitan's parallelize_fn, after making the attention chunk-aware (PP = 1 and
+    Seq1F1B stages), with gloo-compatible FSDP reductions."""
+
+    @functools.wraps(parallelize_fn)
+    def wrapped(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+        if convert:
+            make_chunk_aware(model)
+        model = parallelize_fn(model, **kwargs)
+        if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in model.modules():
+                if isinstance(m, FSDPModule):  # PREMUL_SUM is not in gloo; SUM is the same
+                    m.set_force_sum_reduction_for_comms(True)
+        return model
+
+    return wrapped
+
+
+def _unchunked(loss: Any) -> Any:
+    """A ``ChunkedLossWrapper`` config replaced by its inner loss: Seq1F1B's segments already
+    bound the logits to one segment (1/K of the sequence), and segment lengths need not be
+    multiples of the wrapper's chunk count."""
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    if isinstance(loss, ChunkedLossWrapper.Config):
+        logger.info("Seq1F1B: the loss runs per segment (ChunkedLossWrapper not needed)")
+        return loss.loss_fn
+    return loss
+
+
+@contextlib.contextmanager
+def _loss_visible_everywhere() -> Iterator[None]:
+    """During ``Trainer.__init__`` only: no "Pipeline Parallel loss is not visible" warning,
+    since this trainer gives every PP rank the loss (v03/cpu.py's list, patch 6)."""
+    import torchtitan.trainer as titan_trainer
+
+    original = titan_trainer.ensure_pp_loss_visible
+    titan_trainer.ensure_pp_loss_visible = lambda **kwargs: None
+    try:
+        yield
+    finally:
+        titan_trainer.ensure_pp_loss_visible = original
+
+
+class Seq1F1BTrainer(Trainer):
+    """0.3's Trainer running the Seq1F1B schedules (and everything else unchanged)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        seq1f1b: Seq1F1B = field(default_factory=Seq1F1B)
+        """Seq1F1B: segments per sample, how to split, stages per rank (interleaved)."""
+
+    def __init__(self, config: Config) -> None:
+        if config.model_spec is None:
+            raise ValueError("Seq1F1BTrainer.Config.model_spec must be set (a config function)")
+        check_schedule_name(config.parallelism.pipeline_parallel_schedule)
+        check_world_size(config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
+        validate_before_start(config)
+        spec = config.model_spec
+        ours = self._seq_chunked(config)
+        pp = config.parallelism.pipeline_parallel_degree > 1
+        if pp and ours:
+            config.loss = _unchunked(config.loss)
+        base_pipelining = spec.pipelining_fn
+        if getattr(base_pipelining, "func", None) is pipeline_seq1f1b:
+            base_pipelining = base_pipelining.keywords["base_pipelining_fn"]
+        config.model_spec = dataclasses.replace(
+            spec,
+            pipelining_fn=functools.partial(
+                pipeline_seq1f1b, trainer_config=config, base_pipelining_fn=base_pipelining
+            ),
+            parallelize_fn=_parallelize_chunk_aware(
+                getattr(spec.parallelize_fn, "__wrapped__", spec.parallelize_fn), ours or not pp
+            ),
+        )
+        assets.ensure_assets()  # the offline tokenizer and corpus, once, in ./assets
+        assets.register_dataset()  # dataset "pycode" (and "pycode_blocks") for the dataloader
+        self._patches = cpu.install()
+        try:
+            with _loss_visible_everywhere():
+                super().__init__(config)
+        except BaseException:
+            self._undo_patches()
+            raise
+
+    @staticmethod
+    def _seq_chunked(config: Any) -> bool:
+        return lookup(config.parallelism.pipeline_parallel_schedule).seq_chunked
+
+    @property
+    def _ours(self) -> bool:
+        """The attention is chunk-aware: PP = 1, or PP with a Seq1F1B schedule."""
+        return not self.parallel_dims.pp_enabled or self._seq_chunked(self.config)
+
+    def _undo_patches(self) -> None:
+        patches, self._patches = getattr(self, "_patches", None), None
+        if patches is not None:
+            patches.uninstall()
+
+    def post_dataloading_process(
+        self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """torchtitan's, minus the attention masks (our attention takes the documents from
+        ``document_ids``) and, with the schedule's context parallelism, minus the CP input
+        sharding (the schedule keeps each rank's share of every segment)."""
+        if not self._ours:
+            return super().post_dataloading_process(input_dict, labels)
+        inputs = input_dict["input"]
+        extra_kwargs: dict[str, Any] = {k: v for k, v in input_dict.items() if k != "input"}
+        if extra_kwargs.get("positions") is None:
+            extra_kwargs["positions"] = default_positions(inputs)
+        self.ntokens_seen += labels.numel()
+        if self.config.parallelism.spmd_backend == "spmd_types":
+            from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+            inputs, labels, extra_kwargs = annotate_input_spmd_types(
+                self.parallel_dims, inputs, labels, extra_kwargs
+            )
+        return inputs, labels, extra_kwargs
+
+    def _forward_backward_body(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        global_valid_tokens: torch.Tensor,
+        extra_kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """Unpipelined: the same chunk-aware attention, masked by the packed documents."""
+        docs = document_ids_from_positions(extra_kwargs["positions"])
+        with packed_documents(docs):
+            return super()._forward_backward_body(
+                inputs, labels, global_valid_tokens, extra_kwargs
+            )
+
+    def pp_forward_backward_step(
+        self,
+        *,
+        input_dict_mbs: list[dict[str, torch.Tensor]],
+        label_mbs: list[torch.Tensor],
+        global_valid_tokens: torch.Tensor,
+    ) -> torch.Tensor:
+        """0.3's step contract (pre-split microbatches, ``loss_kwargs``) plus the documents;
+        the loss is returned on every PP rank."""
+        if not self._ours:
+            return super().pp_forward_backward_step(
+                input_dict_mbs=input_dict_mbs,
+                label_mbs=label_mbs,
+                global_valid_tokens=global_valid_tokens,
+            )
+        arg_mbs, kwarg_mbs, target_mbs, docs = [], [], [], []
+        for input_dict, labels in zip(input_dict_mbs, label_mbs, strict=True):
+            inputs, labels, extra_kwargs = self.post_dataloading_process(input_dict, labels)
+            arg_mbs.append((inputs,))
+            kwarg_mbs.append(extra_kwargs)
+            target_mbs.append(labels)
+            docs.append(document_ids_from_positions(extra_kwargs["positions"]))
+        last = self.pp_has_last_stage
+        losses: list[torch.Tensor] | None = [] if last else None
+        with self.train_context():
+            self.pp_schedule.step(
+                arg_mbs=arg_mbs if self.pp_has_first_stage else None,
+                kwarg_mbs=kwarg_mbs,
+                target_mbs=target_mbs if last else None,
+                losses=losses,
+                loss_kwargs={"global_valid_tokens": global_valid_tokens},
+                return_outputs=False,
+                document_ids=docs,
+            )
+        loss = torch.sum(torch.stack(losses)).to(self.device) if losses is not None else None
+        group = self.parallel_dims.get_mesh("pp").get_group()
+        return loss_on_every_pp_rank(loss, group, self.device)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._undo_patches()
