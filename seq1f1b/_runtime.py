@@ -254,9 +254,9 @@ def set_recv_length(info: Any, dim: int, length: int) -> None:
     if RECV_BUFFER_PER_RECEIVE:
         meta = info.tensor_meta
         shape = list(meta.shape)
-        if shape[dim] == length:
+        if shape[dim] == length and tuple(meta.stride) == _contiguous(shape):
             return
-        shape[dim] = length
+        shape[dim] = length  # and a contiguous buffer: p2p backends send contiguous tensors
         changes: dict[str, Any] = {"shape": torch.Size(shape), "stride": _contiguous(shape)}
         global_shape = getattr(meta, "global_shape", None)
         if global_shape is not None and len(global_shape) == len(shape):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from torchtitan_integration.versions import titan_generation
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "train_configs" / "llama3_debug_seq1f1b.toml"
 # small and fast: 256 tokens, 4 samples (M = 2 microbatches of 2), K = 4 segments
@@ -38,10 +40,39 @@ class Run:
     output: str
 
 
-def titan_available() -> None:
-    """Skip unless torchtitan is installed (without importing it: that fixes its device)."""
+def titan_available(generation: str | None = None) -> None:
+    """Skip unless torchtitan is installed (without importing it: that fixes its device), and
+    of ``generation`` ("0.2" or "0.3") when given."""
     if importlib.util.find_spec("torchtitan") is None:
-        pytest.skip("torchtitan 0.2.2 (extra 'titan') not installed", allow_module_level=True)
+        pytest.skip("torchtitan (extra 'titan') not installed", allow_module_level=True)
+    if generation is not None and TITAN != generation:
+        pytest.skip(
+            f"for torchtitan {generation}; this venv has {TITAN}", allow_module_level=True
+        )
+
+
+TITAN = titan_generation()
+
+
+def only_titan(generation: str, why: str) -> pytest.MarkDecorator:
+    """A test of one torchtitan generation's glue (the other has no such feature: ``why``)."""
+    return pytest.mark.skipif(TITAN != generation, reason=f"torchtitan {generation} only: {why}")
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    import torch
+
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
+
+
+#: torchtitan 0.3's FSDP and TP (its spmd_types backend) shard plain-tensor parameters with
+#: ``fully_shard(..., dp_mesh_dims=...)``, which torch 2.13's FSDP rejects ("all parameters
+#: must be DTensors on the full SPMD mesh"); torch 2.15 has it. Not ours to fix.
+needs_sharding = pytest.mark.skipif(
+    TITAN == "0.3" and not _torch_at_least(2, 15),
+    reason="torchtitan 0.3's FSDP/TP need torch >= 2.15 (2.13's fully_shard lacks dp_mesh_dims "
+    "on plain tensors); run on .venv-latest",
+)
 
 
 def titan_command(nproc: int, *args: str, dump: Path) -> tuple[list[str], dict[str, str]]:
@@ -65,6 +96,11 @@ def run_titan(nproc: int, *args: str, dump: Path, timeout: float = 300, check: b
     out = proc.stdout + proc.stderr
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{out[-6000:]}")
+    return parse_run(out)
+
+
+def parse_run(out: str) -> Run:
+    """loss/grad_norm per step from a run's output (ranks reporting -1 left out)."""
     losses: dict[int, float] = {}
     norms: dict[int, float] = {}
     for step, loss, norm in _STEP.findall(out):

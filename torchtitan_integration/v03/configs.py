@@ -21,8 +21,8 @@ def seq1f1b_llama3(flavor: str = "debugmodel", attn_backend: str = "flex") -> An
     """
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.optimizer import default_adamw
-    from torchtitan.models.common.config_utils import decoder_vocab_size
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+    from torchtitan.models.common.config_utils import decoder_vocab_size
     from torchtitan.models.llama3 import model_registry
 
     spec = model_registry(flavor, attn_backend=attn_backend)

@@ -39,6 +39,14 @@ def model_shape(model_config: Any) -> ModelShape:
     )
 
 
+def _contiguous_output(_module: nn.Module, _args: Any, output: Any) -> Any:
+    """Stage outputs as contiguous tensors: 0.3's sequence-parallel blocks can return strided
+    views, which gloo (and NCCL) point-to-point sends reject."""
+    if isinstance(output, torch.Tensor) and not output.is_contiguous():
+        return output.contiguous()
+    return output
+
+
 def config_view(trainer_config: Any, parallelism: Any = None, training: Any = None) -> Any:
     """The trainer config with the parallelism/training sections torchtitan passed in (they
     may be replaced copies, e.g. ``pipeline_vlm``'s)."""
@@ -122,6 +130,8 @@ def pipeline_seq1f1b(
             dump_folder=dump_folder,
         )
         stages[i].submod = parts[i]
+        if not stages[i].is_last:
+            parts[i].register_forward_hook(_contiguous_output)
 
     def scalar_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
         loss, _ = loss_fn(*args, **kwargs)  # 0.3 losses return (loss, metrics)

@@ -49,7 +49,8 @@ NO_HOME = {
     "experimental.custom_import": "--module with your own config_registry",
     "training.dataset_type": "a dataloader config in a config function",
     "activation_checkpoint.selective_ac_option": (
-        "--activation_checkpoint selective (op-level SAC); 0.3 has no per-layer option"
+        "selective_ac_option = 'op' (0.3's selective AC is op-level) or mode = 'full'; 0.3 has "
+        "no every-n-layers option"
     ),
 }
 _OPTIMIZER_KWARGS = {"lr": "lr", "eps": "eps", "weight_decay": "weight_decay"}
@@ -60,7 +61,8 @@ class TomlKeyError(ValueError):
 
 
 def parse_overrides(argv: Iterable[str]) -> dict[str, Any]:
-    """``--section.key value`` / ``--section.key=value`` / bare ``--section.key`` (true)."""
+    """``--section.key value`` / ``--section.key=value`` / bare ``--section.key`` (true) /
+    ``--section.no_key`` (false), as tyro writes booleans on both torchtitan versions."""
     out: dict[str, Any] = {}
     args = list(argv)
     i = 0
@@ -77,7 +79,9 @@ def parse_overrides(argv: Iterable[str]) -> dict[str, Any]:
                 value = args[i + 1]
                 i += 1
             else:
-                value = True
+                section, _, leaf = key.rpartition(".")
+                value = not leaf.startswith("no_")
+                key = key if value else f"{section}.{leaf[3:]}"
         out[key] = value
         i += 1
     return out
@@ -217,6 +221,8 @@ def build_config(toml_path: str | Path | None, argv: Iterable[str] = ()) -> Any:
     }
     if optimizer:
         config.optimizer = _optimizer(optimizer, config.optimizer)
+    if values.get("activation_checkpoint.selective_ac_option") == "op":
+        values.pop("activation_checkpoint.selective_ac_option")  # what 0.3's SelectiveAC does
     if "activation_checkpoint.mode" in values:
         config.activation_checkpoint = _activation_checkpoint(
             values.pop("activation_checkpoint.mode")

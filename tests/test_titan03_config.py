@@ -1,0 +1,146 @@
+"""torchtitan 0.3: the 0.2.2-style TOML and overrides mapped onto 0.3's config, in process.
+
+The shipped TOML files (the real-size ones cannot run here) and the planner's output must map
+onto ``Seq1F1BTrainer.Config`` and pass the start-up checks; a key 0.3 has no place for is an
+error that names it. Importing torchtitan 0.3 fixes nothing here: the trainer patches the
+device only while it runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from titan_utils import titan_available
+
+titan_available("0.3")
+
+from torchtitan.distributed.activation_checkpoint import FullAC  # noqa: E402
+
+from torchtitan_integration.v03.pipeline import model_shape  # noqa: E402
+from torchtitan_integration.v03.toml import (  # noqa: E402
+    TomlKeyError,
+    build_config,
+    parse_overrides,
+)
+from torchtitan_integration.v03.trainer import Seq1F1BTrainer  # noqa: E402
+from torchtitan_integration.v03.validate import validate_before_start  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "train_configs").glob("*.toml"))
+DEBUG = ROOT / "train_configs" / "llama3_debug_seq1f1b.toml"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_toml_maps_and_validates(path: Path) -> None:
+    import tomllib
+
+    raw = tomllib.loads(path.read_text())
+    config = build_config(path)
+    assert isinstance(config, Seq1F1BTrainer.Config)
+    par, want = config.parallelism, raw["parallelism"]
+    for key, value in want.items():
+        assert getattr(par, key) == value, key
+    assert config.training.seq_len == raw["training"]["seq_len"]
+    assert config.dataloader.dataset == raw["training"]["dataset"]
+    assert config.seq1f1b.seq_chunks == raw["seq1f1b"]["seq_chunks"]
+    assert config.model_spec.flavor == raw["model"]["flavor"]
+    assert config.hf_assets_path == raw["model"]["hf_assets_path"]
+    lr = config.optimizer.param_groups[0].optimizer_kwargs["lr"]
+    assert lr == pytest.approx(raw["optimizer"]["lr"])
+    mode = raw.get("activation_checkpoint", {}).get("mode", "selective")
+    ac = config.activation_checkpoint
+    assert (ac is None) == (mode == "none") and isinstance(ac, FullAC.Config) == (mode == "full")
+    validate_before_start(config)  # the Seq1F1B split of the real model's shape
+
+
+def test_overrides_on_top_of_the_toml() -> None:
+    config = build_config(
+        DEBUG,
+        [
+            "--training.steps", "7",
+            "--seq1f1b.split=uniform",
+            "--checkpoint.enable",
+            "--checkpoint.no_last_save_model_only",
+            "--training.dataset", "pycode_blocks",  # 0.2.2's key, moved
+            "--dataloader.dataset_path", "/data",  # 0.3's own key
+            "--job.dump_folder", "./out",
+            "--optimizer.lr", "1e-4",
+        ],
+    )  # fmt: skip
+    assert config.training.steps == 7
+    assert config.seq1f1b.split == "uniform"
+    assert config.checkpoint.enable is True
+    assert config.checkpoint.last_save_model_only is False
+    assert (config.dataloader.dataset, config.dataloader.dataset_path) == ("pycode_blocks", "/data")
+    assert config.dump_folder == "./out"
+    assert config.optimizer.param_groups[0].optimizer_kwargs["lr"] == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model.tokenizer_path", "x"], "[model] tokenizer_path has no equivalent in "
+         "torchtitan 0.3: use put tokenizer.json in hf_assets_path"),
+        (["--activation_checkpoint.selective_ac_option", "2"], "no every-n-layers option"),
+        (["--training.no_such_key", "1"], "[training] no_such_key has no equivalent"),
+        (["--optimizer.beta1", "0.9"], "[optimizer] beta1 has no equivalent"),
+        (["--activation_checkpoint.mode", "some"], "use 'none', 'selective' or 'full'"),
+        (["--model.name", "deepseek_v3"], "trains torchtitan's llama3"),
+        (["--training.steps", "many"], "training.steps = 'many': expected int"),
+        (["steps"], "is not of the form --section.key value"),
+    ],
+)  # fmt: skip
+def test_keys_without_a_home_are_errors(args: list[str], message: str) -> None:
+    with pytest.raises(TomlKeyError) as err:
+        build_config(DEBUG, args)
+    assert message in str(err.value)
+
+
+def test_override_parser_matches_tyro_spelling() -> None:
+    got = parse_overrides(["--a.b", "--c.no_d", "--e.f=1", "--g-h.i-j", "x"])
+    assert got == {"a.b": True, "c.d": False, "e.f": "1", "g_h.i_j": "x"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--parallelism.pipeline_parallel_schedule", "BitPipe"], "not available with torchtitan"),
+        (["--seq1f1b.seq_chunks", "0"], "[seq1f1b] seq_chunks = 0 must be >= 1"),
+        (["--parallelism.pipeline_parallel_schedule", "Seq2F2B"], "is unknown: use one of"),
+        (["--seq1f1b.split", "100,100"], "[training] seq_len = 512 cannot be split"),
+    ],
+)  # fmt: skip
+def test_bad_settings_are_refused_before_start(args: list[str], message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        validate_before_start(build_config(DEBUG, args))
+    assert message in str(err.value)
+
+
+def test_model_shape_is_torchtitans_debug_model() -> None:
+    shape = model_shape(build_config(DEBUG).model_spec.model)
+    assert (shape.hidden, shape.n_heads, shape.n_layers, shape.vocab) == (256, 16, 6, 2048)
+    assert shape.ffn_hidden == 768
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "--model llama3-8b --seq-len 32768 --gpus 8 --gpu-memory-gb 80",
+        "--model llama3-70b --seq-len 65536 --gpus 64 --gpu-memory-gb 80 --ac full",
+    ],
+)
+def test_planner_toml_is_accepted_on_0_3(argv: str, tmp_path: Path) -> None:
+    from seq1f1b.planner import build_parser, problem_from_args
+    from torchtitan_integration.planner import main as plan_main
+
+    out = tmp_path / "plan.toml"
+    assert plan_main([*argv.split(), "--output", str(out)]) == 0
+    _, plan = problem_from_args(build_parser().parse_args(argv.split()))
+    s = plan.best.setting
+    config = build_config(out)
+    par = config.parallelism
+    assert (par.pipeline_parallel_degree, par.tensor_parallel_degree) == (s.pp, s.tp)
+    assert config.training.seq_len == plan.seq_len
+    assert model_shape(config.model_spec.model) == plan.shape
+    validate_before_start(config)
