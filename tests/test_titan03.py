@@ -5,11 +5,13 @@ equivalence grid against unpipelined runs, is in tests/test_titan.py.)"""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from titan_utils import CONFIG, ROOT, Run, parse_run, titan_available
+import pytest
+from titan_utils import CONFIG, ROOT, Run, assert_same_curve, parse_run, run_titan, titan_available
 
 titan_available("0.3")
 
@@ -47,3 +49,37 @@ def test_native_module_config_equals_the_toml_launcher(tmp_path: Path) -> None:
     assert (tmp_path / "native" / "tb").is_dir() and (tmp_path / "toml" / "tb").is_dir()
     # the trainer gives rank 0 the loss: torchtitan's warning to log rank 1 does not apply
     assert "Pipeline Parallel loss is not visible" not in native.output
+
+
+_VALIDATE = re.compile(r"validate step:\s*(\d+)\s+loss:\s*([-\d.]+)")
+VALIDATE = ["--validation.enable", "--validation.freq", "2", "--validation.steps", "2",
+            "--validation.dataset", "pycode_blocks"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    dump = tmp_path_factory.mktemp("seed03")
+    run_titan(1, "--parallelism.pipeline_parallel_degree", "1", "--checkpoint.enable",
+              "--checkpoint.create_seed_checkpoint", dump=dump)  # fmt: skip
+    step0 = dump / "checkpoint" / "step-0"
+    assert step0.is_dir()
+    return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(step0),
+            "--checkpoint.interval", "1000"]  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", ["Seq1F1B", "InterleavedSeq1F1B"])
+def test_validation_through_eval_matches_unpipelined(seed, tmp_path, schedule) -> None:
+    """0.3's validator on a Seq1F1B pipeline: ``eval()`` with the documents from positions,
+    the loss on rank 0 too, equal to the unpipelined validation of the same weights."""
+    pp = ["--parallelism.pipeline_parallel_degree", "2",
+          "--parallelism.pipeline_parallel_schedule", schedule]  # fmt: skip
+    ref = run_titan(1, "--parallelism.pipeline_parallel_degree", "1", *seed, *VALIDATE,
+                    "--training.steps", "4", dump=tmp_path / "pp1")  # fmt: skip
+    run = run_titan(2, *pp, *seed, *VALIDATE, "--training.steps", "4", dump=tmp_path / "pp2")
+    want = {int(s): float(v) for s, v in _VALIDATE.findall(ref.output)}
+    got = {int(s): float(v) for s, v in _VALIDATE.findall(run.output)}
+    assert {2, 4} <= set(want), ref.output[-2000:]  # (and step 1: torchtitan's rule)
+    assert set(got) == set(want) and min(got.values()) > 0, run.output[-2000:]
+    for s in want:
+        assert got[s] == pytest.approx(want[s], rel=1e-4)
+    assert_same_curve(run, ref, steps=4)

@@ -68,6 +68,18 @@ def _unchunked(loss: Any) -> Any:
     return loss
 
 
+def _chunk_aware_validator(validator: Any) -> Any:
+    """torchtitan's Validator config as :class:`.validator.Seq1F1BValidator`'s (same fields)."""
+    from torchtitan.components.validate import Validator
+
+    from .validator import Seq1F1BValidator
+
+    if type(validator) is not Validator.Config:
+        return validator  # already ours, or a custom validator: left as the user set it
+    fields = {f.name: getattr(validator, f.name) for f in dataclasses.fields(validator)}
+    return Seq1F1BValidator.Config(**fields)
+
+
 @contextlib.contextmanager
 def _loss_visible_everywhere() -> Iterator[None]:
     """During ``Trainer.__init__`` only: no "Pipeline Parallel loss is not visible" warning,
@@ -101,6 +113,8 @@ class Seq1F1BTrainer(Trainer):
         pp = config.parallelism.pipeline_parallel_degree > 1
         if pp and ours:
             config.loss = _unchunked(config.loss)
+        if ours or not pp:
+            config.validator = _chunk_aware_validator(config.validator)
         base_pipelining = spec.pipelining_fn
         if getattr(base_pipelining, "func", None) is pipeline_seq1f1b:
             base_pipelining = base_pipelining.keywords["base_pipelining_fn"]
