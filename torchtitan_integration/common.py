@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,3 +23,35 @@ def loss_on_every_pp_rank(loss: Any, group: dist.ProcessGroup, device: torch.dev
     value = value.clone()
     dist.broadcast(value, group=group, group_src=dist.get_world_size(group) - 1)
     return value
+
+
+class _RunStamp:
+    """``datetime.now()`` for torchtitan's metrics module: its TensorBoard folder name
+    (``%Y%m%d-%H%M``) gains this launch's rendezvous port, the same on every rank, so two runs
+    in one minute get two folders and no folder level is added (no double time stamp)."""
+
+    def __init__(self, now: datetime.datetime) -> None:
+        self._now = now
+
+    @classmethod
+    def now(cls) -> _RunStamp:
+        return cls(datetime.datetime.now())
+
+    def strftime(self, fmt: str) -> str:
+        run = os.environ.get("MASTER_PORT") or str(os.getpid())
+        return f"{self._now.strftime(fmt)}-{run}"
+
+
+@contextlib.contextmanager
+def torchtitan_metrics_for_this_trainer(metrics: Any, trainer_module: Any) -> Iterator[None]:
+    """For the length of the trainer's ``__init__`` (on both torchtitan versions): one
+    TensorBoard folder per run (:class:`_RunStamp`), and no "Pipeline Parallel loss is not
+    visible" warning, since this trainer gives rank 0 the loss (:func:`loss_on_every_pp_rank`).
+    Listed in cpu.py / v03/cpu.py (patches on any device)."""
+    saved = (metrics.datetime, trainer_module.ensure_pp_loss_visible)
+    metrics.datetime = _RunStamp
+    trainer_module.ensure_pp_loss_visible = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        metrics.datetime, trainer_module.ensure_pp_loss_visible = saved

@@ -99,8 +99,34 @@ class CPUMemoryMonitor:
 
 
 def measured_peak_flops(device_name: str = "cpu", size: int = 512, seconds: float = 0.2) -> float:
-    """fp32 GEMM FLOP/s of this process on the CPU (its threads), timed for ~``seconds``."""
+    """fp32 GEMM FLOP/s of this process on the CPU (its threads), timed for ~``seconds``.
+
+    In a distributed run every rank calls this at the same point (torchtitan's metrics set-up),
+    so the ranks average their measurements: the MFU each rank logs (console on rank 0,
+    TensorBoard on the last stage's rank) is relative to one peak. Measured once per process.
+    """
     del device_name
+    key = (size, seconds)
+    if key not in _PEAK:
+        _PEAK[key] = _measure_gemm(size, seconds)
+    flops = _PEAK[key]
+    if torch.distributed.is_initialized():
+        t = torch.tensor([flops], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        flops = float(t.item()) / torch.distributed.get_world_size()
+    logger.info(
+        "CPU peak for MFU: %.1f GFLOP/s (measured fp32 %d^3 GEMM, %d threads, mean over ranks)",
+        flops / 1e9,
+        size,
+        torch.get_num_threads(),
+    )
+    return flops
+
+
+_PEAK: dict[tuple[int, float], float] = {}
+
+
+def _measure_gemm(size: int, seconds: float) -> float:
     g = torch.Generator().manual_seed(0)  # leaves the global RNG (model init) untouched
     a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
     torch.mm(a, b)  # warm-up
@@ -108,14 +134,7 @@ def measured_peak_flops(device_name: str = "cpu", size: int = 512, seconds: floa
     while (elapsed := time.perf_counter() - start) < seconds:
         torch.mm(a, b)
         n += 1
-    flops = 2 * size**3 * n / elapsed
-    logger.info(
-        "CPU peak for MFU: %.1f GFLOP/s (measured fp32 %d^3 GEMM, %d threads)",
-        flops / 1e9,
-        size,
-        torch.get_num_threads(),
-    )
-    return flops
+    return 2 * size**3 * n / elapsed
 
 
 def _set_pg_timeouts(timeout: timedelta, parallel_dims: Any) -> None:

@@ -1,11 +1,15 @@
 """The planner's top setting as a complete torchtitan TOML that ``run_train.sh`` runs as is.
 
-    python -m torchtitan_integration.planner --model llama3-8b --seq-len 32768 --gpus 8 \\
-        --gpu-memory-gb 80 --output llama3_8b_32k.toml
+    scripts/plan.sh --model llama3-8b --seq-len 32768 --gpus 8 --gpu-memory-gb 80 \\
+        --output llama3_8b_32k.toml          # = .venv/bin/python -m torchtitan_integration.planner
 
 Why here and not in :mod:`seq1f1b.planner`: the search is framework-free; the TOML keys,
 flavors and launcher are torchtitan's. Takes the planner's arguments plus where to write and
 what to train on; prints the ranked table, then the TOML (or writes it to ``--output``).
+
+The TOML states the precision the plan was priced in (``mixed_precision_param``): with
+``--precision torchtitan-0.2`` (the default) a plan without FSDP but with PP or TP says
+``"float32"``, which is what torchtitan 0.2.2 runs it in whatever the TOML says.
 """
 
 from __future__ import annotations
@@ -17,11 +21,51 @@ from pathlib import Path
 
 from seq1f1b.planner import Candidate, Plan, build_parser, describe, format_plan, problem_from_args
 
-__all__ = ["FLAVORS", "main", "render_toml"]
+__all__ = ["FLAVORS", "launch_lines", "main", "render_toml"]
 
 #: preset -> (torchtitan model name, flavor); presets without one get a placeholder flavor.
 FLAVORS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B")}
 GPUS_PER_NODE = 8
+
+
+def launch_lines(gpus: int, gpus_per_node: int = GPUS_PER_NODE) -> list[str]:
+    """How to launch ``gpus`` processes with ``run_train.sh``: one command on one node, or the
+    multi-node variables on each node (and the Slurm script that sets them).
+
+    Nodes get equal shares: the most GPUs per node, at most ``gpus_per_node``, that divide
+    ``gpus`` (12 GPUs on 8-GPU nodes: 2 nodes of 6).
+    """
+    if gpus < 1 or gpus_per_node < 1:
+        raise ValueError(f"gpus={gpus} and gpus_per_node={gpus_per_node} must be >= 1")
+    ngpu = max(d for d in range(1, min(gpus, gpus_per_node) + 1) if gpus % d == 0)
+    nodes = gpus // ngpu
+    if nodes == 1:
+        return [f"# Launch: CONFIG_FILE=<this file> NGPU={ngpu} ./run_train.sh"]
+    return [
+        f"# Launch: {nodes} nodes x {ngpu} GPUs; on every node, the same rendezvous (node 0's "
+        "host, a free port):",
+        f"#   CONFIG_FILE=<this file> NGPU={ngpu} NNODES={nodes} NODE_RANK=<0..{nodes - 1}> "
+        "RDZV_ENDPOINT=<node 0 host>:29500 RDZV_ID=<job id> ./run_train.sh",
+        f"# or on Slurm: CONFIG_FILE=<this file> NGPU={ngpu} sbatch --nodes={nodes} "
+        f"--gpus-per-node={ngpu} examples/slurm_run_train.sh",
+    ]
+
+
+def _precision_lines(plan: Plan, best: Candidate) -> list[str]:
+    """``mixed_precision_param`` as the plan was priced, with why (seq1f1b.planner.runs_in_bf16)."""
+    s = best.setting
+    if not s.bf16:
+        return [
+            'mixed_precision_param = "float32"   # torchtitan 0.2.2 casts to bf16 only through '
+            "FSDP (or autocast with nothing parallel): PP/TP without FSDP run in fp32, priced so",
+        ]
+    line = 'mixed_precision_param = "bfloat16"'
+    if s.fsdp == 1 and (s.pp > 1 or s.tp > 1):  # --precision torchtitan-0.3 or bf16
+        line += (
+            "   # bf16 without FSDP needs torchtitan 0.3 (FSDP at degree 1); "
+            "0.2.2 would run this in fp32"
+        )
+    return [line]
 
 
 def render_toml(
@@ -33,22 +77,19 @@ def render_toml(
     hf_assets_path: str,
     dataset: str,
     steps: int,
+    gpus_per_node: int = GPUS_PER_NODE,
 ) -> str:
     """Every setting the plan assumed, in torchtitan's sections, with comments saying why."""
     s = best.setting
     hw = plan.hardware
     name, flavor = FLAVORS.get(preset or "", ("llama3", "CUSTOM"))
-    ngpu = min(hw.gpus, GPUS_PER_NODE)
-    nodes = -(-hw.gpus // GPUS_PER_NODE)
-    launch = f"CONFIG_FILE=<this file> NGPU={ngpu} ./run_train.sh"
-    if nodes > 1:
-        launch += f"   (on each of {nodes} nodes, with your multi-node rendezvous)"
     lines = [
         f"# Written by: {command}",
         f"# Plan: {s.label()}",
         f"#   predicted {best.step_seconds:.2f} s per step, {best.tokens_per_second_per_gpu:.0f} "
         f"tokens/s per GPU; {best.why()}",
-        f"# Launch: {launch}",
+        f"#   priced for --precision {plan.precision}",
+        *launch_lines(hw.gpus, gpus_per_node),
         "",
         "[job]",
         'dump_folder = "./outputs"',
@@ -87,7 +128,7 @@ def render_toml(
         "max_norm = 1.0",
         f"steps = {steps}",
         f'dataset = "{dataset}"',
-        'mixed_precision_param = "bfloat16"',
+        *_precision_lines(plan, best),
         "",
         "[parallelism]",
         f"data_parallel_shard_degree = {s.fsdp}",
@@ -133,8 +174,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--dataset", default="c4", help="torchtitan dataset name")
     ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=GPUS_PER_NODE,
+        help="GPUs per node, for the launch command in the TOML",
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(argv)
+    if a.gpus_per_node < 1:
+        print(f"error: --gpus-per-node {a.gpus_per_node} must be >= 1", file=sys.stderr)
+        return 2
     try:
         preset, plan = problem_from_args(a)
     except ValueError as exc:
@@ -157,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hf_assets_path=a.hf_assets_path,
         dataset=a.dataset,
         steps=a.steps,
+        gpus_per_node=a.gpus_per_node,
     )
     if a.output:
         Path(a.output).write_text(text)

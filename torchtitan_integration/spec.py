@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,26 +23,11 @@ def validated_metrics_processor(
     job_config: Any, parallel_dims: Any, model_args: Any = None, tag: str | None = None
 ) -> Any:
     """torchtitan's metrics processor, created only once the pipeline settings are valid (so a
-    config error leaves no empty TensorBoard run), in a TensorBoard directory of its own.
-
-    torchtitan names the directory by the minute; two runs in one minute would share it, so the
-    run's start time to the second and rank 0's pid (the same on every rank) are added.
-    """
-    import time
-
-    import torch.distributed as dist
+    config error leaves no empty TensorBoard run)."""
     from torchtitan.components.metrics import build_metrics_processor
 
     if model_args is not None:
         validate_before_start(job_config, parallel_dims, model_args)
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    )
-    stamp = torch.tensor([int(time.time()), os.getpid()], dtype=torch.int64, device=device)
-    if dist.is_initialized():
-        dist.broadcast(stamp, src=0)
-    run = time.strftime("%Y%m%d-%H%M%S", time.localtime(int(stamp[0]))) + f"-{int(stamp[1])}"
-    job_config.metrics.save_tb_folder = os.path.join(job_config.metrics.save_tb_folder, run)
     return build_metrics_processor(job_config, parallel_dims, model_args, tag)
 
 

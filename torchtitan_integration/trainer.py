@@ -12,8 +12,9 @@ from torchtitan.train import Trainer
 from seq1f1b import ScheduleBitPipe, packed_documents
 
 from .bitpipe import clip_counting_each_chunk_once, sync_twins
-from .common import loss_on_every_pp_rank
+from .common import loss_on_every_pp_rank, torchtitan_metrics_for_this_trainer
 from .model import block_causal, document_ids_from_eos
+from .pipeline import check_world_size
 from .spec import schedule_shards_cp
 
 
@@ -21,6 +22,16 @@ class Seq1F1BTrainer(Trainer):
     """torchtitan's Trainer with a PP step that backpropagates the token-mean loss."""
 
     _twins_synced = False
+
+    def __init__(self, job_config: Any) -> None:
+        import os
+
+        import torchtitan.components.metrics as metrics
+        import torchtitan.train as titan_train
+
+        check_world_size(job_config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
+        with torchtitan_metrics_for_this_trainer(metrics, titan_train):
+            super().__init__(job_config)
 
     @property
     def _documents(self) -> bool:

@@ -11,11 +11,9 @@ tokens, labels and ``positions`` per segment) and gives every rank the documents
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +25,7 @@ from seq1f1b import packed_documents
 from seq1f1b.registry import lookup
 
 from .. import assets
-from ..common import loss_on_every_pp_rank
+from ..common import loss_on_every_pp_rank, torchtitan_metrics_for_this_trainer
 from ..config import Seq1F1B
 from ..pipeline import check_schedule_name, check_world_size
 from . import cpu
@@ -80,20 +78,6 @@ def _chunk_aware_validator(validator: Any) -> Any:
     return Seq1F1BValidator.Config(**fields)
 
 
-@contextlib.contextmanager
-def _loss_visible_everywhere() -> Iterator[None]:
-    """During ``Trainer.__init__`` only: no "Pipeline Parallel loss is not visible" warning,
-    since this trainer gives every PP rank the loss (v03/cpu.py's list, patch 6)."""
-    import torchtitan.trainer as titan_trainer
-
-    original = titan_trainer.ensure_pp_loss_visible
-    titan_trainer.ensure_pp_loss_visible = lambda **kwargs: None
-    try:
-        yield
-    finally:
-        titan_trainer.ensure_pp_loss_visible = original
-
-
 class Seq1F1BTrainer(Trainer):
     """0.3's Trainer running the Seq1F1B schedules (and everything else unchanged)."""
 
@@ -131,7 +115,10 @@ class Seq1F1BTrainer(Trainer):
         assets.register_dataset()  # dataset "pycode" (and "pycode_blocks") for the dataloader
         self._patches = cpu.install()
         try:
-            with _loss_visible_everywhere():
+            import torchtitan.components.metrics as metrics
+            import torchtitan.trainer as titan_trainer
+
+            with torchtitan_metrics_for_this_trainer(metrics, titan_trainer):
                 super().__init__(config)
         except BaseException:
             self._undo_patches()
