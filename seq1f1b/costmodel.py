@@ -3,6 +3,10 @@
 Why a separate module: the planner searches settings, this module prices one of them, and the
 formulas are the part users argue with, so they are stated here in one place.
 
+Precision: a setting computes either in bf16 (``b = 2``; fp32 master weights, gradients and
+Adam moments) or in fp32 (``b = 4``), whichever its trainer will really run; the planner
+decides which (:func:`seq1f1b.planner.runs_in_bf16`), this module prices both.
+
 Memory (bytes per GPU; ``b`` = activation dtype bytes, ``t`` = tensor-parallel degree with
 sequence parallelism, so every activation and weight is split ``t`` ways):
 
@@ -18,17 +22,29 @@ sequence parallelism, so every activation and weight is split ``t`` ways):
   segments read (``2*b*h_kv*d``); the backward of one unit recomputes one layer's activations
   of that unit on top (a transient);
 * last stage: fp32 log-probabilities ``4*V`` per token in flight (the loss's saved state), plus
-  the transient bf16 logits and their fp32 copy ``6*V`` for the unit being run; divided by ``t``
-  (torchtitan's loss-parallel output layer);
+  the transient logits and, in bf16, their fp32 copy (``6*V``; ``4*V`` in fp32) for the unit
+  being run; divided by ``t`` (torchtitan's loss-parallel output layer);
 * model state: ``state_bytes_per_param`` (16: fp32 weights, gradients and two Adam moments) times
-  the stage's parameters, divided by ``t`` and by the FSDP degree; with FSDP two layers' bf16
-  weights and gradients are gathered at a time on top;
+  the stage's parameters, divided by ``t`` and by the FSDP degree; on top, with FSDP:
+
+  - without a pipeline, two layers' bf16 weights and gradients gathered at a time (FSDP
+    reshards each layer after its forward and reduce-scatters after its backward);
+  - with a pipeline, the whole stage's bf16 weights and fp32 accumulated gradients, unsharded
+    (``2 + 4`` bytes per parameter, divided by ``t``): torchtitan's default
+    ``fsdp_reshard_after_forward`` keeps weights gathered under PP, and torch's pipeline stage
+    turns gradient sync off until the step's last backward, so FSDP accumulates every
+    microbatch's gradients unsharded in its reduce dtype (fp32);
+
+  the same at FSDP degree 1 where the trainer wraps every model in FSDP (torchtitan 0.3);
+  the bf16 working copy of any other unsharded bf16 run (autocast's cast weights, Megatron's
+  bf16 weights) is not counted;
 * a stage's activation peak = peak tokens in flight on the stage (from the simulated schedule)
   times the per-token bytes.
 
 Time (seconds): a unit's FLOPs (:func:`seq1f1b.partition.segment_flops`, causal attention
-included) over ``t * flops_per_gpu``; backward = 2 forwards, 3 with full recomputation; plus the
-tensor-parallel collectives, not overlapped: 4 per layer per pass (2 all-gathers, 2
+included) over ``t * flops_per_gpu`` (``Hardware.tflops`` in bf16,
+``Hardware.fp32_throughput`` in fp32); backward = 2 forwards, 3 with full recomputation; plus
+the tensor-parallel collectives, not overlapped: 4 per layer per pass (2 all-gathers, 2
 reduce-scatters of ``b*H`` per token) each moving ``(t-1)/t`` of its bytes at ``tp_bandwidth``.
 FSDP's all-gathers / reduce-scatters are assumed overlapped with compute, pipeline p2p is
 ignored (a few MB per unit).
@@ -44,9 +60,12 @@ from ._runtime import Action
 from .partition import ModelShape
 from .simulate import FlopsCosts
 
-__all__ = ["PRESETS", "Hardware", "MemoryModel", "TimeModel"]
+__all__ = ["FP32_SLOWDOWN", "PRESETS", "Hardware", "MemoryModel", "TimeModel"]
 
 GB = 1e9
+#: dense bf16 over fp32 peak: H100 SXM 989 / 67, A100 312 / 19.5. torch keeps TF32 off for
+#: matmuls by default and torchtitan does not turn it on, so fp32 runs on the fp32 units.
+FP32_SLOWDOWN = 15.0
 
 #: Model shapes by name. Llama 3: Meta's published configs (torchtitan's ``llama3_args``);
 #: ``paper-7b``: the Seq1F1B paper's 7B (GPT-style FFN of 4H, vocabulary 50304, no GQA).
@@ -66,10 +85,17 @@ class Hardware:
     reserve_gb: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
     tflops: float = 400.0  # achieved dense bf16 TFLOP/s per GPU
     tp_gbps: float = 300.0  # achieved all-gather / reduce-scatter bandwidth inside a node
+    #: achieved fp32 TFLOP/s for settings that run in fp32; None: ``tflops / FP32_SLOWDOWN``
+    fp32_tflops: float | None = None
 
     @property
     def budget_bytes(self) -> float:
         return (self.memory_gb - self.reserve_gb) * GB
+
+    @property
+    def fp32_throughput(self) -> float:
+        """Achieved fp32 TFLOP/s: given, or the bf16 figure scaled by the hardware ratio."""
+        return self.fp32_tflops if self.fp32_tflops is not None else self.tflops / FP32_SLOWDOWN
 
 
 @dataclass(frozen=True)
@@ -82,6 +108,8 @@ class MemoryModel:
     recompute: bool = False
     dtype_bytes: int = 2
     state_bytes_per_param: float = 16.0
+    pipelined: bool = False  # pp > 1: FSDP keeps the stage unsharded for the whole step
+    fsdp_wrapped: bool = False  # FSDP wraps the model at degree 1 too (torchtitan 0.3)
 
     def _full_layer_bytes(self) -> float:
         s, b = self.shape, self.dtype_bytes
@@ -105,16 +133,22 @@ class MemoryModel:
         transient = unit_tokens * self._full_layer_bytes() / self.tp if self.recompute else 0.0
         if last:
             saved += tokens_in_flight * 4 * self.shape.vocab / self.tp
-            transient = max(transient, unit_tokens * 6 * self.shape.vocab / self.tp)
+            upcast = 4 if self.dtype_bytes < 4 else 0  # the loss's fp32 copy of the logits
+            logits = (self.dtype_bytes + upcast) * self.shape.vocab / self.tp
+            transient = max(transient, unit_tokens * logits)
         return saved + transient
 
     def state_bytes(self, layers: int, first: bool, last: bool) -> float:
-        """Model-state bytes of a stage (sharded by TP and FSDP) plus FSDP's gathered layers."""
+        """Model-state bytes of a stage (sharded by TP and FSDP) plus what FSDP holds unsharded:
+        two layers at a time without a pipeline, the whole stage with one (module docstring)."""
         s = self.shape
         params = layers * s.params_per_layer + s.vocab * s.hidden * (int(first) + int(last))
         sharded = params * self.state_bytes_per_param / (self.tp * self.fsdp)
-        gathered = 2 * 2 * 2 * s.params_per_layer / self.tp if self.fsdp > 1 else 0.0
-        return sharded + gathered
+        if self.fsdp == 1 and not self.fsdp_wrapped:
+            return sharded
+        if self.pipelined:
+            return sharded + params * (self.dtype_bytes + 4) / self.tp
+        return sharded + 2 * 2 * self.dtype_bytes * s.params_per_layer / self.tp
 
 
 @dataclass(frozen=True)
@@ -127,6 +161,12 @@ class TimeModel:
     recompute: bool
     layers_per_stage: int
     dtype_bytes: int = 2
+    bf16: bool = True  # False: the matmuls run at ``hardware.fp32_throughput``
+
+    @property
+    def _flops_per_second(self) -> float:
+        tflops = self.hardware.tflops if self.bf16 else self.hardware.fp32_throughput
+        return self.tp * tflops * 1e12
 
     def _tp_seconds_per_token_pass(self) -> float:
         """TP collectives of one pass (a forward, a backward or a recompute) per token."""
@@ -137,14 +177,14 @@ class TimeModel:
 
     def tp_comm_share(self, flops: float, tokens: int) -> float:
         """Share of a forward spent in TP collectives (the rest is compute)."""
-        compute = flops / (self.tp * self.hardware.tflops * 1e12)
+        compute = flops / self._flops_per_second
         comm = tokens * self._tp_seconds_per_token_pass()
         return comm / (compute + comm) if compute + comm > 0 else 0.0
 
     def forward_backward(self, flops: float, tokens: int) -> tuple[float, float]:
         """(forward, full backward) seconds of a unit of ``tokens`` and ``flops`` forward FLOPs
         on this stage (whole model width: divided by ``tp`` here)."""
-        compute = flops / (self.tp * self.hardware.tflops * 1e12)
+        compute = flops / self._flops_per_second
         comm = tokens * self._tp_seconds_per_token_pass()
         if self.recompute:
             return compute + comm, 3 * compute + 2 * comm

@@ -10,6 +10,11 @@ priced by running its real schedule order through the simulator (:mod:`seq1f1b.s
 per-unit times and memory from :mod:`seq1f1b.costmodel`, then the settings that fit are ranked
 by predicted tokens per second per GPU.
 
+Each setting is priced in the precision it will run in (``--precision``, :func:`runs_in_bf16`):
+bf16 needs something that casts, and torchtitan 0.2.2 casts only through FSDP's mixed-precision
+policy or, with nothing parallel, autocast; PP or TP without FSDP train in fp32 there, with
+twice the activation bytes and fp32 matmul throughput.
+
 This module knows nothing about torchtitan: ``python -m torchtitan_integration.planner`` takes the
 same arguments and writes the complete TOML of the top plan.
 """
@@ -27,9 +32,41 @@ from .order import OrderSpec, build_orders
 from .partition import ModelShape, resolve_split
 from .simulate import FlopsCosts, simulate
 
-__all__ = ["Candidate", "Plan", "Setting", "build_parser", "main", "problem_from_args", "search"]
+__all__ = [
+    "PRECISIONS",
+    "Candidate",
+    "Plan",
+    "Setting",
+    "build_parser",
+    "main",
+    "problem_from_args",
+    "runs_in_bf16",
+    "search",
+]
 
 DEFAULT_CHUNKS = (1, 2, 4, 8, 16, 32)
+#: What a trainer runs in bf16 and wraps in FSDP (:func:`runs_in_bf16`); the CLI's default is
+#: the first, the trainer this repository's TOML is for by default.
+PRECISIONS = ("torchtitan-0.3", "torchtitan-0.2", "bf16")
+
+
+def runs_in_bf16(pp: int, tp: int, fsdp: int, precision: str) -> bool:
+    """Whether a setting trains in bf16 (else fp32) with the trainer ``precision`` names.
+
+    * ``"torchtitan-0.2"``: bf16 only where FSDP shards the parameters (its mixed-precision
+      policy casts them) or nothing is parallel (autocast); PP or TP without FSDP run in fp32:
+      ``maybe_enable_amp`` turns autocast off under TP or PP, and ``apply_fsdp`` only runs with
+      ``data_parallel_shard_degree > 1`` (or context parallelism).
+    * ``"torchtitan-0.3"``: bf16 everywhere; FSDP with its mixed-precision policy wraps the
+      model at every degree, 1 included (priced by :class:`~seq1f1b.costmodel.MemoryModel`).
+    * ``"bf16"``: bf16 everywhere, FSDP only at degree > 1 (a trainer that keeps bf16 weights,
+      e.g. Megatron, whose published numbers the benchmarks compare with).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    if precision == "torchtitan-0.2":
+        return fsdp > 1 or (pp == 1 and tp == 1)
+    return True
 
 
 @dataclass(frozen=True)
@@ -43,6 +80,7 @@ class Setting:
     microbatches: int  # M per pipeline per step (pp = 1: gradient-accumulation steps)
     split: str
     recompute: bool
+    bf16: bool = True  # False: the trainer runs this setting in fp32 (:func:`runs_in_bf16`)
 
     @property
     def schedule(self) -> str:
@@ -56,7 +94,8 @@ class Setting:
         if self.seq_chunks > 1:
             sched += f" K={self.seq_chunks} {self.split}"
         ac = "full AC" if self.recompute else "no AC"
-        return f"pp{self.pp} tp{self.tp} fsdp{self.fsdp} M={self.microbatches} {sched}, {ac}"
+        fp32 = "" if self.bf16 else ", fp32"
+        return f"pp{self.pp} tp{self.tp} fsdp{self.fsdp} M={self.microbatches} {sched}, {ac}{fp32}"
 
 
 @dataclass(frozen=True)
@@ -87,6 +126,8 @@ class Candidate:
     def why(self) -> str:
         """The one-line reason for its rank: what it costs in time and memory."""
         parts = []
+        if not self.setting.bf16:
+            parts.append("fp32 (bf16 needs FSDP)")
         if self.setting.pp > 1:
             parts.append(f"bubble {self.bubble:.1%}")
         if self.setting.tp > 1:
@@ -109,6 +150,7 @@ class Plan:
     candidates: list[Candidate]
     skipped: list[str] = field(default_factory=list)  # degree combinations ruled out, and why
     tolerance: float = 0.02
+    precision: str = "bf16"  # the trainer the settings were priced for (:func:`runs_in_bf16`)
 
     @property
     def best(self) -> Candidate | None:
@@ -153,6 +195,7 @@ def search(
     min_segment: int = 4096,
     dtype_bytes: int = 2,
     state_bytes_per_param: float = 16.0,
+    precision: str = "bf16",
 ) -> Plan:
     """Price every (pp, tp, fsdp, K, split, recompute) on ``hardware.gpus`` GPUs; rank them.
 
@@ -161,6 +204,11 @@ def search(
     (equal stages), ``tp`` divides the KV heads. K > 1 only with a pipeline, and only with
     segments of at least ``min_segment`` tokens on average: the FLOPs model does not price what
     short segments cost real kernels, so it would always favour more of them.
+
+    ``precision`` (:data:`PRECISIONS`) names the trainer: which settings compute in bf16
+    (``dtype_bytes`` activations) and which in fp32 (4-byte activations,
+    ``hardware.fp32_throughput``), and whether FSDP wraps at degree 1. The default prices every
+    setting in bf16; the CLI defaults to torchtitan 0.2.2.
     """
     if global_batch < 1 or seq_len < 1 or hardware.gpus < 1:
         raise ValueError(
@@ -172,6 +220,7 @@ def search(
             f"gpu memory {hardware.memory_gb} GB leaves nothing after the {hardware.reserve_gb} "
             "GB reserve: raise --gpu-memory-gb or lower --reserve-gb"
         )
+    runs_in_bf16(1, 1, 1, precision)  # an unknown name fails here, before any pricing
     allowed_pp = set(pp) if pp is not None else None
     allowed_tp = set(tp) if tp is not None else None
     cands: list[Candidate] = []
@@ -203,8 +252,9 @@ def search(
                     except ValueError as exc:
                         skipped.append(f"pp={p} tp={t} K={k} {split}: {exc}")
                         continue
+                    bf16 = runs_in_bf16(p, t, fsdp, precision)
                     for rc in recompute:
-                        setting = Setting(p, t, fsdp, k, m, split, rc)
+                        setting = Setting(p, t, fsdp, k, m, split, rc, bf16)
                         cands.append(
                             _price(
                                 setting,
@@ -215,12 +265,13 @@ def search(
                                 dtype_bytes,
                                 state_bytes_per_param,
                                 global_batch * seq_len,
+                                precision == "torchtitan-0.3",
                             )
                         )
     cands.sort(
         key=lambda c: (not c.fits, -c.tokens_per_second_per_gpu, c.setting.seq_chunks, c.max_bytes)
     )
-    return Plan(shape, seq_len, hardware, global_batch, cands, skipped)
+    return Plan(shape, seq_len, hardware, global_batch, cands, skipped, precision=precision)
 
 
 def _price(
@@ -232,11 +283,15 @@ def _price(
     dtype_bytes: int,
     state_bytes_per_param: float,
     tokens_per_step: int,
+    fsdp_at_degree_1: bool,
 ) -> Candidate:
     p, k, m = setting.pp, setting.seq_chunks, setting.microbatches
     layers = shape.n_layers // p
+    dtype_bytes = dtype_bytes if setting.bf16 else 4  # fp32 activations and TP collectives
     costs = FlopsCosts(shape, tuple(lengths), p, p)
-    time = TimeModel(hardware, shape, setting.tp, setting.recompute, layers, dtype_bytes)
+    time = TimeModel(
+        hardware, shape, setting.tp, setting.recompute, layers, dtype_bytes, setting.bf16
+    )
     if p == 1:  # gradient accumulation over M sequences, no pipeline
         fwd, bwd = time.forward_backward(costs.segment_costs[0], lengths[0])
         makespan, bubble, in_flight = m * (fwd + bwd), 0.0, [1.0]
@@ -248,7 +303,14 @@ def _price(
         makespan, bubble = res.makespan, res.bubble_ratio
         in_flight = [res.peak_activation_stage.get(s, 0.0) for s in range(p)]
     memory = MemoryModel(
-        shape, setting.tp, setting.fsdp, setting.recompute, dtype_bytes, state_bytes_per_param
+        shape,
+        setting.tp,
+        setting.fsdp,
+        setting.recompute,
+        dtype_bytes,
+        state_bytes_per_param,
+        pipelined=p > 1,
+        fsdp_wrapped=fsdp_at_degree_1,
     )
     peaks = []
     for s in range(p):
@@ -391,6 +453,20 @@ def build_parser(prog: str = "python -m seq1f1b.planner") -> argparse.ArgumentPa
         default=300.0,
         help="achieved TP collective bandwidth, GB/s (time model)",
     )
+    ap.add_argument(
+        "--fp32-tflops",
+        type=float,
+        help="achieved fp32 TFLOP/s per GPU, for settings that run in fp32 (default: --tflops / "
+        "15, the bf16-to-fp32 peak ratio of H100 and A100 with TF32 off, torch's default)",
+    )
+    ap.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=PRECISIONS[0],
+        help="the trainer, for what runs in bf16: 'torchtitan-0.2' (bf16 only with FSDP or with "
+        "nothing parallel; PP or TP alone run in fp32), 'torchtitan-0.3' (bf16 everywhere, FSDP "
+        "wraps at every degree), 'bf16' (bf16 everywhere, FSDP only at degree > 1)",
+    )
     ap.add_argument("--top", type=int, default=12, help="rows to print")
     ap.add_argument("--json", action="store_true", help="print the ranked settings as JSON")
     return ap
@@ -427,7 +503,7 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
             n_kv_heads=a.kv_heads,
             gated_ffn=a.gated_ffn,
         )
-    hw = Hardware(a.gpus, a.gpu_memory_gb, a.reserve_gb, a.tflops, a.tp_gbps)
+    hw = Hardware(a.gpus, a.gpu_memory_gb, a.reserve_gb, a.tflops, a.tp_gbps, a.fp32_tflops)
     plan = search(
         shape,
         a.seq_len,
@@ -439,12 +515,21 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
         splits=("compute", "uniform") if a.split == "both" else (a.split,),
         recompute={"none": (False,), "full": (True,), "both": (False, True)}[a.ac],
         min_segment=a.min_segment,
+        precision=a.precision,
     )
     if not plan.candidates:
         raise ValueError(
             "no setting to price: " + ("; ".join(plan.skipped) or "check --pp/--tp/--chunks")
         )
     return a.model, plan
+
+
+_PRECISION_TEXT = {
+    "torchtitan-0.2": "torchtitan 0.2.2: bf16 where FSDP shards or nothing is parallel, fp32 "
+    "with PP or TP alone (--precision torchtitan-0.3 or bf16 for other trainers)",
+    "torchtitan-0.3": "torchtitan 0.3: bf16 everywhere, FSDP's unsharded copies at every degree",
+    "bf16": "bf16 everywhere, FSDP only at degree > 1",
+}
 
 
 def describe(preset: str | None, plan: Plan) -> str:
@@ -455,8 +540,9 @@ def describe(preset: str | None, plan: Plan) -> str:
         f"layers={s.n_layers} vocab={s.vocab} ffn={s.ffn_hidden}"
         f"{' (gated)' if s.gated_ffn else ''}; seq_len {plan.seq_len}, global batch "
         f"{plan.global_batch} sequences, {hw.gpus} GPUs x {hw.memory_gb:g} GB\n"
-        f"time model: {hw.tflops:g} TFLOP/s per GPU, TP collectives at {hw.tp_gbps:g} GB/s; "
-        "memory and time formulas: seq1f1b/costmodel.py\n"
+        f"time model: {hw.tflops:g} TFLOP/s per GPU in bf16, {hw.fp32_throughput:.3g} in fp32, "
+        f"TP collectives at {hw.tp_gbps:g} GB/s; memory and time formulas: seq1f1b/costmodel.py\n"
+        f"precision: {_PRECISION_TEXT[plan.precision]}\n"
     )
 
 
@@ -478,8 +564,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(describe(preset, plan))
     print(format_plan(plan, a.top))
     print(
-        "\nFor a torchtitan TOML of the recommendation: python -m torchtitan_integration.planner "
-        "with the same arguments."
+        "\nFor a torchtitan TOML of the recommendation: scripts/plan.sh (python -m "
+        "torchtitan_integration.planner) with the same arguments."
     )
     return 0
 

@@ -1,15 +1,23 @@
 """The planner answers "which pp / TP / K / M" from a model, a sequence length and GPUs, and its
-models agree with hand computation and with the published 7B memory outcome."""
+models agree with hand computation and with the published 7B memory outcome. Each setting is
+priced in the precision its trainer really runs (torchtitan 0.2.2: fp32 without FSDP under PP or
+TP), and the TOML says so."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from seq1f1b.costmodel import PRESETS, Hardware, MemoryModel
+from seq1f1b.costmodel import FP32_SLOWDOWN, PRESETS, Hardware, MemoryModel
 from seq1f1b.partition import ModelShape
-from seq1f1b.planner import main, search
+from seq1f1b.planner import PRECISIONS, Candidate, main, runs_in_bf16, search
+from torchtitan_integration.planner import launch_lines
+from torchtitan_integration.planner import main as toml_main
 
 LLAMA8B = PRESETS["llama3-8b"]
 PAPER7B = PRESETS["paper-7b"]
@@ -34,7 +42,9 @@ def test_memory_model_matches_hand_computation() -> None:
 
 
 def test_llama3_8b_on_8_gpus_gets_a_ranked_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """Where the trainer casts at every degree (torchtitan 0.3), Seq1F1B wins at 32k."""
     argv = "--model llama3-8b --seq-len 32768 --gpus 8 --gpu-memory-gb 80".split()
+    argv += ["--precision", "torchtitan-0.3"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "Recommendation (*):" in out and "vs the best plain 1F1B" in out
@@ -100,3 +110,143 @@ def test_nothing_fits_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "No setting fits. The lowest is" in out
     assert search(LLAMA8B, 8192, Hardware(2, 80.0), 2).best is not None
+
+
+def test_bf16_only_where_the_trainer_casts() -> None:
+    grid = [(pp, tp, f) for pp in (1, 2) for tp in (1, 2) for f in (1, 2)]
+    # torchtitan 0.2.2: FSDP's mixed-precision policy, or autocast with nothing parallel
+    assert {g for g in grid if runs_in_bf16(*g, "torchtitan-0.2")} == {
+        (1, 1, 1), (1, 1, 2), (1, 2, 2), (2, 1, 2), (2, 2, 2)
+    }  # fmt: skip
+    assert all(runs_in_bf16(*g, p) for g in grid for p in ("torchtitan-0.3", "bf16"))
+    with pytest.raises(ValueError, match=r"'fp8': use one of torchtitan-0\.3, torchtitan-0\.2"):
+        runs_in_bf16(1, 1, 1, "fp8")
+    with pytest.raises(ValueError, match="precision 'fp16'"):
+        search(LLAMA8B, 8192, Hardware(2, 80.0), 2, precision="fp16")
+
+
+def test_rule_matches_installed_torchtitan_0_2() -> None:
+    """The torchtitan-0.2 rule is what the installed torchtitan 0.2.2 does: autocast only with
+    nothing parallel (``maybe_enable_amp``), FSDP's bf16 policy wherever it shards (its
+    llama3 ``parallelize`` applies FSDP exactly when ``fsdp_enabled``). Checked in a
+    subprocess: importing torchtitan fixes its device."""
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("torchtitan not installed")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    if not (root / "protocols" / "train_spec.py").exists():
+        pytest.skip("torchtitan 0.3+: no maybe_enable_amp (FSDP casts at every degree)")
+    code = (
+        "import types, torch\n"
+        "from torchtitan.distributed.utils import maybe_enable_amp\n"
+        "for pp, tp, f in [(a, b, c) for a in (1, 2) for b in (1, 2) for c in (1, 2)]:\n"
+        "    d = types.SimpleNamespace(fsdp_enabled=f > 1, tp_enabled=tp > 1, pp_enabled=pp > 1)\n"
+        "    amp = isinstance(maybe_enable_amp(d, 'bfloat16', 'cpu'), torch.autocast)\n"
+        "    print('RULE', pp, tp, f, int(amp or f > 1))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RULE")]
+    assert len(rows) == 8
+    for pp, tp, f, bf16 in (map(int, r) for r in rows):
+        assert runs_in_bf16(pp, tp, f, "torchtitan-0.2") == bool(bf16), (pp, tp, f)
+
+
+def test_fp32_settings_are_priced_in_fp32() -> None:
+    """PP without FSDP under torchtitan 0.2.2: 4-byte activations and fp32 matmul throughput
+    (no TP, so no collectives: exactly FP32_SLOWDOWN times the bf16 step)."""
+    fp32 = MemoryModel(LLAMA8B, dtype_bytes=4).layer_bytes_per_token(False)
+    assert fp32 == 4 * (16384 + 8192 + 2048 + 57344) + 128
+    hw = Hardware(2, 80.0)
+
+    def by_k(precision: str) -> dict[int, Candidate]:
+        plan = search(
+            LLAMA8B, 8192, hw, 4, pp=[2], chunks=(2,), splits=("compute",), recompute=(True,),
+            precision=precision,
+        )  # fmt: skip
+        return {c.setting.seq_chunks: c for c in plan.candidates}
+
+    tt, bf = by_k("torchtitan-0.2"), by_k("bf16")
+    for k in (1, 2):
+        assert not tt[k].setting.bf16 and bf[k].setting.bf16
+        assert tt[k].step_seconds == pytest.approx(FP32_SLOWDOWN * bf[k].step_seconds)
+        assert tt[k].peak_bytes[0] > bf[k].peak_bytes[0]  # twice the activation bytes
+        assert tt[k].why().startswith("fp32 (bf16 needs FSDP)")
+        assert tt[k].setting.label().endswith(", fp32")
+    assert Hardware(1, 80.0, tflops=300.0).fp32_throughput == 300.0 / FP32_SLOWDOWN
+    assert Hardware(1, 80.0, fp32_tflops=50.0).fp32_throughput == 50.0
+
+
+def test_never_recommends_bf16_that_would_run_in_fp32(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Priced for torchtitan 0.2.2 (``--precision torchtitan-0.2``; 0.3 is the default): its
+    recommendation at 32k on 8 GPUs is a setting that really trains in bf16 there, and fp32
+    rows say why they are slow."""
+    argv = (
+        "--precision torchtitan-0.2 --model llama3-8b --seq-len 32768 --gpus 8 "
+        "--gpu-memory-gb 80 --json --top 200"
+    )
+    assert main(argv.split()) == 0
+    doc = json.loads(capsys.readouterr().out)
+    s = doc["recommended"]["setting"]
+    assert s["bf16"] and (s["fsdp"] > 1 or s["pp"] == s["tp"] == 1)
+    for row in doc["candidates"]:
+        r = row["setting"]
+        assert r["bf16"] == runs_in_bf16(r["pp"], r["tp"], r["fsdp"], "torchtitan-0.2")
+    assert any(not row["setting"]["bf16"] for row in doc["candidates"])
+    assert main(argv.split()[:-3]) == 0
+    assert "precision: torchtitan 0.2.2: bf16 where FSDP shards" in capsys.readouterr().out
+
+
+def test_fsdp_under_a_pipeline_holds_the_stage_unsharded() -> None:
+    """torch's pipeline stage turns FSDP's gradient sync off until the last backward and
+    torchtitan keeps PP stages gathered after forward: the whole stage's bf16 weights and
+    fp32 accumulated gradients stay unsharded; without PP two layers at a time."""
+    s, layers, tp = LLAMA8B, 16, 2
+    params = layers * s.params_per_layer + s.vocab * s.hidden  # first stage: + embedding
+    sharded = params * 16 / (tp * 4)
+    pp = MemoryModel(LLAMA8B, tp=tp, fsdp=4, pipelined=True)
+    assert pp.state_bytes(layers, True, False) == pytest.approx(sharded + params * 6 / tp)
+    flat = MemoryModel(LLAMA8B, tp=tp, fsdp=4)
+    assert flat.state_bytes(layers, True, False) == pytest.approx(
+        sharded + 8 * s.params_per_layer / tp
+    )
+    # torchtitan 0.3 wraps FSDP at degree 1 too: the same copies without sharding
+    wrapped = MemoryModel(LLAMA8B, tp=tp, fsdp=1, pipelined=True, fsdp_wrapped=True)
+    assert wrapped.state_bytes(layers, True, False) == pytest.approx(params * (16 + 6) / tp)
+    assert MemoryModel(LLAMA8B, tp=tp, pipelined=True).state_bytes(layers, True, False) == (
+        pytest.approx(params * 16 / tp)
+    )
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_toml_states_the_priced_precision(precision: str, tmp_path: Path) -> None:
+    """``mixed_precision_param`` in the TOML is the precision the plan was priced in."""
+    tomllib = pytest.importorskip("tomllib")
+    out = tmp_path / "plan.toml"
+    argv = "--model llama3-8b --seq-len 8192 --gpus 2 --gpu-memory-gb 141 --pp 2 --ac full"
+    assert toml_main([*argv.split(), "--precision", precision, "--output", str(out)]) == 0
+    text = out.read_text()
+    doc = tomllib.loads(text)
+    assert doc["parallelism"]["data_parallel_shard_degree"] == 1
+    assert doc["parallelism"]["pipeline_parallel_degree"] == 2
+    want = "float32" if precision == "torchtitan-0.2" else "bfloat16"
+    assert doc["training"]["mixed_precision_param"] == want
+    assert f"priced for --precision {precision}" in text
+    if precision != "torchtitan-0.2":
+        assert "0.2.2 would run this in fp32" in text
+
+
+def test_toml_launch_command_is_the_real_multi_node_one() -> None:
+    assert launch_lines(8) == ["# Launch: CONFIG_FILE=<this file> NGPU=8 ./run_train.sh"]
+    assert launch_lines(4) == ["# Launch: CONFIG_FILE=<this file> NGPU=4 ./run_train.sh"]
+    many = "\n".join(launch_lines(64))
+    assert "NGPU=8 NNODES=8 NODE_RANK=<0..7> RDZV_ENDPOINT=<node 0 host>:29500" in many
+    assert "sbatch --nodes=8 --gpus-per-node=8 examples/slurm_run_train.sh" in many
+    assert "NGPU=6 NNODES=2" in "\n".join(launch_lines(12))  # equal shares, not 8 + 4
+    assert "NGPU=4 NNODES=4" in "\n".join(launch_lines(16, gpus_per_node=4))
+    with pytest.raises(ValueError):
+        launch_lines(0)

@@ -67,6 +67,7 @@ def seed(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
             "--checkpoint.interval", "1000"]  # fmt: skip
 
 
+@pytest.mark.titan_grid
 @pytest.mark.parametrize("schedule", ["Seq1F1B", "InterleavedSeq1F1B"])
 def test_validation_through_eval_matches_unpipelined(seed, tmp_path, schedule) -> None:
     """0.3's validator on a Seq1F1B pipeline: ``eval()`` with the documents from positions,

@@ -18,6 +18,31 @@ from .pipeline import check_world_size
 from .spec import schedule_shards_cp
 
 
+def warn_if_fp32(job_config: Any, parallel_dims: Any) -> None:
+    """torchtitan 0.2.2 casts to bf16 only through FSDP (or autocast with nothing parallel):
+    a config asking for bf16 under PP or TP without FSDP silently trains in fp32. Say so."""
+    from torchtitan.tools.logging import logger
+
+    from seq1f1b.planner import runs_in_bf16
+
+    asked = job_config.training.mixed_precision_param
+    if asked == "float32":
+        return
+    pd = parallel_dims
+    fsdp = pd.dp_shard * pd.cp if (pd.dp_shard_enabled or pd.cp_enabled) else 1
+    if not runs_in_bf16(pd.pp, pd.tp, fsdp, "torchtitan-0.2"):
+        logger.warning(
+            "[training] mixed_precision_param = %r is not applied: torchtitan 0.2.2 casts "
+            "parameters only through FSDP (data_parallel_shard_degree > 1 or context "
+            "parallelism) and autocasts only without PP/TP, so this run (pp=%d, tp=%d, no FSDP) "
+            "trains in float32 (more memory, slower matmuls). Shard with FSDP, use torchtitan "
+            "0.3 (FSDP at every degree), or set mixed_precision_param = 'float32' to say so",
+            asked,
+            pd.pp,
+            pd.tp,
+        )
+
+
 class Seq1F1BTrainer(Trainer):
     """torchtitan's Trainer with a PP step that backpropagates the token-mean loss."""
 
@@ -32,6 +57,7 @@ class Seq1F1BTrainer(Trainer):
         check_world_size(job_config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
         with torchtitan_metrics_for_this_trainer(metrics, titan_train):
             super().__init__(job_config)
+        warn_if_fp32(job_config, self.parallel_dims)
 
     @property
     def _documents(self) -> bool:
