@@ -71,6 +71,23 @@ def split_units(
     return unit_args, unit_kwargs
 
 
+def _holds_tensors(value: Any, depth: int = 2) -> bool:
+    """A structured value (BlockMask, varlen metadata, containers) with tensors inside."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(value, str | bytes | int | float | bool | type(None)):
+        return False
+    if isinstance(value, Mapping):
+        items: Any = value.values()
+    elif isinstance(value, tuple | list):
+        items = value
+    else:
+        slots = getattr(type(value), "__slots__", ())
+        fields = [getattr(value, n, None) for n in ([slots] if isinstance(slots, str) else slots)]
+        items = [*vars(value).values(), *fields] if hasattr(value, "__dict__") else fields
+    return any(_holds_tensors(v, depth - 1) for v in items)
+
+
 def _cut_sample(
     mb_args: Sequence[Any],
     mb_kwargs: Mapping[str, Any],
@@ -92,6 +109,15 @@ def _cut_sample(
         dim = seq_dims.get(name, seq_dim)
         if isinstance(value, torch.Tensor) and dim is not None:
             cut_kwargs[name] = _cut(value, dim, lengths, f"kwarg {name!r}")
+        elif k > 1 and dim is not None and _holds_tensors(value):
+            raise ValueError(
+                f"kwarg {name!r} is a {type(value).__name__} holding tensors (e.g. an attention "
+                "mask built for the whole sequence): it cannot be cut into segments, and each "
+                "segment would get the full-sequence one. Pass packed documents as "
+                "step(document_ids=...) and drop the mask (chunk-aware attention builds each "
+                f"segment's own), or pass kwargs_seq_dims={{{name!r}: None}} to hand every "
+                "segment the same object on purpose"
+            )
         else:
             cut_kwargs[name] = [value] * k
     args = [tuple(c[seg] for c in cut_args) for seg in range(k)]
