@@ -248,6 +248,30 @@ def build_schedule(
     return schedule
 
 
+def pipelining_result(
+    entry: ScheduleEntry,
+    stages: list[Any],
+    parts: list[nn.Module],
+    config: Any,
+    lengths: list[int],
+    loss_fn: Any,
+    parallel_dims: Any,
+    shape: ModelShape,
+    v: int,
+) -> tuple[Any, list[nn.Module], bool, bool]:
+    """What a torchtitan ``pipelining_fn`` returns (both versions): the schedule, the model
+    parts, whether this rank holds the first / the last stage."""
+    cp = parallel_dims.cp
+    cp_group = parallel_dims.get_mesh("cp").get_group() if cp > 1 else None
+    schedule = build_schedule(entry, stages, config, lengths, loss_fn, cp_group, shape, v)
+    return (
+        schedule,
+        parts,
+        any(s.is_first for s in stages),
+        any(s.is_last for s in stages),
+    )
+
+
 def pipeline_seq1f1b(
     model: nn.Module,
     parallel_dims: Any,
@@ -297,13 +321,8 @@ def pipeline_seq1f1b(
         parts[i] = parallelize_fn(part, parallel_dims, job_config)
         stages[i].submod = parts[i]
 
-    cp_group = parallel_dims.get_mesh("cp").get_group() if cp > 1 else None
-    schedule = build_schedule(entry, stages, job_config, lengths, loss_fn, cp_group, shape, v)
-    return (
-        schedule,
-        parts,
-        any(s.is_first for s in stages),
-        any(s.is_last for s in stages),
+    return pipelining_result(
+        entry, stages, parts, job_config, lengths, loss_fn, parallel_dims, shape, v
     )
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from seq1f1b import ModelShape
 
-from ..pipeline import build_schedule, check_config, check_schedule_name, stages_per_rank
+from ..pipeline import check_config, check_schedule_name, pipelining_result, stages_per_rank
 from .model import make_chunk_aware
 
 
@@ -77,15 +77,18 @@ def pipeline_seq1f1b(
 ) -> tuple[Any, list[nn.Module], bool, bool]:
     """0.3's pipelining_fn contract, plus the bound ``trainer_config`` and base function."""
     entry = check_schedule_name(parallelism.pipeline_parallel_schedule)
+    spmd = {  # what torchtitan hands every parallelize_fn call
+        "parallel_dims": parallel_dims,
+        "training": training,
+        "parallelism": parallelism,
+        "compile_config": compile_config,
+        "ac_config": ac_config,
+        "dump_folder": dump_folder,
+    }
     if not entry.seq_chunked or entry.replicas != 1:
         return base_pipelining_fn(
             model,
-            parallel_dims=parallel_dims,
-            training=training,
-            parallelism=parallelism,
-            compile_config=compile_config,
-            ac_config=ac_config,
-            dump_folder=dump_folder,
+            **spmd,
             device=device,
             model_config=model_config,
             parallelize_fn=parallelize_fn,
@@ -120,15 +123,7 @@ def pipeline_seq1f1b(
         get_mesh=_build_get_mesh_callback(parallel_dims),
     )
     for i, part in enumerate(parts):
-        parts[i] = parallelize_fn(
-            part,
-            parallel_dims=parallel_dims,
-            training=training,
-            parallelism=parallelism,
-            compile_config=compile_config,
-            ac_config=ac_config,
-            dump_folder=dump_folder,
-        )
+        parts[i] = parallelize_fn(part, **spmd)
         stages[i].submod = parts[i]
         if not stages[i].is_last:
             parts[i].register_forward_hook(_contiguous_output)
@@ -137,11 +132,6 @@ def pipeline_seq1f1b(
         loss, _ = loss_fn(*args, **kwargs)  # 0.3 losses return (loss, metrics)
         return loss
 
-    cp_group = parallel_dims.get_mesh("cp").get_group() if cp > 1 else None
-    schedule = build_schedule(entry, stages, config, lengths, scalar_loss, cp_group, shape, v)
-    return (
-        schedule,
-        parts,
-        any(s.is_first for s in stages),
-        any(s.is_last for s in stages),
+    return pipelining_result(
+        entry, stages, parts, config, lengths, scalar_loss, parallel_dims, shape, v
     )
