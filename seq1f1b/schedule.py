@@ -278,7 +278,8 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         self._unit_loss_weights: list[float] = [1.0] * (m * k)
         self._lengths: list[int] = []
         self._documents: list | None = None  # per sample: document runs (packed documents)
-        self._recv_base: dict[tuple[int, bool, int, int], int] = {}
+        # per receive: (positions torch sized it for, tokens of the segment it was sized for)
+        self._recv_base: dict[tuple[int, bool, int, int], tuple[int, int]] = {}
         self._presplit: tuple[list, list, list | None] | None = None
         self._attention_checked = not check_attention or (k == 1 and self._cp is None)
         self._documents_checked = not check_attention
@@ -652,17 +653,18 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
                 f"sequence dim {dim}: uneven segment lengths need activations that keep the "
                 "sequence at seq_dim; use split='uniform' with a divisible seq_len"
             )
-        # torch sized every unit like the first one it saw (segment 0); a sequence-sharded
-        # activation (tensor parallel) holds a fixed fraction of each segment
-        base = self._recv_base.setdefault(key, int(shape[dim]))
+        # torch sized every unit like the first one it saw (segment 0 of the first step); a
+        # sequence-sharded activation (tensor parallel) holds a fixed fraction of each
+        # segment. The ratio is kept, not the size: a later step may have another length.
+        base, tokens = self._recv_base.setdefault(key, (int(shape[dim]), lengths[0]))
         seg = lengths[unit % self.seq_chunks]
-        if (base * seg) % lengths[0]:
+        if (base * seg) % tokens:
             raise ValueError(
                 f"stage {stage_index} receives activations with {base} positions for a "
-                f"segment of {lengths[0]} tokens, which does not scale to a segment of {seg}: "
+                f"segment of {tokens} tokens, which does not scale to a segment of {seg}: "
                 "set split_multiple_of to the sequence-sharding degree (e.g. the TP size)"
             )
-        return base * seg // lengths[0]
+        return base * seg // tokens
 
     def _check_received(self, stage: PipelineStageBase, unit: int) -> None:
         """Every received activation has its unit's segment length (never silently wrong)."""

@@ -323,3 +323,48 @@ def run_cp_grid(rank: int, world: int) -> None:
         Case(2, 3, 2, cp=2, seq_len=32, docs=True, window=5, sinks=2, pad=True),
     ):
         run_eval_case(rank, world, case)
+
+
+def run_changing_lengths(rank: int, world: int, seq_lens: list[int], stages_per_rank: int) -> None:
+    """One schedule, steps of different sequence lengths (and an eval at yet another): each
+    equals the full-sequence reference at its length (receive sizes follow the step)."""
+    num_stages = world * stages_per_rank
+    mods = build_stages(CFG, num_stages)
+    mine = list(range(rank, num_stages, world))
+    dev = torch.device("cpu")
+    stages = [PipelineStage(mods[s], s, num_stages, dev) for s in mine]
+    cls = lookup("Seq1F1B").schedule_class()
+    sched = cls(stages, 2, 3, loss_fn, split="uniform")
+    has_first, has_last = 0 in mine, num_stages - 1 in mine
+    for seq_len in seq_lens:
+        case = Case(stages_per_rank, 3, 2, seq_len=seq_len, batch=4)
+        ref_loss, ref_grads = reference(case, num_stages)
+        for s in mine:
+            mods[s].zero_grad(set_to_none=True)
+        x, y = data(case)
+        losses: list[torch.Tensor] = []
+        sched.step(
+            *((x,) if has_first else ()),
+            target=y if has_last else None,
+            losses=losses if has_last else None,
+        )
+        if has_last:
+            loss = torch.stack(losses).mean().item()
+            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (seq_len, loss, ref_loss)
+        for s in mine:
+            for n, p in mods[s].named_parameters():
+                err = rel_err(p.grad, ref_grads[f"{s}.{n}"])
+                assert err <= 1e-5, f"seq_len {seq_len} stage {s} {n}: rel err {err:.2e}"
+    case = Case(stages_per_rank, 3, 2, seq_len=18, batch=4)
+    x, y = data(case)
+    with torch.no_grad():
+        want = loss_fn(full_model(build_stages(CFG, num_stages))(x), y).item()
+        losses = []
+        sched.eval(
+            *((x,) if has_first else ()),
+            target=y if has_last else None,
+            losses=losses if has_last else None,
+        )
+    if has_last:
+        got = torch.stack(losses).mean().item()
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)

@@ -7,6 +7,7 @@ from dist_utils import run_ranks
 from equivalence import (
     Case,
     run_case,
+    run_changing_lengths,
     run_cp_grid,
     run_eval_case,
     run_grid,
@@ -49,6 +50,14 @@ def _eval(rank: int, world: int) -> None:
 
 def test_eval_forward_only_matches_reference() -> None:
     run_ranks(_eval, 2)
+
+
+@pytest.mark.parametrize("stages_per_rank", [1, 2])
+def test_steps_of_different_lengths_match_reference(stages_per_rank: int) -> None:
+    """24 tokens, then 48, then 24 again, then 36, then eval() at 18, with one schedule: the
+    receives are sized for each step's segments (they were sized once, from the first step,
+    and a longer step then aborted inside gloo, a shorter one fed the model wrong positions)."""
+    run_ranks(run_changing_lengths, 2, [24, 48, 24, 36], stages_per_rank)
 
 
 @pytest.mark.parametrize("stages_per_rank", [1, 2])
