@@ -162,8 +162,11 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
         model_shape: transformer shape for ``split="compute"``.
         split_multiple_of: every segment length (with context parallelism: each rank's share
             of it) is a multiple of this (e.g. the TP degree).
-        seq_len: sequence length, if known up front (validates the split at construction and
-            saves a tiny all-reduce per step that tells middle stages the length).
+        seq_len: sequence length, if fixed up front (validates the split at construction; a
+            step of another length is then an error). Without it every step may have its own
+            length. Either way a tiny all-reduce per step (pp > 1) lets middle stages, which
+            get no input, learn the length and makes bad input on any rank fail every rank
+            before pipeline traffic.
         ignore_index: target value that does not count as a token (as in cross entropy).
         kwargs_seq_dims: per kwarg, the dim to split along the sequence, or None to pass it
             whole to every segment. Default: ``seq_dim`` for every tensor kwarg.
