@@ -300,22 +300,30 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
 def stage_methods_replaced(
     replacements: Mapping[PipelineStageBase, Mapping[str, Callable[..., Any]]],
 ) -> Iterator[None]:
-    """Replace per-chunk stage methods (instance attributes) for the length of one step.
+    """Replace per-chunk stage methods (instance attributes) for the length of one step; the
+    replacements call what was there before (:meth:`ScheduleSeq1F1B._stage_wrappers` binds it).
 
     Upstream hook that would remove this: a backward counterpart of 2.15's
     ``PipelineStage.register_forward_context`` (see docs/upstream_hooks.md).
     """
-    patched: list[tuple[Any, str]] = []
+    patched: list[tuple[Any, str, Any]] = []
     try:
         for stage, methods in replacements.items():
             for name, fn in methods.items():
+                # an instance override of the user's is put back afterwards, not deleted
+                patched.append((stage, name, vars(stage).get(name, _ABSENT)))
                 setattr(stage, name, fn)
-                patched.append((stage, name))
         yield
     finally:
-        for stage, name in patched:
-            with contextlib.suppress(AttributeError):
-                delattr(stage, name)
+        for stage, name, before in reversed(patched):
+            if before is _ABSENT:
+                with contextlib.suppress(AttributeError):
+                    delattr(stage, name)
+            else:
+                setattr(stage, name, before)
+
+
+_ABSENT = object()
 
 
 # ---------------------------------------------------------------------------- runtime base

@@ -726,7 +726,10 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
     def _stage_wrappers(
         self, stage: PipelineStageBase, state: StageKVState, guard: bool
     ) -> dict[str, Callable[..., Any]]:
-        cls = type(stage)
+        # what runs each unit: the stage's own methods, or an instance override already there
+        run_forward = stage.forward_one_chunk
+        run_backward = stage.backward_one_chunk
+        run_weight = stage.backward_weight_one_chunk
 
         def forward_one_chunk(fwd_chunk_id, args, kwargs=None, save_forward_output=True):
             info = self._segment_info(fwd_chunk_id)
@@ -738,9 +741,7 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
             mode = _PlainAttentionGuard(info.documents is not None) if guard else None
             try:
                 with activate(ctx), mode or contextlib.nullcontext():
-                    out = cls.forward_one_chunk(
-                        stage, fwd_chunk_id, args, kwargs, save_forward_output
-                    )
+                    out = run_forward(fwd_chunk_id, args, kwargs, save_forward_output)
             except RuntimeError as exc:
                 if mode is not None and mode.error is not None:
                     raise mode.error from exc  # not torch's generic "failed to run forward"
@@ -754,12 +755,12 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
             if not full_backward and stage.is_first:
                 # torch runs the first stage's whole backward in its BACKWARD_WEIGHT (there is
                 # no input gradient to split off): the unit's K/V work happens there
-                cls.backward_one_chunk(stage, bwd_chunk_id, loss, full_backward, last_backward)
+                run_backward(bwd_chunk_id, loss, full_backward, last_backward)
                 return None
             info = self._segment_info(bwd_chunk_id)
             state.begin_backward(info.microbatch, info.segment)
             with activate(UnitContext(state, info, "backward", True)):
-                cls.backward_one_chunk(stage, bwd_chunk_id, loss, full_backward, last_backward)
+                run_backward(bwd_chunk_id, loss, full_backward, last_backward)
             state.end_backward(info.microbatch, info.segment, free=full_backward)
             return None
 
@@ -770,13 +771,13 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
             if stage.is_first:  # the full backward (see above)
                 state.begin_backward(info.microbatch, info.segment)
                 with activate(UnitContext(state, info, "backward", True)):
-                    cls.backward_weight_one_chunk(stage, bwd_chunk_id, last_backward)
+                    run_weight(bwd_chunk_id, last_backward)
                 state.end_backward(info.microbatch, info.segment)
                 return None
             # weight gradients from the intermediates BACKWARD_INPUT saved; checkpointing may
             # recompute the layer (and its attention, from the kept K/V cache) once more here
             with activate(UnitContext(state, info, "backward", False)):
-                cls.backward_weight_one_chunk(stage, bwd_chunk_id, last_backward)
+                run_weight(bwd_chunk_id, last_backward)
             state.end_weight(info.microbatch, info.segment)
             return None
 

@@ -368,3 +368,36 @@ def run_changing_lengths(rank: int, world: int, seq_lens: list[int], stages_per_
     if has_last:
         got = torch.stack(losses).mean().item()
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def run_with_instance_override(rank: int, world: int) -> None:
+    """A user's instance-level override of ``forward_one_chunk`` (e.g. tracing) is called for
+    every unit, the step stays exact, and the override is still there after the step."""
+    case = Case(2, 3, 2)
+    num_stages = world * case.stages_per_rank
+    ref_loss, _ = reference(case, num_stages)
+    mods = build_stages(CFG, num_stages)
+    mine = list(range(rank, num_stages, world))
+    stages = [PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in mine]
+    calls: list[int] = []
+    overrides = {}
+    for stage in stages:
+        inner = stage.forward_one_chunk
+
+        def traced(chunk_id, *args, _inner=inner, **kwargs):
+            calls.append(chunk_id)
+            return _inner(chunk_id, *args, **kwargs)
+
+        stage.forward_one_chunk = traced
+        overrides[stage] = traced
+    sched = lookup("Seq1F1B").schedule_class()(stages, 2, 3, loss_fn, split="uniform")
+    x, y = data(case)
+    has_first, has_last = 0 in mine, num_stages - 1 in mine
+    losses: list[torch.Tensor] = []
+    sched.step(*((x,) if has_first else ()), target=y if has_last else None,
+               losses=losses if has_last else None)  # fmt: skip
+    assert sorted(calls) == sorted(list(range(6)) * len(stages)), calls
+    assert all(vars(st)["forward_one_chunk"] is fn for st, fn in overrides.items())
+    if has_last:
+        loss = torch.stack(losses).mean().item()
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)

@@ -13,6 +13,7 @@ from equivalence import (
     run_grid,
     run_mask_grid,
     run_wide_cp_grid,
+    run_with_instance_override,
     run_zb_grid,
 )
 
@@ -50,6 +51,13 @@ def _eval(rank: int, world: int) -> None:
 
 def test_eval_forward_only_matches_reference() -> None:
     run_ranks(_eval, 2)
+
+
+def test_instance_overrides_of_stage_methods_are_called_and_kept() -> None:
+    """The schedule wraps each stage's per-unit methods for a step: around what the stage had,
+    an instance override included, which it restores afterwards (it used to call the class's
+    method and delete the override)."""
+    run_ranks(run_with_instance_override, 1)
 
 
 @pytest.mark.parametrize("stages_per_rank", [1, 2])
