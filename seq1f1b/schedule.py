@@ -549,24 +549,31 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
                 )
         return None
 
+    def eval(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any):
+        """Forwards only (no backward, no K/V kept for one), for validation at any length.
+
+        Takes what :meth:`step` takes (whole-batch inputs or pre-split ``arg_mbs``/
+        ``kwarg_mbs``/``target_mbs``, ``document_ids``, ``loss_kwargs``). Returns, on the rank
+        holding the last stage, the model's output for the whole batch (each sample's segments
+        concatenated along ``seq_dim``; with context parallelism this rank's share), None on
+        other ranks; ``losses`` receives the M*K unit losses as in :meth:`step`.
+        """
+        return super().eval(*args, target=target, losses=losses, **kwargs)
+
     def _average_cp_grads(self) -> None:
-        """Each CP rank holds the gradient of its shard's loss share: average them (one
-        flat all-reduce per stage)."""
+        """Each CP rank holds the gradient of its shard's loss share: average them in place,
+        one asynchronous all-reduce per gradient (no flat copy of all gradients)."""
         assert self._cp is not None
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for stage in self.local_stages:
-            for p in stage.submod.parameters():
-                if p.grad is not None:
-                    g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                    by_dtype.setdefault(g.dtype, []).append(g)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self._cp.group)
-            flat /= self._cp.size
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for stage in self.local_stages
+            for p in stage.submod.parameters()
+            if p.grad is not None
+        ]
+        works = [dist.all_reduce(g, group=self._cp.group, async_op=True) for g in grads]
+        for g, work in zip(grads, works, strict=True):
+            work.wait()
+            g.div_(self._cp.size)
 
     def _split_documents(self, document_ids: Any, seq_len: int) -> list:
         """Per-sample document runs, checked against the batch and the sequence length."""
