@@ -325,16 +325,20 @@ def run_cp_grid(rank: int, world: int) -> None:
         run_eval_case(rank, world, case)
 
 
-def run_changing_lengths(rank: int, world: int, seq_lens: list[int], stages_per_rank: int) -> None:
+def run_changing_lengths(
+    rank: int, world: int, seq_lens: list[int], stages_per_rank: int, split: str = "uniform"
+) -> None:
     """One schedule, steps of different sequence lengths (and an eval at yet another): each
-    equals the full-sequence reference at its length (receive sizes follow the step)."""
+    equals the full-sequence reference at its length (receive sizes follow the step); then a
+    length the explicit split cannot cut fails on every rank before any traffic."""
     num_stages = world * stages_per_rank
     mods = build_stages(CFG, num_stages)
     mine = list(range(rank, num_stages, world))
     dev = torch.device("cpu")
     stages = [PipelineStage(mods[s], s, num_stages, dev) for s in mine]
     cls = lookup("Seq1F1B").schedule_class()
-    sched = cls(stages, 2, 3, loss_fn, split="uniform")
+    shape = ModelShape(hidden=CFG.dim, n_heads=CFG.n_heads, n_layers=CFG.n_layers, vocab=CFG.vocab)
+    sched = cls(stages, 2, 3, loss_fn, split=split, model_shape=shape)
     has_first, has_last = 0 in mine, num_stages - 1 in mine
     for seq_len in seq_lens:
         case = Case(stages_per_rank, 3, 2, seq_len=seq_len, batch=4)
@@ -368,6 +372,14 @@ def run_changing_lengths(rank: int, world: int, seq_lens: list[int], stages_per_
     if has_last:
         got = torch.stack(losses).mean().item()
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    fixed = cls(stages, 2, 3, loss_fn, split=[12, 7, 5])
+    x, y = data(Case(stages_per_rank, 3, 2, seq_len=36, batch=4))
+    try:
+        fixed.step(*((x,) if has_first else ()), target=y if has_last else None)
+    except (ValueError, RuntimeError) as exc:
+        assert "36" in str(exc) or "another pipeline rank rejected" in str(exc), exc
+    else:
+        raise AssertionError("a 36-token step with a 24-token split ran")
 
 
 def run_with_instance_override(rank: int, world: int) -> None:
