@@ -55,8 +55,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import _runtime as rt
-from ._runtime import Action
+from ._runtime import ir as rt
+from ._runtime.ir import Action
 from .partition import ModelShape
 from .simulate import FlopsCosts
 

@@ -29,8 +29,8 @@ from collections import deque
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
-from . import _runtime as rt
-from ._runtime import Action
+from ._runtime import ir as rt
+from ._runtime.ir import Action
 from .order import paused_gc
 from .topology import StageTopology
 

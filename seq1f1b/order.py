@@ -20,8 +20,8 @@ import gc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from . import _runtime as rt
-from ._runtime import Action
+from ._runtime import ir as rt
+from ._runtime.ir import Action
 from .replay import replay
 from .topology import StageTopology
 

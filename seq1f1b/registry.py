@@ -14,8 +14,8 @@ from typing import Any
 
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from ._runtime import FORWARD, Action, stand_in_stages
-from ._runtime import StandInStage as _Stage
+from ._runtime.ir import FORWARD, Action, stand_in_stages
+from ._runtime.ir import StandInStage as _Stage
 
 __all__ = ["BASELINE_NAME", "REGISTRY", "ScheduleEntry", "is_baseline", "lookup", "schedule_names"]
 

@@ -24,8 +24,8 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from . import _runtime as rt
-from ._runtime import Action
+from ._runtime import ir as rt
+from ._runtime.ir import Action
 from .topology import StageTopology
 
 __all__ = ["ReplayResult", "expand", "replay"]

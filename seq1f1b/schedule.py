@@ -685,7 +685,7 @@ class ScheduleSeq1F1B(rt.UnitRuntime):
                     f"stage {stage.stage_index}, unit {unit}: received an activation with "
                     f"{buf.shape[self.seq_dim]} positions at dim {self.seq_dim}, expected {want} "
                     "(its segment). The receive was not sized per unit: this torch release "
-                    "changed how receive buffers are allocated (see seq1f1b/_runtime.py)."
+                    "changed how receive buffers are allocated (see seq1f1b/_runtime/)."
                 )
 
     @contextlib.contextmanager

@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from . import _runtime as rt
-from ._runtime import Action
+from ._runtime import ir as rt
+from ._runtime.ir import Action
 from .partition import ModelShape, segment_flops
 from .replay import expand, replay
 from .topology import StageTopology

@@ -1,0 +1,266 @@
+"""The seam's lowest layer: torch's action IR, its private passes and stage types, detected
+features, receive shapes, and small helpers over torch internals (see ``__init__``'s table).
+
+Imports nothing of seq1f1b: orders, replay and lowering build on it; :mod:`.unit` (the
+runtime) builds on them.
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.pipelining import schedules as _schedules
+from torch.distributed.pipelining import stage as _stage
+
+# ---------------------------------------------------------------------------- the action IR
+Action = _schedules._Action
+ComputationType = _schedules._ComputationType
+PipelineContext = _schedules._PipelineContext
+ScheduleRuntime = _schedules._PipelineScheduleRuntime
+PipelineStageBase = _stage._PipelineStageBase
+
+FORWARD = ComputationType.FORWARD
+FULL_BACKWARD = ComputationType.FULL_BACKWARD
+BACKWARD_INPUT = ComputationType.BACKWARD_INPUT
+BACKWARD_WEIGHT = ComputationType.BACKWARD_WEIGHT
+UNSHARD = ComputationType.UNSHARD
+RESHARD = ComputationType.RESHARD
+SEND_F = ComputationType.SEND_F
+RECV_F = ComputationType.RECV_F
+SEND_B = ComputationType.SEND_B
+RECV_B = ComputationType.RECV_B
+REDUCE_GRAD = ComputationType.REDUCE_GRAD
+OVERLAP_F_B = ComputationType.OVERLAP_F_B
+# 2.15 additions (None before)
+WAIT_SEND_F: ComputationType | None = getattr(ComputationType, "WAIT_SEND_F", None)
+WAIT_SEND_B: ComputationType | None = getattr(ComputationType, "WAIT_SEND_B", None)
+WAIT_REDUCE_GRAD: ComputationType | None = getattr(ComputationType, "WAIT_REDUCE_GRAD", None)
+
+# torch's passes and checks, for our lowering, tests and benchmarks
+validate_schedule = _schedules._validate_schedule
+add_send_recv = _schedules._add_send_recv
+simulate_comms_compute = _schedules._simulate_comms_compute
+add_reduce_grad = _schedules._add_reduce_grad
+torch_add_unshard_reshard = _schedules._add_unshard_reshard
+format_pipeline_order = _schedules._format_pipeline_order
+
+flatten_dense_tensors = torch._utils._flatten_dense_tensors
+unflatten_dense_tensors = torch._utils._unflatten_dense_tensors
+
+
+# ---------------------------------------------------------------------------- other internals
+def default_process_group() -> Any:
+    return torch.distributed.distributed_c10d._get_default_group()
+
+
+def set_pg_timeout(timeout: Any, group: Any) -> None:
+    torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+@contextlib.contextmanager
+def device_type_reported_as(device_type: str) -> Iterator[None]:
+    """Make ``torch._utils._get_available_device_type()`` answer ``device_type`` for a while."""
+    original = torch._utils._get_available_device_type
+    torch._utils._get_available_device_type = lambda: device_type
+    try:
+        yield
+    finally:
+        torch._utils._get_available_device_type = original
+
+
+def fsdp_replicate() -> Callable[..., Any]:
+    """FSDP2's ``replicate`` (DP-replicate whose gradients the pipelining runtime reduces)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate
+
+
+def flash_cpu_forward(q, k, v, causal: bool, scale: float, bias=None):  # type: ignore[no-untyped-def]
+    """CPU flash attention returning (out, logsumexp); ``bias``: additive mask, q's dtype.
+
+    A row the bias masks completely comes back as out 0, logsumexp 0 (not -inf): callers
+    that merge blocks must fix such rows themselves.
+    """
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+    )
+    return out, lse
+
+
+def flash_cpu_backward(g, q, k, v, out, lse, causal: bool, scale: float, bias=None):  # type: ignore[no-untyped-def]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g.contiguous(), q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
+    )
+
+
+def flash_cuda_forward(q, k, v, causal: bool, scale: float):  # type: ignore[no-untyped-def]  # pragma: no cover
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+    return res
+
+
+def flash_cuda_backward(*args: Any, **kwargs: Any):  # type: ignore[no-untyped-def]  # pragma: no cover
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- detected features
+_UNSHARD_PARAMS = inspect.signature(_schedules._add_unshard_reshard).parameters
+#: 2.15 keeps active FSDP stages in insertion order (a dict) and takes ``unshard_lookahead``;
+#: before, a set (whose iteration order decides the order of RESHARDs).
+UNSHARD_KEEPS_INSERTION_ORDER = "unshard_lookahead" in _UNSHARD_PARAMS
+#: 2.15: every SEND is retired by a matching WAIT_SEND action.
+HAS_SEND_WAITS = hasattr(_schedules, "_add_wait_send")
+#: 2.15: receive buffers are allocated per receive from ``tensor_meta``; before, they were
+#: allocated once per unit at stage initialization and kept.
+RECV_BUFFER_PER_RECEIVE = hasattr(_stage._RecvInfo, "allocate_buffer")
+#: 2.13/2.14 warm up P2P through ``_warmup_p2p`` (BitPipe runs it once per replica chain).
+HAS_WARMUP_P2P = hasattr(ScheduleRuntime, "_warmup_p2p")
+#: 2.14.1+: ``step(arg_mbs=, kwarg_mbs=, target_mbs=)``; 2.15: ``finalize_gradients``.
+_STEP_PARAMS = inspect.signature(_schedules.PipelineScheduleMulti.step).parameters
+STEP_TAKES_FINALIZE = "finalize_gradients" in _STEP_PARAMS
+#: runtime options of 2.15's ``_PipelineScheduleRuntime`` (none of them exist before).
+_NEWER_OPTIONS = (
+    "max_active_stages",
+    "unshard_lookahead",
+    "defer_reduce_grad_wait",
+    "max_outstanding_sends",
+)
+RUNTIME_OPTIONS: tuple[str, ...] = (
+    _NEWER_OPTIONS if hasattr(_schedules, "_resolve_unshard_lookahead") else ()
+)
+
+
+def add_wait_send(rank_actions: list[Action]) -> list[Action]:
+    """torch's ``_add_wait_send`` for one rank (a per-rank pass); identity before 2.15."""
+    if not HAS_SEND_WAITS:
+        return rank_actions
+    return _schedules._add_wait_send({0: rank_actions})[0]
+
+
+def validate_send_waits(lowered: Mapping[int, list[Action]]) -> None:
+    if HAS_SEND_WAITS:
+        _schedules._validate_send_waits(dict(lowered))
+
+
+def defer_recv_ops(
+    rank: int, rank_actions: list[Action], stage_to_rank: Callable[[int], int]
+) -> list[Action]:
+    """torch's ``_defer_recv_ops`` for one rank (it treats each rank's list on its own)."""
+    return _schedules._defer_recv_ops({rank: rank_actions}, stage_to_rank)[rank]
+
+
+class StandInStage(PipelineStageBase):
+    """A stage with only what a schedule's constructor reads: no module, no process group.
+
+    Builds and checks orders anywhere (tests, benchmarks, the planner), as torch's own schedule
+    tests do with their mock stages.
+    """
+
+    def __init__(self, stage_index: int, num_stages: int, group_size: int, group_rank: int) -> None:
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.group_size = group_size
+        self.group_rank = group_rank
+        self.group = None
+        self.submod = None
+        self.has_backward = True
+
+    def _create_grad_recv_info(self, *args: Any, **kwargs: Any) -> tuple:  # pragma: no cover
+        return ()
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover
+        return None
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover
+        return None
+
+
+def stand_in_stages(pp: int, stages_per_rank: int, rank: int = 0) -> list[StandInStage]:
+    """Rank ``rank``'s stages in looped placement (stage ``s`` on rank ``s % pp``)."""
+    n = pp * stages_per_rank
+    return [StandInStage(s, n, pp, rank) for s in range(rank, n, pp)]
+
+
+# ---------------------------------------------------------------------------- receive shapes
+def recv_infos(stage: PipelineStageBase, backward: bool) -> Mapping[int, Sequence[Any]]:
+    """Per unit, the stage's receive descriptors (activations, or gradients if ``backward``)."""
+    return stage.grad_recv_info if backward else stage.args_recv_info
+
+
+def recv_shape(info: Any) -> torch.Size | None:
+    """The shape a descriptor will receive into (None for root inputs / no tensor)."""
+    if getattr(info, "is_root_arg", False):
+        return None
+    if RECV_BUFFER_PER_RECEIVE:
+        meta = getattr(info, "tensor_meta", None)
+        return None if meta is None else torch.Size(meta.shape)
+    buf = getattr(info, "buffer", None)
+    return buf.shape if isinstance(buf, torch.Tensor) else None
+
+
+def set_recv_length(info: Any, dim: int, length: int) -> None:
+    """Make a descriptor receive ``length`` positions at ``dim`` (other dims unchanged)."""
+    if RECV_BUFFER_PER_RECEIVE:
+        meta = info.tensor_meta
+        shape = list(meta.shape)
+        if shape[dim] == length and tuple(meta.stride) == _contiguous(shape):
+            return
+        shape[dim] = length  # and a contiguous buffer: p2p backends send contiguous tensors
+        changes: dict[str, Any] = {"shape": torch.Size(shape), "stride": _contiguous(shape)}
+        global_shape = getattr(meta, "global_shape", None)
+        if global_shape is not None and len(global_shape) == len(shape):
+            scale = shape[dim] / meta.shape[dim]
+            gshape = list(global_shape)
+            gshape[dim] = round(gshape[dim] * scale)
+            changes["global_shape"] = torch.Size(gshape)
+            changes["global_stride"] = _contiguous(gshape)
+        # descriptors of different units may share one meta object: give this one its own
+        info.tensor_meta = dataclasses.replace(meta, **changes)
+        return
+    buf = info.buffer
+    if buf.shape[dim] == length:
+        return
+    shape = list(buf.shape)
+    shape[dim] = length
+    new = torch.empty(shape, dtype=buf.dtype, device=buf.device)
+    info.buffer = new.requires_grad_(buf.requires_grad)
+
+
+def received_tensors(stage: PipelineStageBase, unit: int) -> list[torch.Tensor]:
+    """Activations received for ``unit`` and not yet consumed (for the length check)."""
+    out: list[torch.Tensor] = []
+    for info in stage.args_recv_info.get(unit, ()):
+        buf = getattr(info, "buffer", None)
+        if not getattr(info, "is_root_arg", False) and isinstance(buf, torch.Tensor):
+            out.append(buf)
+    return out
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(stride))
+
+
+def load_csv(runtime: ScheduleRuntime, filename: str, format: str = "compute_only") -> None:
+    """torch's CSV load on any runtime (e.g. a plain ``_PipelineScheduleRuntime``)."""
+    runtime._load_csv(filename, format=format)  # type: ignore[arg-type]
+
+
+def torch_lowering(
+    stages: Sequence[PipelineStageBase],
+    actions: Mapping[int, Sequence[Action | None]],
+    n_microbatches: int,
+    **options: Any,
+) -> dict[int, list[Action]]:
+    """torch's own ``_prepare_schedule_with_comms`` of ``actions`` (every rank), as a reference."""
+    runtime = ScheduleRuntime(list(stages), n_microbatches, **options)
+    ScheduleRuntime._prepare_schedule_with_comms(runtime, {r: list(a) for r, a in actions.items()})
+    return dict(runtime.pipeline_order_with_comms)

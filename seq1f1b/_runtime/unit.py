@@ -1,0 +1,325 @@
+"""The seam's runtime layer: ``UnitRuntime``, torch's ``_PipelineScheduleRuntime`` with the
+hook-shaped extension points our schedules override, and the per-step stage method wrapping.
+
+Sits above :mod:`.ir` and the lowering it drives (:mod:`seq1f1b.lowering`).
+"""
+
+
+from __future__ import annotations
+
+import contextlib
+import csv
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..lowering import LoweredOrders, SendRecvLowering, StageTopology, fast_path_supported
+from .ir import (
+    _NEWER_OPTIONS,
+    FORWARD,
+    RUNTIME_OPTIONS,
+    STEP_TAKES_FINALIZE,
+    Action,
+    PipelineStageBase,
+    ScheduleRuntime,
+    validate_schedule,
+)
+
+
+# ---------------------------------------------------------------------------- stage hooks
+@contextlib.contextmanager
+def stage_methods_replaced(
+    replacements: Mapping[PipelineStageBase, Mapping[str, Callable[..., Any]]],
+) -> Iterator[None]:
+    """Replace per-chunk stage methods (instance attributes) for the length of one step; the
+    replacements call what was there before (:meth:`ScheduleSeq1F1B._stage_wrappers` binds it).
+
+    Upstream hook that would remove this: a backward counterpart of 2.15's
+    ``PipelineStage.register_forward_context`` (see docs/upstream_hooks.md).
+    """
+    patched: list[tuple[Any, str, Any]] = []
+    try:
+        for stage, methods in replacements.items():
+            for name, fn in methods.items():
+                # an instance override of the user's is put back afterwards, not deleted
+                patched.append((stage, name, vars(stage).get(name, _ABSENT)))
+                setattr(stage, name, fn)
+        yield
+    finally:
+        for stage, name, before in reversed(patched):
+            if before is _ABSENT:
+                with contextlib.suppress(AttributeError):
+                    delattr(stage, name)
+            else:
+                setattr(stage, name, before)
+
+
+_ABSENT = object()
+
+
+# ---------------------------------------------------------------------------- runtime base
+class UnitRuntime(ScheduleRuntime):
+    """torch's ``_PipelineScheduleRuntime`` with the hooks our schedules need, version-proof.
+
+    Subclasses build ``pipeline_order`` (compute only) and call :meth:`_install_order`; they
+    override the public-named hooks below instead of torch's private methods:
+
+    * :meth:`stage_topology` -- which stage feeds which (default: torch's chain ``s -> s+1``);
+    * :meth:`unit_loss` -- the loss of one microbatch (default: torch's ``loss_fn``);
+    * :meth:`collect_losses` -- what ``losses`` receives at the end of ``step()``;
+    * :meth:`after_stage_init` -- after torch initialized the stages' receive descriptors;
+    * :meth:`unit_scope` -- a context around the whole run of one step's actions.
+
+    Per microbatch losses are kept by index, so a stage may compute them in any order.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = [k for k in _NEWER_OPTIONS if k in kwargs and k not in RUNTIME_OPTIONS]
+        if unknown:
+            raise ValueError(
+                f"{unknown} need torch >= 2.15 (this is torch {torch.__version__}): upgrade "
+                "torch or drop these options"
+            )
+        super().__init__(*args, **kwargs)
+        self._unit_losses: dict[int, torch.Tensor] = {}
+        self._forward_only_lowered: dict[int, list[Action]] | None = None
+
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def local_stages(self) -> list[PipelineStageBase]:
+        return list(self._stages)
+
+    @property
+    def n_units(self) -> int:
+        """Microbatches as torch's runtime counts them (Seq1F1B: samples x segments)."""
+        return int(self._n_microbatches)
+
+    @property
+    def num_stages(self) -> int:
+        return self._num_stages
+
+    @property
+    def has_backward(self) -> bool:
+        return bool(self._has_backward)
+
+    @property
+    def loss_fn(self) -> Callable[..., torch.Tensor] | None:
+        return self._loss_fn
+
+    @property
+    def chunk_specs(self) -> tuple[Any, Any, Any]:
+        """(args_chunk_spec, kwargs_chunk_spec, output_merge_spec) as given to torch."""
+        return self._args_chunk_spec, self._kwargs_chunk_spec, self._output_merge_spec
+
+    @property
+    def backward_requires_autograd(self) -> bool:
+        return bool(self._backward_requires_autograd)
+
+    def set_finalize_gradients(self, finalize: bool) -> None:
+        """2.15's ``step(finalize_gradients=...)``; only True exists before."""
+        if STEP_TAKES_FINALIZE:
+            self._finalize_gradients = finalize
+        elif not finalize:
+            raise ValueError(
+                f"finalize_gradients=False needs torch >= 2.15 (this is {torch.__version__})"
+            )
+
+    def run_microbatches(
+        self,
+        arg_mbs: list,
+        kwarg_mbs: list,
+        target_mbs: list | None,
+        losses: list | None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """Run one step on inputs already split into this runtime's microbatches."""
+        self._step_microbatches(
+            arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+        )
+
+    def lowering_options(self) -> dict[str, Any]:
+        """The runtime options that shape the lowering, with torch's defaults."""
+        return {
+            "defer_recv": bool(getattr(self, "_defer_pp_recv", False)),
+            "max_active_stages": int(getattr(self, "_max_active_stages", 3)),
+            "unshard_lookahead": getattr(self, "_unshard_lookahead", "full"),
+            "defer_reduce_grad_wait": bool(getattr(self, "_defer_reduce_grad_wait", False)),
+            "max_outstanding_sends": getattr(self, "_max_outstanding_sends", None),
+        }
+
+    # ------------------------------------------------------------------ hooks for subclasses
+    def stage_topology(self, stage_to_rank: Mapping[int, int]) -> Any:
+        """The stage graph the lowering follows (``seq1f1b.lowering.StageTopology``)."""
+
+        return StageTopology.chain([stage_to_rank[s] for s in range(self.num_stages)])
+
+    def microbatches_per_stage(self) -> int:
+        """How many microbatches each stage runs (REDUCE_GRAD follows its last backward)."""
+        return self.n_units
+
+    def stage_mapping(self, actions: Mapping[int, Sequence[Action | None]]) -> dict[int, int]:
+        """Validate ``actions`` and return stage -> rank (torch's ``_validate_schedule``)."""
+        return validate_schedule(dict(actions), self.pp_group_size, self.num_stages, self.n_units)
+
+    def unit_loss(
+        self, stage: PipelineStageBase, output: Any, target: Any, mb_index: int, loss_kwargs: Any
+    ) -> torch.Tensor:
+        return self._compute_loss(output, target, loss_kwargs)
+
+    def collect_losses(self, unit_losses: dict[int, torch.Tensor], losses: list) -> None:
+        losses.extend(unit_losses[i] for i in sorted(unit_losses))
+
+    def after_stage_init(self) -> None:
+        """Called after torch initialized the stages (receive descriptors exist)."""
+
+    def unit_scope(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def finish_step(self) -> None:
+        """Called after the last action of a step, before the losses are collected."""
+
+    def stage_chain(self, stage: PipelineStageBase) -> int:
+        """Which independent pipeline chain a stage belongs to (BitPipe: its replica)."""
+        del stage
+        return 0
+
+    # ------------------------------------------------------------------ lowering
+    def _install_order(self, actions: dict[int, list[Action | None]]) -> None:
+        """Set ``pipeline_order`` and lower it (this rank now, the others on access)."""
+        self.pipeline_order = actions
+        self._forward_only_lowered = None
+        self._prepare_schedule_with_comms(actions)
+
+    def _prepare_schedule_with_comms(
+        self, actions: dict[int, list[Action | None]], format: str = "compute_only"
+    ) -> None:
+
+        options = self.lowering_options()
+        mapping = self.stage_mapping(actions) if format == "compute_only" else None
+        topology = None if mapping is None else self.stage_topology(mapping)
+        if mapping is None or topology is None or not fast_path_supported(actions, options):
+            if topology is not None and not topology.is_chain:
+                raise ValueError(
+                    f"{type(self).__name__} lowers compute-only orders itself (its stages do "
+                    "not form torch's s -> s+1 chain); torch's lowering would send across "
+                    f"pipelines. Options {options} and format={format!r} are not supported."
+                )
+            super()._prepare_schedule_with_comms(actions, format=format)  # type: ignore[arg-type]
+            return
+        self.stage_index_to_group_rank = mapping
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = mapping
+        lowering = SendRecvLowering(actions, topology, self.microbatches_per_stage(), options)
+        self.pipeline_order_with_comms = LoweredOrders(lowering)  # type: ignore[assignment]
+        self.pipeline_order_with_comms[self.rank]  # this rank's list, at construction
+
+    def _forward_only_order(self) -> dict[int, list[Action]]:
+        """eval(): the forwards alone, lowered (torch would still walk the backward actions
+        and hand gradients between same-rank stages that computed none)."""
+        if self._forward_only_lowered is None:
+
+            fwd = {
+                r: [a for a in acts if a is not None and a.computation_type == FORWARD]
+                for r, acts in self.pipeline_order.items()
+            }
+            mapping = dict(self.stage_index_to_group_rank)
+            options = self.lowering_options()
+            options["defer_reduce_grad_wait"] = False
+            lowering = SendRecvLowering(
+                fwd, self.stage_topology(mapping), self.microbatches_per_stage(), options
+            )
+            self._forward_only_lowered = LoweredOrders(lowering)  # type: ignore[assignment]
+        return self._forward_only_lowered  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ torch's runtime hooks
+    def _initialize_stages(self, args, kwargs, target=None, loss_kwargs=None):  # type: ignore[override]
+        with self.stage_init_scope():
+            super()._initialize_stages(args, kwargs, target, loss_kwargs)
+        self.after_stage_init()
+
+    def stage_init_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Context for torch's stage initialisation (its forward metadata inference runs the
+        model once, outside any unit)."""
+        return contextlib.nullcontext()
+
+    def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):  # type: ignore[override]
+        if stage.is_last and self._loss_fn is not None:
+            self._unit_losses[mb_index] = self.unit_loss(
+                stage, output, target_mbs[mb_index], mb_index, loss_kwargs
+            )
+
+    def _maybe_get_loss(self, stage, mb_index):  # type: ignore[override]
+        if stage.is_last and self._loss_fn is not None:
+            if mb_index not in self._unit_losses:
+                raise RuntimeError(f"no loss for microbatch {mb_index} yet")
+            return self._unit_losses[mb_index]
+        return None
+
+    def _update_losses(self, stages, losses):  # type: ignore[override]
+        try:
+            self.finish_step()
+            if any(s.is_last for s in self._stages) and self._loss_fn is not None:
+                collected: list = []
+                self.collect_losses(dict(self._unit_losses), collected)
+                if losses is not None:
+                    losses.clear()
+                    losses.extend(collected)
+        finally:
+            self._unit_losses.clear()
+            self._internal_losses.clear()
+
+    def _warmup_p2p(self, stages, has_backward, p2p_done):  # type: ignore[override]
+        """2.13/2.14: torch's P2P warm-up vote, once per independent chain of stages."""
+        for chain in sorted({self.stage_chain(s) for s in stages}):
+            mine = [s for s in stages if self.stage_chain(s) == chain]
+            super()._warmup_p2p(mine, has_backward, p2p_done)  # type: ignore[misc]
+
+    def _step_microbatches(  # type: ignore[override]
+        self,
+        arg_mbs: list | None = None,
+        kwarg_mbs: list | None = None,
+        target_mbs: list | None = None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self._unit_losses.clear()
+        lowered = self.pipeline_order_with_comms
+        if not self._has_backward:
+            self.pipeline_order_with_comms = self._forward_only_order()
+        try:
+            with self.unit_scope():
+                super()._step_microbatches(
+                    arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+                )
+        finally:
+            self.pipeline_order_with_comms = lowered
+
+    def _load_csv(self, filename: str, format: str = "compute_only") -> None:  # type: ignore[override]
+        """torch's CSV format; a compute-only order is checked, then lowered like a built one."""
+        if format != "compute_only":
+            super()._load_csv(filename, format=format)  # type: ignore[arg-type]
+            return
+        with open(filename, newline="") as f:
+            rows = list(csv.reader(f))
+        actions = {r: [Action.from_str(s) for s in row] for r, row in enumerate(rows)}
+        self.check_loaded_order(actions)
+        self._install_order(actions)  # type: ignore[arg-type]
+
+    def check_loaded_order(self, actions: Mapping[int, Sequence[Action | None]]) -> None:
+        """Hook: refuse a loaded order that breaks the schedule's rules."""
+
+    # ------------------------------------------------------------------ public CSV / lowering
+    def dump_csv(self, filename: str, format: str = "compute_only") -> None:
+        """torch's CSV dump (one row per rank): ``compute_only`` or ``compute_comms``."""
+        ScheduleRuntime._dump_csv(self, filename, format=format)  # type: ignore[arg-type]
+
+    def load_csv(self, filename: str, format: str = "compute_only") -> None:
+        """torch's CSV load; a compute-only order is lowered like a built one."""
+        self._load_csv(filename, format=format)
+
+    def lower(self, actions: dict[int, list[Action | None]], format: str = "compute_only") -> None:
+        """Lower ``actions`` into ``pipeline_order_with_comms`` (torch's entry point)."""
+        self._prepare_schedule_with_comms(actions, format=format)
