@@ -40,6 +40,20 @@ def test_single_rank_pipeline() -> None:
     run_ranks(_single_rank, 1)
 
 
+def _single_rank_zb_docs(rank: int, world: int) -> None:
+    for case in (
+        Case(1, 3, 2, docs=True, schedule="ZBSeq1F1B"),
+        Case(4, 3, 2, docs=True, checkpointing=True, split=(10, 8, 6)),
+    ):
+        run_case(rank, world, case)
+
+
+def test_single_rank_zero_bubble_and_documents() -> None:
+    """World size 1, in one process: the split backward and packed documents (with
+    checkpointing over four stages) equal the full-sequence reference (the fast tier)."""
+    run_ranks(_single_rank_zb_docs, 1)
+
+
 def _eval(rank: int, world: int) -> None:
     for case in (
         Case(1, 4, 2),
