@@ -17,6 +17,8 @@ FAST = (
     "test_titan_checks.py",
     "test_simulate.py",
     "test_registry.py",
+    "test_runtime_seam.py",
+    "test_errors.py",
     # orders: the published example, a sampled grid (pp 2 and 4 of 1..8), CSV round trips
     "test_order.py::test_published_example_p4_m3_k2",
     "test_order.py::test_grid_passes_torch_validators_and_rules[2]",
