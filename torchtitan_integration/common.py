@@ -12,17 +12,28 @@ import torch
 import torch.distributed as dist
 
 
-def loss_on_every_pp_rank(loss: Any, group: dist.ProcessGroup, device: torch.device) -> Any:
-    """The last PP rank's loss on every PP rank, so that rank 0 logs it as unpipelined runs
-    do (torchtitan logs -1 on ranks without the last stage and warns that the loss is not
-    visible)."""
+def loss_on_every_pp_rank(
+    loss: Any, group: dist.ProcessGroup, device: torch.device, src: int | None = None
+) -> Any:
+    """The loss of PP rank ``src`` (default: the last one, where looped placements put the
+    last stage) on every PP rank, so that rank 0 logs it as unpipelined runs do (torchtitan
+    logs -1 on ranks without the last stage and warns that the loss is not visible)."""
     full = getattr(loss, "full_tensor", None)  # TP's loss parallel: a replicated DTensor
     if callable(full):
         loss = full()
     value = loss.detach().reshape(()) if loss is not None else torch.zeros((), device=device)
     value = value.clone()
-    dist.broadcast(value, group=group, group_src=dist.get_world_size(group) - 1)
+    src = dist.get_world_size(group) - 1 if src is None else src
+    dist.broadcast(value, group=group, group_src=src)
     return value
+
+
+def last_stage_rank(group: dist.ProcessGroup, has_last: bool, device: torch.device) -> int:
+    """The lowest PP rank holding the last stage (any placement; V-shaped ones put it on 0)."""
+    size = dist.get_world_size(group)
+    t = torch.tensor(dist.get_rank(group) if has_last else size, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
 
 
 class _RunStamp:

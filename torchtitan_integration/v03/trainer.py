@@ -25,7 +25,11 @@ from seq1f1b import packed_documents
 from seq1f1b.registry import lookup
 
 from .. import assets
-from ..common import loss_on_every_pp_rank, torchtitan_metrics_for_this_trainer
+from ..common import (
+    last_stage_rank,
+    loss_on_every_pp_rank,
+    torchtitan_metrics_for_this_trainer,
+)
 from ..config import Seq1F1B
 from ..pipeline import check_schedule_name, check_world_size
 from . import cpu
@@ -182,12 +186,17 @@ class Seq1F1BTrainer(Trainer):
     ) -> torch.Tensor:
         """0.3's step contract (pre-split microbatches, ``loss_kwargs``) plus the documents;
         the loss is returned on every PP rank."""
-        if not self._ours:
-            return super().pp_forward_backward_step(
+        group = self.parallel_dims.get_mesh("pp").get_group()
+        if not self._ours:  # torch's schedules: torchtitan's step, the loss on every PP rank
+            loss = super().pp_forward_backward_step(
                 input_dict_mbs=input_dict_mbs,
                 label_mbs=label_mbs,
                 global_valid_tokens=global_valid_tokens,
             )
+            if getattr(self, "_pp_loss_src", None) is None:
+                self._pp_loss_src = last_stage_rank(group, self.pp_has_last_stage, self.device)
+            mine = loss.reshape(()) if self.pp_has_last_stage else None
+            return loss_on_every_pp_rank(mine, group, self.device, self._pp_loss_src)
         arg_mbs, kwarg_mbs, target_mbs, docs = [], [], [], []
         for input_dict, labels in zip(input_dict_mbs, label_mbs, strict=True):
             inputs, labels, extra_kwargs = self.post_dataloading_process(input_dict, labels)
@@ -208,7 +217,6 @@ class Seq1F1BTrainer(Trainer):
                 document_ids=docs,
             )
         loss = torch.sum(torch.stack(losses)).to(self.device) if losses is not None else None
-        group = self.parallel_dims.get_mesh("pp").get_group()
         return loss_on_every_pp_rank(loss, group, self.device)
 
     def close(self) -> None:
