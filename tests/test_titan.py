@@ -121,7 +121,7 @@ def test_pp2_x_fsdp2_on_gloo(seed, reference_dp2, tmp_path):
     assert_same_curve(run, reference_dp2)
 
 
-@only_titan("0.2", "DP replicate with PP through torch's replicate (0.3 composes its own)")
+@needs_sharding
 def test_pp2_x_dp_replicate2(seed, reference_dp2, tmp_path):
     run = run_titan(
         4,
