@@ -5,8 +5,8 @@
 # torchtitan is asked for. Works offline once the venv is complete.
 #
 #   scripts/setup_env.sh [VENV] [TORCH_VERSION] [EXTRAS]     (defaults: .venv 2.13.0 titan,test,bench)
-#   TORCHTITAN_VERSION=0.2.2 scripts/setup_env.sh ...          (default 0.3.0; only with extra titan;
-#                                                            a venv other than .venv keeps its own)
+#   TORCHTITAN_VERSION=0.2.2 scripts/setup_env.sh ...          (only with extra titan; default: the
+#                                                            venv's own, 0.3.0 for a new venv)
 #
 # VENV is relative to the repository root unless absolute. torchtitan is pinned the way torch is:
 # through the generated constraint file, so pip installs exactly that version (up or down) even
@@ -19,8 +19,8 @@ EXTRAS="${3:-titan,test,bench}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.seq1f1b-setup"
 TITAN="${TORCHTITAN_VERSION:-}"
-if [ -z "$TITAN" ] && [ "$VENV" != .venv ] && [ -f "$STAMP" ]; then
-  # another venv keeps the torchtitan it was made with: SEQ1F1B_VENV=.venv-titan022 ./run_train.sh
+if [ -z "$TITAN" ] && [ -f "$STAMP" ]; then
+  # a venv keeps the torchtitan it was made with: SEQ1F1B_VENV=.venv-titan022 ./run_train.sh
   TITAN="$(grep -o 'torchtitan==[^ ]*' "$STAMP" | cut -d= -f3 || true)"
 fi
 TITAN="${TITAN:-0.3.0}"   # the current release; TORCHTITAN_VERSION=0.2.2 for the previous one
