@@ -26,8 +26,6 @@ def validate_before_start(config: Any) -> None:
         )
     if not entry.seq_chunked:
         return
-    if par.spmd_backend not in ("spmd_types", "full_dtensor", "partial_dtensor"):
-        return
     shape = model_shape(config.model_spec.model)
     check_config(
         config,
