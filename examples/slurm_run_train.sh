@@ -23,7 +23,8 @@ if [ ! -f "$ROOT/run_train.sh" ]; then
   exit 2
 fi
 : "${SLURM_JOB_ID:?run this with sbatch (or inside an salloc allocation)}"
-FIRST_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+# awk reads all of it: with pipefail, "| head -n 1" can end in SIGPIPE (exit 141) for scontrol
+FIRST_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')"
 export NNODES="$SLURM_JOB_NUM_NODES"
 export RDZV_ENDPOINT="${RDZV_ENDPOINT:-$FIRST_HOST:29500}"
 export RDZV_ID="$SLURM_JOB_ID"
