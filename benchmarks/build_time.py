@@ -27,7 +27,8 @@ from collections.abc import Callable
 import torch
 
 from seq1f1b import ScheduleSeq1F1B
-from seq1f1b._runtime import stand_in_stages, torch_lowering
+from seq1f1b._runtime import reference as torch_ref
+from seq1f1b._runtime import stand_in_stages
 from seq1f1b.order import OrderSpec, build_orders
 
 # (pp, stages per rank, M, K): units M*K = 16*pp, then a units curve at pp=32
@@ -76,7 +77,7 @@ def _torch_child(pp: int, v: int, m: int, k: int, timeout: float) -> None:
     signal.setitimer(signal.ITIMER_REAL, timeout)
     start = time.perf_counter()
     try:
-        torch_lowering(stages, order, m * k)
+        torch_ref.lowering(stages, order, m * k)
         seconds: float | None = time.perf_counter() - start
     except _Timeout:
         seconds = None

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
-from seq1f1b import ModelShape, ScheduleSeq1F1B
+from seq1f1b import ModelShape, ScheduleSeq1F1B, SequenceSplit
 from seq1f1b.testing import TinyConfig, build_stages, full_model
 
 
@@ -66,9 +66,7 @@ def main() -> None:
         args.microbatches,
         args.seq_chunks,
         loss_fn,
-        split=split,
-        model_shape=shape,
-        seq_len=args.seq_len,
+        split=SequenceSplit(split, model_shape=shape, seq_len=args.seq_len),
     )
     if rank == 0:
         print(
@@ -112,7 +110,6 @@ def main() -> None:
                 + ("agree" if agree else "DIFFER"),
                 flush=True,
             )
-    dist.destroy_process_group()
 
 
 def stride_batch(
@@ -128,4 +125,8 @@ def stride_batch(
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # also on failure: a live gloo group at interpreter exit can abort the process
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -3,6 +3,7 @@
 from .attention import ChunkAwareAttention, chunk_aware_attention
 from .bitpipe import ScheduleBitPipe, build_bitpipe_stages
 from .kv import SegmentInfo, current_segment, packed_documents
+from .options import ContextParallelConfig, SequenceSplit
 from .partition import (
     ModelShape,
     compute_balanced_split,
@@ -16,12 +17,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ChunkAwareAttention",
+    "ContextParallelConfig",
     "ModelShape",
     "ScheduleBitPipe",
     "ScheduleInterleavedSeq1F1B",
     "ScheduleSeq1F1B",
     "ScheduleZBSeq1F1B",
     "SegmentInfo",
+    "SequenceSplit",
     "build_bitpipe_stages",
     "chunk_aware_attention",
     "compute_balanced_split",

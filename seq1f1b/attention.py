@@ -10,6 +10,12 @@ block plus one causal call on its own block and merges the partial outputs by lo
 backward reuses the merged output and LSE, so each block's gradient comes out exact. It saves
 only q, k, v, the output and the LSE; the cached blocks are referenced, not copied.
 
+The path reads downward: this entry point asks the K/V cache (:mod:`seq1f1b.kv`) what the
+segment keeps for later segments and which earlier ones it reads, the planner
+(:mod:`seq1f1b.masks`) for the segment's tiles, and runs them on one device (the tile loop of
+:mod:`seq1f1b.tiles`) or around the context-parallel ring (:mod:`seq1f1b.context_parallel`).
+Nothing below calls back up.
+
 Kernels (``(out, lse)`` forward and ``(dq, dk, dv)`` backward of one block):
 * CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``), any float dtype;
 * CUDA with flash-attn installed: its forward/backward kernels (not run in this project's CI:
@@ -32,25 +38,20 @@ from torch import nn
 from . import _runtime as rt
 from .context_parallel import cp_attention
 from .kv import (
-    InjectKVGrad,
-    SegmentInfo,
-    SegmentKV,
+    CachedPrefix,
     accumulate_cache_grads,
-    cached_entry,
+    attend_cache,
     current_documents,
     current_unit,
     inferring_metadata,
-    segment_entries,
 )
-from .masks import MaskSpec, RowGroups, plan_tiles
+from .masks import MaskSpec, RowGroups, plan_segment
 from .tiles import (
-    PlanEntry,
     accumulator_dtype,
     kv_blocks,
     math_backward,
     math_forward,
     merge,
-    place_tiles,
     run_tiles_backward,
     run_tiles_forward,
 )
@@ -314,62 +315,31 @@ def chunk_aware_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     plain = groups is None and spec.window is None
-    if ctx is not None and ctx.info.cp is not None:  # sharded over a context-parallel group
-        groups = groups or ((0, q.shape[0], ((0, ctx.info.seq_len),)),)
-        skip = ctx.state.skip_invisible or plain
-        kernels = block_attention_kernels(q)
-        return cp_attention(q, k, v, ctx, layer, groups, spec, scale, kernels, skip)
-    if ctx is None or ctx.info.num_segments == 1:
+    kernels = block_attention_kernels(q)
+    # the unit whose K/V cache this layer uses: none for a segment alone (unless CP-sharded)
+    alone = ctx is None or (ctx.info.cp is None and ctx.info.num_segments == 1)
+    unit = None if alone else ctx
+    if unit is None:  # nothing cached, nothing to cache
         if plain:
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, enable_gqa=n_rep > 1
             )
-        seq = q.shape[-2]
         start = 0 if ctx is None else ctx.info.start
-        groups = groups or ((0, q.shape[0], ((0, start + seq),)),)
-        run = ((start, start + seq),)
-        plan = tuple(place_tiles(run, run, groups, spec, -1))
-        docs = _flex_documents(mask_backend, q, groups, start + seq)
-        return _SegmentAttention.apply(
-            q, k, v, scale, block_attention_kernels(q), plan, spec, start, (), docs
-        )
-    info, state = ctx.info, ctx.state
-    groups = groups or ((0, q.shape[0], ((0, info.seq_len),)),)
-    seg = info.segment
-    entries, own = segment_entries(
-        ctx,
-        layer,
-        lambda: _cache_entry(k, v, info, groups, spec, ctx.keep_kv, state.skip_invisible or plain),
-    )
-    prefix: list[torch.Tensor] = []
-    used: list[SegmentKV] = []
-    plan: list[PlanEntry] = []
-    bounds, skip = info.bounds, state.skip_invisible or plain
-    own_run = ((info.start, info.end),)
-    for j in range(seg):
-        tiles = plan_tiles(info.start, info.end, bounds[j], bounds[j + 1], groups, spec, skip)
-        if not tiles:
-            continue  # nothing of segment j is visible: no kernel call, no K/V needed
-        e = cached_entry(ctx, entries, j)
-        cached = ((e.start, bounds[j + 1]),)
-        plan += place_tiles(own_run, cached, groups, spec, len(used), skip)
-        prefix += [e.k, e.v]
-        used.append(e)
-    plan += place_tiles(own_run, own_run, groups, spec, -1, skip)
-    if own is not None and ctx.keep_kv:
-        k, v = InjectKVGrad.apply(k, v, own, own.start - info.start)
+        end = seq_len = start + q.shape[-2]
+    else:
+        start, end, seq_len = unit.info.start, unit.info.end, unit.info.seq_len
+    groups = groups or ((0, q.shape[0], ((0, seq_len),)),)
+    cp = unit is not None and unit.info.cp is not None
+    docs = None if plain or cp else _flex_documents(mask_backend, q, groups, seq_len)
+    prefix, skip = CachedPrefix(), True
+    if unit is not None:
+        skip = unit.state.skip_invisible or plain
+        k, v, prefix = attend_cache(unit, layer, k, v, groups, spec, skip)
+        if cp:  # sharded over a context-parallel group: the ring runs the plan
+            return cp_attention(q, k, v, unit.info, prefix, groups, spec, scale, kernels, skip)
+    plan = plan_segment(start, end, prefix.key_runs(), groups, spec, skip)
     return _SegmentAttention.apply(
-        q,
-        k,
-        v,
-        scale,
-        block_attention_kernels(q),
-        tuple(plan),
-        spec,
-        info.start,
-        tuple(used),
-        None if plain else _flex_documents(mask_backend, q, groups, info.seq_len),
-        *prefix,
+        q, k, v, scale, kernels, plan, spec, start, prefix.entries, docs, *prefix.tensors()
     )
 
 
@@ -379,41 +349,6 @@ def _flex_documents(backend: str, q: torch.Tensor, groups: RowGroups, seq_len: i
     if not use or not _flex_available():
         return None
     return _document_index(groups, q.shape[0], seq_len, q.device)
-
-
-def _cache_entry(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    info: SegmentInfo,
-    groups: RowGroups,
-    spec: MaskSpec,
-    keep: bool,
-    skip: bool = True,
-) -> SegmentKV | None:
-    """What later segments will read of this segment's K/V: nothing (no later segment sees
-    it), or its positions from the first one any later segment sees. A short tail is copied so
-    the rest of the segment's K/V can be freed when nothing else holds it (checkpointing)."""
-    bounds, seg = info.bounds, info.segment
-    if not skip:  # mask-alone baseline: every segment but the last is kept whole
-        last = seg == info.num_segments - 1
-        return (
-            None
-            if last
-            else SegmentKV(
-                k.detach().requires_grad_(keep), v.detach().requires_grad_(keep), info.start
-            )
-        )
-    first = None
-    for later in range(seg + 1, info.num_segments):
-        for t in plan_tiles(bounds[later], bounds[later + 1], info.start, info.end, groups, spec):
-            first = t.k0 if first is None else min(first, t.k0)
-    if first is None:
-        return None
-    offset = first - info.start
-    kd, vd = k.detach()[..., offset:, :], v.detach()[..., offset:, :]
-    if 2 * (info.length - offset) <= info.length:
-        kd, vd = kd.clone(), vd.clone()
-    return SegmentKV(kd.requires_grad_(keep), vd.requires_grad_(keep), first)
 
 
 class ChunkAwareAttention(nn.Module):

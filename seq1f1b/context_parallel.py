@@ -33,26 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .kv import (
-    ContextParallel,
-    InjectKVGrad,
-    SegmentKV,
-    UnitContext,
-    accumulate_cache_grads,
-    cached_entry,
-    segment_entries,
-)
-from .masks import MaskSpec, RowGroups, plan_tiles
-from .tiles import (
-    PlanEntry,
-    Runs,
-    accumulator_dtype,
-    kv_blocks,
-    merge,
-    place_tiles,
-    run_tiles_backward,
-    run_tiles_forward,
-)
+from .kv import CachedPrefix, ContextParallel, SegmentInfo, accumulate_cache_grads
+from .masks import MaskSpec, RingPlan, RowGroups, plan_ring
+from .tiles import accumulator_dtype, kv_blocks, merge, run_tiles_backward, run_tiles_forward
 
 __all__ = ["CP_PREFIX_MODES", "CommStats", "comm_stats", "cp_attention"]
 
@@ -116,38 +99,15 @@ def _start(moving: list[torch.Tensor], cp: ContextParallel) -> _Shift:
 
 @dataclass(frozen=True)
 class _Layout:
-    """Everything static about one segment's CP attention (same on every CP rank)."""
+    """Everything static about one segment's CP attention on this rank, its tile plan for
+    every hop included (planned once: forward, backward and recomputation reuse it)."""
 
     cp: ContextParallel
-    q_runs: tuple[Runs, ...]  # per CP rank: its shard of the segment (queries and own K/V)
-    prefix_runs: tuple[tuple[Runs, ...], ...]  # per CP rank, per used prefix block
-    groups: RowGroups
+    plan: RingPlan
     spec: MaskSpec
-    skip: bool
     pass_q: bool  # prefix by moving queries (else its K/V blocks move)
     scale: float
     kernels: tuple[str, Any, Any]
-
-    def kv_plan(self, src: int) -> list[PlanEntry]:
-        """Local queries against rank ``src``'s own-segment block (-1) and, with pass-KV,
-        its prefix blocks."""
-        q = self.q_runs[self.cp.rank]
-        plan = place_tiles(q, self.q_runs[src], self.groups, self.spec, -1, self.skip)
-        if not self.pass_q:
-            for j, runs in enumerate(self.prefix_runs[src]):
-                plan += place_tiles(q, runs, self.groups, self.spec, j, self.skip)
-        return plan
-
-    def q_plan(self, src: int) -> list[PlanEntry]:
-        """Rank ``src``'s queries against the local prefix blocks (pass-Q)."""
-        plan: list[PlanEntry] = []
-        for j, runs in enumerate(self.prefix_runs[self.cp.rank]):
-            plan += place_tiles(self.q_runs[src], runs, self.groups, self.spec, j, self.skip)
-        return plan
-
-    def local_plan(self) -> list[PlanEntry]:
-        plan = self.kv_plan(self.cp.rank)
-        return plan + self.q_plan(self.cp.rank) if self.pass_q else plan
 
 
 class _CPAttention(torch.autograd.Function):
@@ -165,7 +125,7 @@ class _CPAttention(torch.autograd.Function):
         if layout.pass_q:
             moving.append(q)
         pending = _start(moving, cp) if cp.size > 1 else None
-        run_tiles_forward(q, local, layout.local_plan(), *args, out, lse)
+        run_tiles_forward(q, local, layout.plan.local, *args, out, lse)
         travel: list[torch.Tensor] = []  # partial (out, lse) of the visiting queries
         for hop in range(1, cp.size):
             assert pending is not None
@@ -175,12 +135,12 @@ class _CPAttention(torch.autograd.Function):
                 _STATS.add("prefix", travel)
                 travel = _ring_shift(travel, cp)
             kv = kv_blocks(moving[0], moving[1], [] if layout.pass_q else moving[2:])
-            run_tiles_forward(q, kv, layout.kv_plan(src), *args, out, lse)
+            run_tiles_forward(q, kv, layout.plan.kv[src], *args, out, lse)
             if layout.pass_q:
                 q_src = moving[-1]
                 o_t, l_t = travel or (torch.zeros_like(out), torch.full_like(lse, -torch.inf))
                 prefix_blocks = {j: b for j, b in local.items() if j >= 0}
-                run_tiles_forward(q_src, prefix_blocks, layout.q_plan(src), *args, o_t, l_t)
+                run_tiles_forward(q_src, prefix_blocks, layout.plan.q[src], *args, o_t, l_t)
                 travel = [o_t, l_t]
         if travel:  # the partial results of the previous rank's queries go home
             _STATS.add("prefix", travel)
@@ -206,7 +166,7 @@ class _CPAttention(torch.autograd.Function):
         if layout.pass_q:
             moving += [q, grad_out, out, lse]
         pending = _start(moving, cp) if cp.size > 1 else None
-        run_tiles_backward(grad_out, q, out, lse, local, layout.local_plan(), *args, dq, dkv)
+        run_tiles_backward(grad_out, q, out, lse, local, layout.plan.local, *args, dq, dkv)
         kv_ids = [-1, *range((n_kv - 2) // 2)]
         accs: list[torch.Tensor] = []  # gradient accumulators of the visiting blocks / queries
         for hop in range(1, cp.size):
@@ -220,7 +180,7 @@ class _CPAttention(torch.autograd.Function):
                 held = _ring_shift(accs, cp)
             kv = kv_blocks(moving[0], moving[1], moving[2:n_kv])
             got: dict[int, list[torch.Tensor]] = {}
-            run_tiles_backward(grad_out, q, out, lse, kv, layout.kv_plan(src), *args, dq, got)
+            run_tiles_backward(grad_out, q, out, lse, kv, layout.plan.kv[src], *args, dq, got)
             accs = []
             for i, block in enumerate(kv_ids):
                 for which in (0, 1):
@@ -235,7 +195,7 @@ class _CPAttention(torch.autograd.Function):
                 dq_src = held[-1] if held else torch.zeros_like(q_src, dtype=wide)
                 prefix_blocks = {j: b for j, b in local.items() if j >= 0}
                 run_tiles_backward(
-                    do_src, q_src, o_src, lse_src, prefix_blocks, layout.q_plan(src), *args,
+                    do_src, q_src, o_src, lse_src, prefix_blocks, layout.plan.q[src], *args,
                     dq_src, dkv,
                 )  # fmt: skip
                 accs.append(dq_src)
@@ -258,7 +218,7 @@ class _CPAttention(torch.autograd.Function):
         return (dq.to(q.dtype), dk, dv, None, None, *((None,) * len(prefix)))
 
 
-def _prefix_by_queries(mode: str, ctx: UnitContext, used: Sequence[int], q, k) -> bool:
+def _prefix_by_queries(mode: str, info: SegmentInfo, used: Sequence[int], q, k) -> bool:
     """pass-Q or pass-KV for the cached prefix: by the bytes each would move per hop
     (forward + backward: Q, O and Q, dO, O, dQ for pass-Q; K, V and K, V, dK, dV of every cached
     block for pass-KV, i.e. ``6 L H d`` against ``6 P H_kv d`` for a segment of ``L`` tokens
@@ -267,76 +227,41 @@ def _prefix_by_queries(mode: str, ctx: UnitContext, used: Sequence[int], q, k) -
         return False  # nothing cached to reach: no prefix traffic at all
     if mode != "auto":
         return mode == "pass_q"
-    bounds = ctx.info.bounds
-    prefix_len = sum(bounds[j + 1] - bounds[j] for j in used)
-    return ctx.info.length * q.shape[1] <= prefix_len * k.shape[1]
-
-
-def _cache_entry(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ctx: UnitContext,
-    groups: RowGroups,
-    spec: MaskSpec,
-    skip: bool,
-) -> SegmentKV | None:
-    """This rank's shard of the segment's K/V, if any later segment sees the segment (the
-    decision is per segment, so it is the same on every CP rank)."""
-    info = ctx.info
     bounds = info.bounds
-    seen = any(
-        plan_tiles(bounds[later], bounds[later + 1], info.start, info.end, groups, spec, skip)
-        for later in range(info.segment + 1, info.num_segments)
-    )
-    if not seen:
-        return None
-    keep = ctx.keep_kv
-    return SegmentKV(k.detach().requires_grad_(keep), v.detach().requires_grad_(keep), info.start)
+    prefix_len = sum(bounds[j + 1] - bounds[j] for j in used)
+    return info.length * q.shape[1] <= prefix_len * k.shape[1]
 
 
 def cp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    ctx: UnitContext,
-    layer: Any,
+    info: SegmentInfo,
+    prefix: CachedPrefix,
     groups: RowGroups,
     spec: MaskSpec,
     scale: float,
     kernels: tuple[str, Any, Any],
     skip: bool,
 ) -> torch.Tensor:
-    """:func:`seq1f1b.chunk_aware_attention` inside a unit whose sequence is CP-sharded
-    (``skip``: plan only the tiles with a visible pair; False is the mask-alone baseline)."""
-    info = ctx.info
+    """:func:`seq1f1b.chunk_aware_attention` inside a unit whose sequence is CP-sharded: this
+    rank's shard of the segment's ``q``, ``k``, ``v`` against the whole segment and the cached
+    ``prefix`` blocks it reads (``skip``: plan only the tiles with a visible pair; False is the
+    mask-alone baseline)."""
     cp = info.cp
     assert cp is not None
-    seg, bounds = info.segment, info.bounds
-    entries, own = segment_entries(ctx, layer, lambda: _cache_entry(k, v, ctx, groups, spec, skip))
-    used = [
-        j
-        for j in range(seg)
-        if plan_tiles(info.start, info.end, bounds[j], bounds[j + 1], groups, spec, skip)
-    ]
-    used_entries: list[SegmentKV] = []
-    prefix: list[torch.Tensor] = []
-    for j in used:
-        e = cached_entry(ctx, entries, j)
-        used_entries.append(e)
-        prefix += [e.k, e.v]
+    bounds, used = info.bounds, prefix.used
+    pass_q = _prefix_by_queries(cp.prefix, info, used, q, k)
+    q_runs = tuple(cp.runs(info.start, info.end, r) for r in range(cp.size))
+    prefix_runs = tuple(
+        tuple(cp.runs(bounds[j], bounds[j + 1], r) for j in used) for r in range(cp.size)
+    )
     layout = _Layout(
         cp=cp,
-        q_runs=tuple(cp.runs(info.start, info.end, r) for r in range(cp.size)),
-        prefix_runs=tuple(
-            tuple(cp.runs(bounds[j], bounds[j + 1], r) for j in used) for r in range(cp.size)
-        ),
-        groups=groups,
+        plan=plan_ring(q_runs, prefix_runs, cp.rank, groups, spec, skip, pass_q),
         spec=spec,
-        skip=skip,
-        pass_q=_prefix_by_queries(cp.prefix, ctx, used, q, k),
+        pass_q=pass_q,
         scale=scale,
         kernels=kernels,
     )
-    if own is not None and ctx.keep_kv:
-        k, v = InjectKVGrad.apply(k, v, own, 0)
-    return _CPAttention.apply(q, k, v, layout, tuple(used_entries), *prefix)
+    return _CPAttention.apply(q, k, v, layout, prefix.entries, *prefix.tensors())

@@ -13,29 +13,29 @@ must see the unit that is being differentiated. It is only set inside ``step()``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .masks import RowGroups, document_runs
+from .masks import MaskSpec, RowGroups, Runs, document_runs, first_seen, visible_blocks
 
 __all__ = [
+    "CachedPrefix",
     "ContextParallel",
     "SegmentInfo",
     "SegmentKV",
     "StageKVState",
     "UnitContext",
+    "attend_cache",
+    "cache_entry",
     "current_documents",
     "current_segment",
     "current_unit",
     "packed_documents",
 ]
-
-
-Runs = tuple[tuple[int, int], ...]  # absolute (start, end) pieces of a local shard
 
 
 def zigzag_runs(start: int, end: int, rank: int, size: int) -> Runs:
@@ -275,11 +275,68 @@ class UnitContext:
     keep_kv: bool  # a backward will follow: cache K/V as grad-accumulating leaves
 
 
-def segment_entries(
-    ctx: UnitContext, layer: Hashable, make: Callable[[], SegmentKV | None]
-) -> tuple[list[SegmentKV | None], SegmentKV | None]:
-    """A layer's cache entries for the running sample, and the running segment's own entry:
-    made (``make()``) and appended in a forward, found again in a recomputation."""
+def cache_entry(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    info: SegmentInfo,
+    groups: RowGroups,
+    spec: MaskSpec,
+    keep: bool,
+    skip: bool = True,
+) -> SegmentKV | None:
+    """What later segments will read of the running segment's K/V: nothing (no later segment
+    has a tile on it), or its positions from the first one any later segment sees. A short
+    tail is copied so the rest of the segment's K/V can be freed when nothing else holds it
+    (checkpointing). A context-parallel shard (two runs of positions) is kept whole; the
+    decision is per segment, so it is the same on every CP rank. ``skip=False`` (the mask-alone
+    baseline) keeps every segment but the last whole."""
+    bounds, seg = info.bounds, info.segment
+    later = tuple((bounds[j], bounds[j + 1]) for j in range(seg + 1, info.num_segments))
+    first = first_seen(info.start, info.end, later, groups, spec, skip)
+    if first is None:
+        return None
+    offset = 0 if info.cp is not None else first - info.start
+    kd, vd = k.detach()[..., offset:, :], v.detach()[..., offset:, :]
+    if 2 * (info.length - offset) <= info.length:
+        kd, vd = kd.clone(), vd.clone()
+    return SegmentKV(kd.requires_grad_(keep), vd.requires_grad_(keep), info.start + offset)
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """The earlier segments a running segment reads: segment ``used[i]``, which ends at
+    position ``ends[i]``, has the cache entry ``entries[i]``, plan block ``i`` (the other
+    segments are invisible to it)."""
+
+    used: tuple[int, ...] = ()
+    entries: tuple[SegmentKV, ...] = ()
+    ends: tuple[int, ...] = ()
+
+    def key_runs(self) -> tuple[tuple[int, int], ...]:
+        """The positions ``(start, end)`` each entry holds (on one device; a context-parallel
+        entry holds this rank's shard of them)."""
+        return tuple((e.start, end) for e, end in zip(self.entries, self.ends, strict=True))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """``k, v`` of every entry, in order (the attention's prefix inputs)."""
+        return [t for e in self.entries for t in (e.k, e.v)]
+
+
+def attend_cache(
+    ctx: UnitContext,
+    layer: Hashable,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: RowGroups,
+    spec: MaskSpec,
+    skip: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, CachedPrefix]:
+    """The cache side of one attention layer in the running unit.
+
+    In a forward, cache what later segments see of ``k``, ``v`` (:func:`cache_entry`); in a
+    recomputation (checkpointing), find that entry again. Returns the ``k``, ``v`` to attend
+    with (wired so that the gradients later segments leave on the cache flow into them) and
+    the cache entries of the earlier segments the running one has tiles on."""
     info, state = ctx.info, ctx.state
     seg = info.segment
     entries = state.layer_entries(info.microbatch, layer)
@@ -290,16 +347,26 @@ def segment_entries(
                 f"{len(entries)} segments of sample {info.microbatch} but runs segment {seg}; "
                 "each attention layer must run exactly once per unit forward"
             )
-        entries.append(make())
+        entries.append(cache_entry(k, v, info, groups, spec, ctx.keep_kv, skip))
     elif len(entries) <= seg:  # recomputation inside a backward (checkpointing)
         raise RuntimeError(
             f"Seq1F1B: recomputing segment {seg} of sample {info.microbatch} on stage "
             f"{state.stage_index} but its K/V cache is gone"
         )
-    return entries, entries[seg]
+    earlier = tuple((info.bounds[j], info.bounds[j + 1]) for j in range(seg))
+    used = visible_blocks(info.start, info.end, earlier, groups, spec, skip)
+    prefix = CachedPrefix(
+        used,
+        tuple(_cached_entry(ctx, entries, j) for j in used),
+        tuple(earlier[j][1] for j in used),
+    )
+    own = entries[seg]
+    if own is not None and ctx.keep_kv:
+        k, v = InjectKVGrad.apply(k, v, own, own.start - info.start)
+    return k, v, prefix
 
 
-def cached_entry(ctx: UnitContext, entries: list[SegmentKV | None], j: int) -> SegmentKV:
+def _cached_entry(ctx: UnitContext, entries: list[SegmentKV | None], j: int) -> SegmentKV:
     """Segment ``j``'s cache entry, which the running segment reads."""
     e = entries[j]
     if e is None:
@@ -310,6 +377,13 @@ def cached_entry(ctx: UnitContext, entries: list[SegmentKV | None], j: int) -> S
     return e
 
 
+# The unit context is a process-wide stack, not a contextvars.ContextVar, on purpose: the
+# attention reads it in checkpoint recomputation, which the autograd engine runs on its device
+# worker threads (CUDA), and those threads do not see the ContextVar values of the thread that
+# called backward() on the torch releases we support (pytorch/pytorch#186583 propagates them,
+# #191777 proposes an opt-in AutogradContextVar). A ContextVar would make recomputation on a
+# GPU silently take the unchunked path. Once every supported release propagates contextvars to
+# autograd workers, this becomes a ContextVar. One schedule steps at a time per process.
 _ACTIVE: list[UnitContext] = []
 _DOCUMENTS: list[RowGroups] = []
 _INFERRING: list[bool] = []

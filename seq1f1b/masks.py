@@ -10,6 +10,14 @@ no later segment has a tile on is never kept.
 Visibility of key position ``l`` from query position ``i`` (absolute positions in the sample):
 ``l <= i``, same document, and ``i - l < window`` or ``l < sinks`` (when a window is set).
 Documents are contiguous runs of equal ids (``document_runs``); packing produces exactly that.
+
+This module is the bottom of the attention path: pure planning at absolute positions, no
+tensors of the model. :func:`plan_tiles` cuts one (query block, key block) rectangle;
+:func:`place_tiles` places those tiles in local tensors that hold runs of positions; a
+segment's whole plan is :func:`plan_segment` (one device) or :func:`plan_ring` (every hop of
+the context-parallel ring), each built once and reused by forward, backward and checkpoint
+recomputation. :func:`visible_blocks` / :func:`first_seen` say which cached blocks a segment
+reads and what of its own K/V later segments read (the K/V cache, :mod:`seq1f1b.kv`).
 """
 
 from __future__ import annotations
@@ -20,9 +28,23 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["MaskSpec", "Tile", "document_runs", "plan_tiles", "tile_mask"]
+__all__ = [
+    "MaskSpec",
+    "PlanEntry",
+    "RingPlan",
+    "Runs",
+    "Tile",
+    "document_runs",
+    "first_seen",
+    "place_tiles",
+    "plan_ring",
+    "plan_segment",
+    "plan_tiles",
+    "tile_mask",
+    "visible_blocks",
+]
 
-Runs = tuple[tuple[int, int], ...]  # (start, end) of each document of one batch row
+Runs = tuple[tuple[int, int], ...]  # absolute (start, end) runs: a row's documents, a CP shard
 RowGroups = tuple[tuple[int, int, Runs], ...]  # (first row, end row, runs) of equal rows
 
 
@@ -60,6 +82,9 @@ class Tile:
     k1: int
     kind: str
     runs: Runs = ()  # documents to mask by (dense tiles only; empty: one document)
+
+
+PlanEntry = tuple[int, Tile, int, int]  # (block, tile, q_shift, k_shift), see place_tiles
 
 
 def document_runs(ids: torch.Tensor) -> RowGroups:
@@ -168,3 +193,128 @@ def _window_split(
                 (r0, r1, max(r0, full_from), hi, "causal" if full_from <= r0 else "masked")
             )
     return pieces
+
+
+# ------------------------------------------------------------------- plans of whole segments
+def place_tiles(
+    q_runs: Runs,
+    k_runs: Runs,
+    groups: RowGroups,
+    spec: MaskSpec,
+    block: int,
+    skip: bool = True,
+) -> list[PlanEntry]:
+    """Tiles of the queries held as ``q_runs`` against the keys held as ``k_runs`` (key/value
+    block ``block``), placed in local tensors that hold those runs back to back: the tile's
+    queries ``[q0, q1)`` sit at local indices ``[q0 + q_shift, q1 + q_shift)``, its keys
+    likewise.
+
+    Runs are whole chunks of the sequence: a key run is the query run itself (a causal
+    square), lies wholly before it, or wholly after it (invisible under causal masking)."""
+    out: list[PlanEntry] = []
+    q_off = 0
+    for qa, qb in q_runs:
+        k_off = 0
+        for ka, kb in k_runs:
+            if ka < qb and (kb <= qa or (ka, kb) == (qa, qb)):
+                for t in plan_tiles(qa, qb, ka, kb, groups, spec, skip):
+                    out.append((block, t, q_off - qa, k_off - ka))
+            elif ka < qb:
+                raise ValueError(f"key run {(ka, kb)} straddles query run {(qa, qb)}")
+            k_off += kb - ka
+        q_off += qb - qa
+    return out
+
+
+def visible_blocks(
+    q0: int,
+    q1: int,
+    key_blocks: Sequence[tuple[int, int]],
+    groups: RowGroups,
+    spec: MaskSpec,
+    skip: bool = True,
+) -> tuple[int, ...]:
+    """Indices of the key blocks ``(start, end)`` that queries ``[q0, q1)`` have a tile on:
+    the earlier segments a segment reads (the others need no kernel call and no K/V)."""
+    return tuple(
+        j for j, (k0, k1) in enumerate(key_blocks) if plan_tiles(q0, q1, k0, k1, groups, spec, skip)
+    )
+
+
+def first_seen(
+    k0: int,
+    k1: int,
+    query_blocks: Sequence[tuple[int, int]],
+    groups: RowGroups,
+    spec: MaskSpec,
+    skip: bool = True,
+) -> int | None:
+    """The first key of ``[k0, k1)`` that any of the query blocks ``(start, end)`` has a tile
+    on (``k0`` itself without ``skip``: its tiles are whole rectangles); None when none has:
+    what a segment's cache must keep for the later segments."""
+    first = None
+    for q0, q1 in query_blocks:
+        for t in plan_tiles(q0, q1, k0, k1, groups, spec, skip):
+            first = t.k0 if first is None else min(first, t.k0)
+    return first
+
+
+@lru_cache(maxsize=1024)
+def plan_segment(
+    q0: int,
+    q1: int,
+    cached: tuple[tuple[int, int], ...],
+    groups: RowGroups,
+    spec: MaskSpec,
+    skip: bool = True,
+) -> tuple[PlanEntry, ...]:
+    """A segment's plan on one device: queries ``[q0, q1)`` against the cached key blocks
+    ``cached[j] = (start, end)`` (plan block ``j``), then against its own keys (block -1)."""
+    own = ((q0, q1),)
+    plan: list[PlanEntry] = []
+    for j, run in enumerate(cached):
+        plan += place_tiles(own, (run,), groups, spec, j, skip)
+    plan += place_tiles(own, own, groups, spec, -1, skip)
+    return tuple(plan)
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """One context-parallel rank's tiles of a segment, for every hop of the ring. Blocks: -1 a
+    rank's shard of the segment's own K/V, ``j`` its shard of the ``j``-th prefix block read."""
+
+    local: tuple[PlanEntry, ...]  # local queries on the local blocks (before any hop)
+    kv: tuple[tuple[PlanEntry, ...], ...]  # by source rank: local queries on its visiting blocks
+    q: tuple[tuple[PlanEntry, ...], ...]  # by source rank: its visiting queries (pass-Q) on the
+    # local prefix blocks (empty without pass-Q)
+
+
+@lru_cache(maxsize=256)
+def plan_ring(
+    q_runs: tuple[Runs, ...],
+    prefix_runs: tuple[tuple[Runs, ...], ...],
+    rank: int,
+    groups: RowGroups,
+    spec: MaskSpec,
+    skip: bool,
+    pass_q: bool,
+) -> RingPlan:
+    """The plan of :class:`RingPlan` for CP rank ``rank``: ``q_runs[r]`` is rank ``r``'s shard
+    of the segment (its queries and own keys), ``prefix_runs[r][j]`` its shard of prefix block
+    ``j``. With ``pass_q`` the queries visit the prefix blocks, else the prefix blocks travel
+    with the segment's own K/V."""
+    q = q_runs[rank]
+    kv: list[tuple[PlanEntry, ...]] = []
+    q_side: list[tuple[PlanEntry, ...]] = []
+    for src in range(len(q_runs)):
+        plan = place_tiles(q, q_runs[src], groups, spec, -1, skip)
+        if not pass_q:
+            for j, runs in enumerate(prefix_runs[src]):
+                plan += place_tiles(q, runs, groups, spec, j, skip)
+        kv.append(tuple(plan))
+        visiting: list[PlanEntry] = []
+        if pass_q:
+            for j, runs in enumerate(prefix_runs[rank]):
+                visiting += place_tiles(q_runs[src], runs, groups, spec, j, skip)
+        q_side.append(tuple(visiting))
+    return RingPlan(local=kv[rank] + q_side[rank], kv=tuple(kv), q=tuple(q_side))

@@ -17,6 +17,8 @@ from torch.distributed.pipelining.microbatch import (
     split_args_kwargs_into_chunks,
 )
 
+from .masks import Runs
+
 __all__ = [
     "count_tokens",
     "merge_unit_outputs",
@@ -191,9 +193,6 @@ def merge_unit_outputs(
         else:
             return outputs
     return merge_chunks(samples, output_merge_spec)
-
-
-Runs = tuple[tuple[int, int], ...]
 
 
 def shard_sequence(t: torch.Tensor, dim: int, runs: Runs, start: int) -> torch.Tensor:

@@ -10,7 +10,11 @@ A *unit* is one (sample microbatch ``m``, sequence segment ``k``) pair; its inde
   BACKWARD_WEIGHT instead of FULL_BACKWARD on every stage but the first (the attention
   accumulates the cached K/V gradients itself, so the input half keeps them exact).
 
-The orders are plain data (no process group), so they can be built and checked anywhere.
+Each rank's list is computed on its own in closed form (:func:`rank_order`), as torch's
+``_calculate_single_rank_operations`` does: 1F1B with a fixed warm-up (Seq1F1B's for one
+stage per rank, torch's interleaved one plus ``K - 1`` for several), which provably cannot
+deadlock, so no search and no replay are needed. The orders are plain data (no process
+group), so they can be built and checked anywhere.
 """
 
 from __future__ import annotations
@@ -22,8 +26,6 @@ from dataclasses import dataclass
 
 from ._runtime import ir as rt
 from ._runtime.ir import Action
-from .replay import replay
-from .topology import StageTopology
 
 F = rt.FORWARD
 B = rt.FULL_BACKWARD
@@ -34,6 +36,7 @@ __all__ = [
     "OrderSpec",
     "backward_unit_order",
     "build_orders",
+    "rank_order",
     "sample_groups",
     "seq1f1b_warmup",
     "split_backward",
@@ -140,10 +143,17 @@ def _rank_sequences(spec: OrderSpec, rank: int) -> tuple[list[Action], list[Acti
     return fwd, bwd
 
 
-def _initial_warmup(spec: OrderSpec, rank: int) -> int:
-    n_local_units = spec.n_units * spec.stages_per_rank
+def _warmup(spec: OrderSpec, rank: int) -> int:
+    """Warm-up forwards ``W[r]`` of one rank, in closed form (see :func:`rank_order`).
+
+    Single-stage: :func:`seq1f1b_warmup`. Interleaved: ``min((v-1)*R + 2*(pp-r-1) + K-1,
+    v*M*K)`` with ``R`` the units of the first (largest) round of :func:`sample_groups`, i.e.
+    torch's interleaved warm-up ``(v-1)*R + 2*(pp-r-1)`` (``_get_warmup_ops``,
+    ``multiply_factor=2``) plus Seq1F1B's ``K - 1``.
+    """
     if spec.stages_per_rank == 1:
         return seq1f1b_warmup(spec.pp, rank, spec.n_units, spec.seq_chunks)
+    n_local_units = spec.n_units * spec.stages_per_rank
     round_units = len(sample_groups(spec)[0])
     warm = (spec.stages_per_rank - 1) * round_units + 2 * (spec.pp - rank - 1)
     return min(warm + spec.seq_chunks - 1, n_local_units)
@@ -162,33 +172,49 @@ def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Acti
     return order
 
 
+def rank_order(spec: OrderSpec, rank: int) -> list[Action]:
+    """The compute-only Seq1F1B order of one rank, in closed form (no other rank is built).
+
+    1F1B over the rank's forward list (per round of :func:`sample_groups`: each local stage
+    forwards the round's units) and backward list (per round: local stages in reverse, each
+    sample's segments last-first): ``W[r]`` forwards (:func:`_warmup`), then forward/backward
+    pairs, then the remaining backwards; with ``split_backward``, :func:`split_backward`.
+
+    Why no rank waits forever (``W[r] >= W[r+1]``: the warm-up shrinks downstream).
+    Entry ``i`` of every rank's forward (backward) list is the same (local stage, unit), so a
+    forward ``i`` waits only for forward ``i`` of rank ``r-1`` (on rank 0, local ``l > 0``:
+    forward ``i - R_g`` of rank ``pp-1``, the previous local stage, one round earlier) and a
+    backward ``j`` for backward ``j`` of rank ``r+1`` (on rank ``pp-1``, ``l < v-1``: backward
+    ``j - R_g`` of rank 0) and for its own forward. That forward lies at most
+    ``(v-1)*R + K-1 <= W[pp-1] <= W[r]`` entries after ``j``, and the rank has run forwards
+    ``0..W[r]+j`` before backward ``j``: the warm-up covers the forwards that must precede each
+    backward. So a deadlock needs a cycle of stuck ranks, each waiting on a neighbour:
+
+    * ``r`` at backward ``j``, ``r+1`` at forward ``i``: ``r`` has run forward ``i`` unless
+      ``i > W[r] + j``, ``r+1`` has run backward ``j`` unless ``j >= i - W[r+1]``; both need
+      ``W[r+1] > W[r]``;
+    * the same across the wrap (``pp-1`` at a backward, 0 at a forward) needs
+      ``W[0] - W[pp-1] > R_g + R_g'``, but ``W[0] - W[pp-1] <= 2*(pp-1)`` and every round holds
+      ``>= pp`` units (a lone round of ``R < pp`` units caps ``W[0] - W[pp-1]`` at ``R``);
+    * every rank stuck in one direction round the ring: each hop keeps the index or lowers it
+      and the wrap lowers it by a round, so a rank would be stuck before its own position.
+
+    The ``2`` per hop (torch's interleaved ``multiply_factor``) is there for the bubble, not
+    for correctness: with equal costs a rank's gradient comes back just as it needs it.
+    """
+    order = _one_f_one_b(*_rank_sequences(spec, rank), _warmup(spec, rank))
+    return split_backward(order) if spec.split_backward else order
+
+
 def build_orders(spec: OrderSpec) -> dict[int, list[Action]]:
     """Compute-only Seq1F1B orders for every rank (single-stage or interleaved/looped).
 
-    Single-stage ranks use the published warm-up ``min(pp - r + K - 2, M*K)``. Interleaved ranks
-    start from ``(v-1)*R + 2*(pp-r-1) + K-1`` (R = units per round); if a data-dependency replay
-    finds a rank waiting forever, that rank gets one more warm-up forward and the replay runs
-    again. More warm-up only moves forwards earlier, so this ends at the latest in GPipe order,
-    which always completes.
+    Each rank's list is :func:`rank_order`, computed on its own in closed form as torch's
+    ``_calculate_single_rank_operations`` does: no search, no replay (its docstring shows
+    why the warm-ups cannot deadlock).
     """
-    topology = StageTopology.chain([spec.stage_to_rank(s) for s in range(spec.num_stages)])
     with paused_gc():
-        warm = {r: _initial_warmup(spec, r) for r in range(spec.pp)}
-        seqs = {r: _rank_sequences(spec, r) for r in range(spec.pp)}
-        while True:
-            orders = {r: _one_f_one_b(*seqs[r], warm[r]) for r in range(spec.pp)}
-            stuck = list(replay(orders, topology).stuck)
-            if not stuck:
-                if spec.split_backward:
-                    return {r: split_backward(acts) for r, acts in orders.items()}
-                return orders
-            bumped = False
-            for r in stuck:
-                if warm[r] < len(seqs[r][0]):
-                    warm[r] += 1
-                    bumped = True
-            if not bumped:  # pragma: no cover - GPipe order always completes
-                raise RuntimeError(f"Seq1F1B could not build a deadlock-free order for {spec}")
+        return {r: rank_order(spec, r) for r in range(spec.pp)}
 
 
 def split_backward(actions: Sequence[Action]) -> list[Action]:

@@ -3,8 +3,9 @@
 Why a module of its own: the same tile loop serves a segment's attention on one device
 (:mod:`seq1f1b.attention`) and every hop of the context-parallel ring
 (:mod:`seq1f1b.context_parallel`), where a tensor holds several runs of absolute positions
-(a load-balanced shard). A planned call is ``(block, tile, q_shift, k_shift)``: the tile's
-absolute query range ``[q0, q1)`` sits at local indices ``[q0 + q_shift, q1 + q_shift)`` of the
+(a load-balanced shard). The plans come ready-made from :mod:`seq1f1b.masks`: a planned call
+is ``(block, tile, q_shift, k_shift)`` (:func:`seq1f1b.masks.place_tiles`), the tile's
+absolute query range ``[q0, q1)`` at local indices ``[q0 + q_shift, q1 + q_shift)`` of the
 query tensor, its keys likewise in block ``block`` of the key/value blocks.
 """
 
@@ -16,40 +17,11 @@ from typing import Any
 import torch
 
 from . import _runtime as rt
-from .masks import MaskSpec, RowGroups, Tile, plan_tiles, tile_mask
+from .masks import MaskSpec, PlanEntry, tile_mask
 
-__all__ = ["PlanEntry", "Runs", "merge", "place_tiles", "run_tiles_backward", "run_tiles_forward"]
+__all__ = ["kv_blocks", "merge", "run_tiles_backward", "run_tiles_forward"]
 
-PlanEntry = tuple[int, Tile, int, int]  # (block, tile, q_shift, k_shift)
-Runs = tuple[tuple[int, int], ...]  # absolute (start, end) of each piece of a local tensor
 KV = tuple[torch.Tensor, torch.Tensor]
-
-
-def place_tiles(
-    q_runs: Runs,
-    k_runs: Runs,
-    groups: RowGroups,
-    spec: MaskSpec,
-    block: int,
-    skip: bool = True,
-) -> list[PlanEntry]:
-    """Tiles of the queries held as ``q_runs`` against the keys held as ``k_runs``.
-
-    Runs are whole chunks of the sequence: a key run is the query run itself (a causal
-    square), lies wholly before it, or wholly after it (invisible under causal masking)."""
-    out: list[PlanEntry] = []
-    q_off = 0
-    for qa, qb in q_runs:
-        k_off = 0
-        for ka, kb in k_runs:
-            if ka < qb and (kb <= qa or (ka, kb) == (qa, qb)):
-                for t in plan_tiles(qa, qb, ka, kb, groups, spec, skip):
-                    out.append((block, t, q_off - qa, k_off - ka))
-            elif ka < qb:
-                raise ValueError(f"key run {(ka, kb)} straddles query run {(qa, qb)}")
-            k_off += kb - ka
-        q_off += qb - qa
-    return out
 
 
 def kv_blocks(k: torch.Tensor, v: torch.Tensor, prefix: Sequence[torch.Tensor]) -> dict[int, KV]:

@@ -19,6 +19,8 @@ FAST = (
     "test_registry.py",
     "test_runtime_seam.py",
     "test_errors.py",
+    "test_action_context.py",
+    "test_options.py",
     # orders: the published example, a sampled grid (pp 2 and 4 of 1..8), CSV round trips
     "test_order.py::test_published_example_p4_m3_k2",
     "test_order.py::test_grid_passes_torch_validators_and_rules[2]",

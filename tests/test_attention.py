@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from dist_utils import run_ranks
 
-from seq1f1b import SegmentInfo, chunk_aware_attention, current_segment
+from seq1f1b import SegmentInfo, chunk_aware_attention, current_segment, masks
 from seq1f1b.attention import _cpu_bwd, _cpu_fwd
-from seq1f1b.kv import StageKVState, UnitContext, activate
+from seq1f1b.kv import ContextParallel, StageKVState, UnitContext, activate
 from seq1f1b.partition import segment_offsets
 from seq1f1b.tiles import math_backward as _math_bwd
 from seq1f1b.tiles import math_forward as _math_fwd
@@ -111,3 +113,57 @@ def test_no_kv_copy_is_saved() -> None:
     entry = state.layer_entries(0, "attn")[0]
     assert entry.k.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
     assert state.layer_entries(0, "attn")[1] is None  # the last segment is never read again
+
+
+def _attend_shard(qkv, info: SegmentInfo) -> torch.Tensor:
+    """This CP rank's shard of the segment ``info`` of full-sequence ``q, k, v``."""
+    shard = [torch.cat([t[:, :, a:b] for a, b in info.local_runs], 2) for t in qkv]
+    return chunk_aware_attention(*shard, layer="attn", window=5, sinks=2)
+
+
+def _ring_case(rank: int, world: int, mode: str, calls: list[int]) -> None:
+    """Two segments on a CP ring: a forward without a graph (as checkpointing does), then the
+    backward with its recomputation, which must place no tile (``calls`` counts them)."""
+    cp = ContextParallel(dist.group.WORLD, rank, world, mode)
+    infos = [SegmentInfo(0, seg, 2, 8 * seg, 8, 16, (0, 8, 16), None, cp) for seg in (0, 1)]
+    qkv = _qkv(torch.float64, s=16)
+    state = StageKVState(0, 2)
+    with torch.no_grad():
+        for info in infos:
+            state.begin_forward(0, info.segment)
+            with activate(UnitContext(state, info, "forward", True)):
+                _attend_shard(qkv, info)
+            state.end_forward(0, info.segment, keep=True)
+    built = calls[0]
+    assert built > 0, "the counter sees no plan being built"
+    for info in reversed(infos):
+        state.begin_backward(0, info.segment)
+        with activate(UnitContext(state, info, "backward", True)):
+            _attend_shard(qkv, info).sum().backward()  # recomputation: every hop again
+        state.end_backward(0, info.segment)
+    assert calls[0] == built, (mode, rank, built, calls[0])
+    assert all(t.grad is not None for t in qkv)
+
+
+def _ring_plans_are_built_once(rank: int, world: int) -> None:
+    real, calls = masks.place_tiles, [0]
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    masks.place_tiles = counting
+    try:
+        for mode in ("pass_q", "pass_kv"):
+            masks.plan_ring.cache_clear()
+            calls[0] = 0
+            _ring_case(rank, world, mode, calls)
+    finally:
+        masks.place_tiles = real
+
+
+def test_ring_tile_plans_are_built_once_per_segment() -> None:
+    """Context parallelism: a segment's tile plan (every hop of the ring) is built once; the
+    backward's hops and the checkpoint recomputation reuse it instead of placing the tiles
+    again per hop (they did: forward, backward and recomputation each rebuilt every hop's)."""
+    run_ranks(_ring_plans_are_built_once, 2)

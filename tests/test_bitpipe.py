@@ -16,13 +16,8 @@ from mockstages import MockStage
 from torch import nn
 
 from seq1f1b import ScheduleBitPipe, build_bitpipe_stages
-from seq1f1b._runtime import (
-    Action,
-    ComputationType,
-    add_send_recv,
-    simulate_comms_compute,
-    validate_schedule,
-)
+from seq1f1b._runtime import Action, ComputationType
+from seq1f1b._runtime import reference as torch_ref
 from seq1f1b.bitpipe import BitPipeLayout, ReplicaBoundaries, build_bitpipe_orders
 from seq1f1b.bitpipe.order import stuck_ranks, unit_time_steps
 from seq1f1b.lowering import check_p2p_matching, lower_all
@@ -59,14 +54,14 @@ def test_orders_pass_torch_validators_and_replays(pp: int) -> None:
     for m in _grid(pp):
         orders = build_bitpipe_orders(pp, m)
         # torch: every stage runs its replica's M/2 microbatches F then B, on BitPipe's ranks
-        assert validate_schedule(orders, pp, 4 * pp, m // 2) == layout.stage_to_rank()
+        assert torch_ref.validate_schedule(orders, pp, 4 * pp, m // 2) == layout.stage_to_rank()
         # torch's lowering and replay on each replica alone (a V pipeline of 2pp stages)
         for replica in (0, 1):
             proj = _replica_projection(orders, layout, replica)
-            validate_schedule(proj, pp, 2 * pp, m // 2)
+            torch_ref.validate_schedule(proj, pp, 2 * pp, m // 2)
             to_rank = {s: layout.rank_of(layout.stage_id(replica, s)) for s in range(2 * pp)}
-            lowered = add_send_recv(proj, to_rank.__getitem__, 2 * pp)
-            simulate_comms_compute(lowered, to_rank.__getitem__, 2 * pp)
+            lowered = torch_ref.add_send_recv(proj, to_rank.__getitem__, 2 * pp)
+            torch_ref.simulate_comms_compute(lowered, to_rank.__getitem__, 2 * pp)
         # both replicas together: dependency replay, replica-aware lowering and its replay
         assert not stuck_ranks(orders, layout)
         lowered = lower_all(orders, layout.topology(), m // 2)

@@ -3,12 +3,21 @@ math reference, invisible blocks are neither computed nor cached, and bad masks 
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 
-from seq1f1b import SegmentInfo, chunk_aware_attention, packed_documents
+from seq1f1b import SegmentInfo, chunk_aware_attention, masks, packed_documents
 from seq1f1b.kv import StageKVState, UnitContext, activate
-from seq1f1b.masks import MaskSpec, document_runs, plan_tiles, tile_mask
+from seq1f1b.masks import (
+    MaskSpec,
+    document_runs,
+    first_seen,
+    plan_tiles,
+    tile_mask,
+    visible_blocks,
+)
 from seq1f1b.partition import segment_offsets
 from seq1f1b.tiles import math_forward as _math_fwd
 
@@ -174,6 +183,53 @@ def test_tiles_cover_exactly_the_visible_pairs() -> None:
                     whole = vis[t.r0 : t.r1, t.q0 : t.q1, t.k0 : t.k1]
                     assert bool((whole | ~tile).all()), (spec, t)  # nothing invisible computed
         assert torch.equal(cover, vis.long()), spec
+
+
+def test_visible_blocks_and_first_seen_key_match_the_dense_mask() -> None:
+    """The blocks a segment reads are those with a visible pair, and what a segment keeps for
+    the later ones starts at the first key any of their queries sees."""
+    groups = document_runs(DOCS)
+    bounds = [0, 5, 13, 17, 24]
+    blocks = list(pairwise(bounds))
+    for spec in SPECS:
+        vis = visible(DOCS, spec)
+        for i, (q0, q1) in enumerate(blocks):
+            seen = [j for j, (k0, k1) in enumerate(blocks[:i]) if vis[:, q0:q1, k0:k1].any()]
+            assert visible_blocks(q0, q1, blocks[:i], groups, spec) == tuple(seen), (spec, i)
+            later = blocks[i + 1 :]
+            cols = [vis[:, a:b, q0:q1].any(0).any(0) for a, b in later]
+            hits = torch.stack(cols).any(0).nonzero() if cols else torch.zeros(0, 1)
+            first = q0 + int(hits[0, 0]) if hits.numel() else None
+            assert first_seen(q0, q1, later, groups, spec) == first, (spec, i)
+            assert first_seen(q0, q1, later, groups, spec, skip=False) == (q0 if later else None)
+
+
+def test_backward_and_recomputation_reuse_the_segment_plans(monkeypatch) -> None:
+    """A segment's tile plan is built in its forward; the backward and a checkpoint
+    recomputation of the segment run the same plan instead of placing the tiles again."""
+    calls = [0]
+    real = masks.place_tiles
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(masks, "place_tiles", counting)
+    masks.plan_segment.cache_clear()
+    spec = MaskSpec(window=5, sinks=2)
+    q, k, v = _qkv(torch.float64)
+    go = torch.randn_like(q)
+    with torch.no_grad():  # forward without a graph, as checkpointing does
+        _, _, infos, state, attend = segmented(q, k, v, [8, 8, 8], DOCS, spec)
+    built = calls[0]
+    assert built > 0
+    for info in reversed(infos):
+        state.begin_backward(0, info.segment)
+        with activate(UnitContext(state, info, "backward", True)):
+            torch.autograd.backward(attend(info), go[:, :, info.start : info.end])
+        state.end_backward(0, info.segment)
+    assert calls[0] == built
+    assert q.grad is not None
 
 
 def test_invisible_blocks_are_skipped_and_not_cached() -> None:

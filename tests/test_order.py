@@ -9,14 +9,8 @@ from mockstages import mock_stages
 
 import seq1f1b._runtime as rt
 from seq1f1b import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B, ScheduleZBSeq1F1B
-from seq1f1b._runtime import (
-    Action,
-    ComputationType,
-    ScheduleRuntime,
-    add_send_recv,
-    simulate_comms_compute,
-    validate_schedule,
-)
+from seq1f1b._runtime import Action, ComputationType
+from seq1f1b._runtime import reference as torch_ref
 from seq1f1b.order import OrderSpec, build_orders, seq1f1b_warmup
 
 F, B = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
@@ -90,11 +84,11 @@ def test_grid_passes_torch_validators_and_rules(pp: int) -> None:
         spec = sched.order_spec
         order = sched.pipeline_order
         assert sched.n_units == m * k
-        validate_schedule(order, pp, pp * spr, m * k)
-        comms = add_send_recv(
+        torch_ref.validate_schedule(order, pp, pp * spr, m * k)
+        comms = torch_ref.add_send_recv(
             {r: list(a) for r, a in order.items()}, spec.stage_to_rank, spec.num_stages
         )
-        simulate_comms_compute(comms, spec.stage_to_rank, spec.num_stages)
+        torch_ref.simulate_comms_compute(comms, spec.stage_to_rank, spec.num_stages)
         _check_rules(order, spec)
         # ours, fully lowered on every rank (with 2.15's WAIT_SEND), passes torch's replay, and
         # its SEND/RECV placement is torch's
@@ -102,7 +96,7 @@ def test_grid_passes_torch_validators_and_rules(pp: int) -> None:
             r: [a for a in acts if a.computation_type not in FSDP]
             for r, acts in sched.pipeline_order_with_comms.items()
         }
-        simulate_comms_compute(lowered, spec.stage_to_rank, spec.num_stages)
+        torch_ref.simulate_comms_compute(lowered, spec.stage_to_rank, spec.num_stages)
         p2p = [a for a in lowered[0] if a.computation_type not in NOT_IN_SEND_RECV]
         assert p2p == comms[0]
 
@@ -116,16 +110,16 @@ def test_zero_bubble_grid_passes_torch_validators(pp: int) -> None:
     for _, spr, m, k in (g for g in GRID if g[0] == pp):
         sched = ScheduleZBSeq1F1B(mock_stages(pp, spr), n_microbatches=m, seq_chunks=k)
         spec, order = sched.order_spec, sched.pipeline_order
-        validate_schedule(order, pp, pp * spr, m * k)
-        comms = add_send_recv(
+        torch_ref.validate_schedule(order, pp, pp * spr, m * k)
+        comms = torch_ref.add_send_recv(
             {r: list(a) for r, a in order.items()}, spec.stage_to_rank, spec.num_stages
         )
-        simulate_comms_compute(comms, spec.stage_to_rank, spec.num_stages)
+        torch_ref.simulate_comms_compute(comms, spec.stage_to_rank, spec.num_stages)
         lowered = {
             r: [a for a in acts if a.computation_type not in FSDP]
             for r, acts in sched.pipeline_order_with_comms.items()
         }
-        simulate_comms_compute(lowered, spec.stage_to_rank, spec.num_stages)
+        torch_ref.simulate_comms_compute(lowered, spec.stage_to_rank, spec.num_stages)
         plain = build_orders(OrderSpec(pp, spr, m, k))
         for r, acts in order.items():
             merged = []
@@ -150,8 +144,8 @@ def test_bubble_shrinks_with_k() -> None:
     # unit-cost replay: more segments -> fewer idle steps relative to work
     def idle_ratio(k: int) -> float:
         order = build_orders(OrderSpec(4, 1, 4, k))
-        comms = add_send_recv({r: list(a) for r, a in order.items()}, lambda s: s, 4)
-        sim = simulate_comms_compute(comms, lambda s: s, 4)
+        comms = torch_ref.add_send_recv({r: list(a) for r, a in order.items()}, lambda s: s, 4)
+        sim = torch_ref.simulate_comms_compute(comms, lambda s: s, 4)
         compute = [[a for a in sim[r] if a is None or a.computation_type in (F, B)] for r in sim]
         steps = max(len(s) for s in sim.values())
         busy = sum(1 for r in compute for a in r if a is not None)
@@ -170,8 +164,8 @@ def test_csv_round_trip(tmp_path) -> None:
     assert other.pipeline_order == sched.pipeline_order
     assert other.pipeline_order_with_comms == sched.pipeline_order_with_comms
     # torch's plain runtime loads the same file too
-    plain = ScheduleRuntime(mock_stages(4, 2, rank=1), n_microbatches=12)
-    rt.load_csv(plain, str(path))
+    plain = torch_ref.plain_runtime(mock_stages(4, 2, rank=1), n_microbatches=12)
+    torch_ref.load_csv(plain, str(path))
     assert plain.pipeline_order == sched.pipeline_order
 
 

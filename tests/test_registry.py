@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from seq1f1b._runtime import FULL_BACKWARD, validate_schedule
+from seq1f1b._runtime import FULL_BACKWARD
+from seq1f1b._runtime import reference as torch_ref
 from seq1f1b.registry import REGISTRY, is_baseline, lookup, schedule_names
 from seq1f1b.replay import replay
 from seq1f1b.simulate import simulate
@@ -22,7 +23,7 @@ def test_every_entry_builds_a_valid_order(entry) -> None:
     v = entry.stages_per_rank
     order = entry.compute_orders(pp, m, k)
     per_stage = m * k // (2 if entry.replicas == 2 else 1)
-    mapping = validate_schedule(order, pp, pp * v, per_stage)
+    mapping = torch_ref.validate_schedule(order, pp, pp * v, per_stage)
     assert len(mapping) == pp * v
     topology = StageTopology.chains(pp * v, mapping.__getitem__, entry.model_stages(pp))
     assert replay(order, topology).finished

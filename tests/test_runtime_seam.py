@@ -1,6 +1,9 @@
 """The seam to torch's internals (seq1f1b/_runtime/): one place, and what it guards.
 
 * no private ``torch.distributed.pipelining`` name is used outside the seam;
+* outside the seam, every name taken from it (under any alias) is in its lists: the IR
+  ``VOCABULARY``, its ``API``, and ``reference`` (torch's own passes, compared with in tests/
+  and benchmarks/ only, and only through that one module, which the seam's table lists);
 * a receive that was not sized per unit is an error, never silently wrong data;
 * pre-split samples (torch's ``step(arg_mbs=..., target_mbs=...)``) give the same gradients;
 * torch 2.15's runtime options pass through (and are refused clearly before 2.15).
@@ -8,9 +11,10 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 import torch
@@ -21,6 +25,7 @@ from torch.distributed.pipelining import PipelineStage
 
 import seq1f1b._runtime as rt
 from seq1f1b import ScheduleSeq1F1B
+from seq1f1b._runtime import reference as torch_ref
 from seq1f1b.testing import build_stages
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,16 +41,208 @@ PRIVATE = re.compile(
 )
 
 
-def test_no_private_torch_name_outside_the_seam() -> None:
-    offenders = []
+SKIPPED_DIRS = {"venv", "site-packages", "build", "dist", "__pycache__"}
+
+
+def _outside_the_seam() -> list[Path]:
+    """Every .py file of the checkout outside seq1f1b/_runtime/ (no hidden dirs, no venvs)."""
+    files = []
     for path in sorted(ROOT.glob("**/*.py")):
         rel = path.relative_to(ROOT)
-        if rel.parts[0].startswith(".") or rel.parts[:2] == ("seq1f1b", "_runtime"):
+        if any(p.startswith(".") or p in SKIPPED_DIRS for p in rel.parts[:-1]):
             continue
+        if rel.parts[:2] != ("seq1f1b", "_runtime"):
+            files.append(path)
+    return files
+
+
+def test_no_private_torch_name_outside_the_seam() -> None:
+    offenders = []
+    for path in _outside_the_seam():
+        rel = path.relative_to(ROOT)
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if PRIVATE.search(PROSE.sub("", line)):
                 offenders.append(f"{rel}:{n}: {line.strip()}")
     assert not offenders, "torch internals outside seq1f1b/_runtime/:\n" + "\n".join(offenders)
+
+
+# ---------------------------------------------------------------------------- the seam's lists
+SEAM = "seq1f1b._runtime"
+#: the seam's layers, read as one seam: what is taken from any of them is checked the same way
+LAYERS = {SEAM, f"{SEAM}.ir", f"{SEAM}.unit"}
+REFERENCE = f"{SEAM}.{rt.REFERENCE}"
+#: where torch's own passes may be compared with (through ``reference`` only)
+COMPARING = {"tests", "benchmarks"}
+#: the lists themselves (and the seam's own description), which tests may read
+LISTS = {"VOCABULARY", "API", "REFERENCE", "__all__", "__doc__", "__file__"}
+
+
+def seam_violations(source: str, rel: str) -> list[str]:
+    """What ``source`` (the file at ``rel``, relative to the checkout) takes from the seam and
+    may not: every name taken from ``seq1f1b._runtime`` (or its layers), by an import or as an
+    attribute of any alias of it, must be in ``VOCABULARY`` or ``API``; torch's own passes
+    (``reference.__all__``) are reached only as ``reference.<name>``, from tests/ and
+    benchmarks/ only (package modules may still take the few their run needs from ``API``)."""
+    parts = PurePosixPath(rel).with_suffix("").parts
+    package, comparing = parts[:-1], parts[0] in COMPARING
+    aliases: dict[str, str] = {}  # local name -> dotted path, for everything under seq1f1b
+    taken: list[tuple[int, str, str]] = []  # (line, seam module, name)
+    bad: list[str] = []
+
+    def bind(local: str, path: str) -> None:
+        if path == "seq1f1b" or path.startswith("seq1f1b."):
+            aliases[local] = path
+
+    def walk_path(line: int, dotted: str) -> None:  # `import a.b.c` takes b from a, c from a.b
+        names = dotted.split(".")
+        for i in range(1, len(names)):
+            owner = ".".join(names[:i])
+            if owner in LAYERS or owner == REFERENCE:
+                taken.append((line, owner, names[i]))
+
+    def path_of(expr: ast.expr) -> str | None:
+        if isinstance(expr, ast.Name):
+            return aliases.get(expr.id)
+        if isinstance(expr, ast.Attribute):
+            owner = path_of(expr.value)
+            return None if owner is None else f"{owner}.{expr.attr}"
+        return None
+
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                bind(a.asname or a.name.split(".")[0], a.name if a.asname else "seq1f1b")
+                walk_path(node.lineno, a.name)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join([*base, *([module] if module else [])])
+            walk_path(node.lineno, module)
+            for a in node.names:
+                if a.name == "*":
+                    if module in LAYERS or module == REFERENCE:
+                        bad.append(f"{rel}:{node.lineno}: `from {module} import *`")
+                    continue
+                bind(a.asname or a.name, f"{module}.{a.name}")
+                if module in LAYERS or module == REFERENCE:
+                    taken.append((node.lineno, module, a.name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            owner = path_of(node.value)
+            if owner in LAYERS or owner == REFERENCE:
+                taken.append((node.lineno, owner, node.attr))
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            fname = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            first = node.args[0]
+            if fname == "vars" and path_of(first) in LAYERS | {REFERENCE}:
+                bad.append(f"{rel}:{node.lineno}: vars() of the seam")
+            elif fname in ("getattr", "setattr", "hasattr", "delattr"):
+                owner = path_of(first)
+                if owner in LAYERS or owner == REFERENCE:
+                    name = node.args[1] if len(node.args) > 1 else None
+                    if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                        taken.append((node.lineno, owner, name.value))
+                    else:
+                        bad.append(f"{rel}:{node.lineno}: {fname}() on the seam, name unknown")
+            elif (
+                fname in ("import_module", "__import__")
+                and isinstance(first, ast.Constant)
+                and str(first.value).startswith(SEAM)
+            ):
+                bad.append(f"{rel}:{node.lineno}: dynamic import of {first.value}")
+
+    for line, module, name in taken:
+        where = f"{rel}:{line}: {module}.{name}"
+        if comparing and name in LISTS:
+            continue
+        if module == REFERENCE or f"{module}.{name}" == REFERENCE:
+            if not comparing:
+                bad.append(f"{where}: torch's own passes are for tests/ and benchmarks/ only")
+            elif module == REFERENCE and name not in torch_ref.__all__:
+                bad.append(f"{where}: not in reference.__all__")
+        elif f"{module}.{name}" in LAYERS:
+            continue  # a layer of the seam: what is taken from it is checked in turn
+        elif name in torch_ref.__all__ and (comparing or name not in rt.API):
+            bad.append(f"{where}: torch's own pass: compare with it through `reference` only")
+        elif name in rt.VOCABULARY or name in rt.API:
+            continue
+        else:
+            bad.append(f"{where}: in neither the seam's VOCABULARY nor its API")
+    return bad
+
+
+def test_every_name_taken_from_the_seam_is_listed() -> None:
+    bad: list[str] = []
+    for path in _outside_the_seam():
+        bad += seam_violations(path.read_text(), path.relative_to(ROOT).as_posix())
+    assert not bad, "names taken from seq1f1b._runtime outside its lists:\n" + "\n".join(bad)
+
+
+def test_the_seam_lists_are_consistent() -> None:
+    assert set(rt.VOCABULARY) <= set(rt.__all__)
+    assert set(rt.API) == set(rt.__all__) - set(rt.VOCABULARY)
+    assert set(rt.__all__) <= set(dir(rt))
+    assert set(torch_ref.__all__) <= set(dir(torch_ref))
+    assert not set(torch_ref.__all__) & set(rt.VOCABULARY)
+    # the seam's table lists reference.py and every torch private it reaches
+    assert "reference.py" in (rt.__doc__ or "")
+    source = Path(torch_ref.__file__).read_text()
+    for private in set(re.findall(r"(?:_schedules|ScheduleRuntime)\.(_\w+)", source)):
+        assert private in (rt.__doc__ or ""), private
+
+
+VIOLATIONS = [
+    ("tests/test_x.py", "import seq1f1b._runtime as rt\nrt.add_send_recv({}, None, 1)\n"),
+    ("benchmarks/x.py", "from seq1f1b import _runtime\n_runtime.validate_schedule({}, 1, 1, 1)\n"),
+    ("tests/test_x.py", "import seq1f1b._runtime\nseq1f1b._runtime.simulate_comms_compute()\n"),
+    ("tests/test_x.py", "import seq1f1b\nseq1f1b._runtime.ir.format_pipeline_order({})\n"),
+    ("tests/test_x.py", "from seq1f1b._runtime import validate_schedule\n"),
+    ("tests/test_x.py", "from seq1f1b._runtime.ir import add_send_recv\n"),
+    ("tests/test_x.py", "from seq1f1b._runtime import reference as r\nr.add_reduce_grad([])\n"),
+    ("tests/test_x.py", "import seq1f1b._runtime as rt\ngetattr(rt, 'add_send_recv')\n"),
+    ("tests/test_x.py", "import seq1f1b._runtime as rt\nname = 'x'\ngetattr(rt, name)\n"),
+    ("tests/test_x.py", "from seq1f1b._runtime import *\n"),
+    ("tests/test_x.py", "import seq1f1b._runtime as rt\nvars(rt)['add_send_recv']\n"),
+    ("tests/test_x.py", "import importlib\nimportlib.import_module('seq1f1b._runtime')\n"),
+    ("scripts/x.py", "from seq1f1b._runtime import reference\nreference.lowering([], {}, 1)\n"),
+    ("seq1f1b/x.py", "from ._runtime.reference import add_send_recv\n"),
+    ("seq1f1b/x.py", "from . import _runtime as rt\nrt.add_send_recv({}, None, 1)\n"),
+    ("seq1f1b/bitpipe/x.py", "from .. import _runtime as rt\nrt.reference.lowering([], {}, 1)\n"),
+    ("seq1f1b/x.py", "from ._runtime import ir as rt\nrt._schedules\n"),
+    ("seq1f1b/x.py", "from ._runtime import API\n"),
+]
+
+
+def test_seam_check_flags_a_torch_pass_under_a_public_name() -> None:
+    source = "import seq1f1b._runtime as rt\n\nrt.add_send_recv({}, lambda s: s, 1)\n"
+    (found,) = seam_violations(source, "tests/test_x.py")
+    assert found.startswith("tests/test_x.py:3: seq1f1b._runtime.add_send_recv: ")
+
+
+@pytest.mark.parametrize(("rel", "source"), VIOLATIONS)
+def test_seam_check_flags_a_violation(rel: str, source: str) -> None:
+    assert seam_violations(source, rel), source
+
+
+ALLOWED = [
+    ("tests/test_x.py", "from seq1f1b._runtime import reference as r\nr.add_send_recv({}, f, 1)\n"),
+    ("benchmarks/x.py", "import seq1f1b._runtime.reference as r\nr.lowering([], {}, 1)\n"),
+    ("tests/test_x.py", "import seq1f1b._runtime as rt\nrt.FORWARD, rt.stand_in_stages(1, 1)\n"),
+    ("seq1f1b/bitpipe/x.py", "from .. import _runtime as rt\nrt.validate_schedule({}, 1, 1, 1)\n"),
+    (
+        "seq1f1b/x.py",
+        "from ._runtime import ir as rt\nfrom ._runtime.ir import Action\nrt.UNSHARD\n",
+    ),
+    ("seq1f1b/x.py", "import seq1f1b._runtime as rt\nrt.Action.FORWARD.value\n"),
+]
+
+
+@pytest.mark.parametrize(("rel", "source"), ALLOWED)
+def test_seam_check_allows_the_listed_names(rel: str, source: str) -> None:
+    assert seam_violations(source, rel) == []
 
 
 def test_seam_detects_this_release() -> None:
@@ -59,7 +256,7 @@ def test_newer_runtime_options() -> None:
     if rt.RUNTIME_OPTIONS:
         sched = ScheduleSeq1F1B(mock_stages(2, 2), 2, 2, max_active_stages=2)
         assert sched.lowering_options()["max_active_stages"] == 2
-        expected = rt.torch_lowering(
+        expected = torch_ref.lowering(
             mock_stages(2, 2), sched.pipeline_order, 4, max_active_stages=2
         )
         assert sched.pipeline_order_with_comms[0] == expected[0]

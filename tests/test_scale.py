@@ -22,16 +22,8 @@ from torch.distributed.pipelining.schedules import (
 import seq1f1b.lowering as lowering
 import seq1f1b.replay as replay_mod
 from seq1f1b import ScheduleSeq1F1B
-from seq1f1b._runtime import (
-    WAIT_REDUCE_GRAD,
-    Action,
-    ComputationType,
-    format_pipeline_order,
-    simulate_comms_compute,
-    torch_add_unshard_reshard,
-    torch_lowering,
-    validate_schedule,
-)
+from seq1f1b._runtime import WAIT_REDUCE_GRAD, Action, ComputationType
+from seq1f1b._runtime import reference as torch_ref
 from seq1f1b.lowering import LoweredOrders, SendRecvLowering, add_unshard_reshard, is_lowerable
 from seq1f1b.order import OrderSpec, build_orders
 from seq1f1b.topology import StageTopology
@@ -44,7 +36,7 @@ def _torch_lowering(
     order: dict[int, list[Action | None]], stages: list[MockStage], n_units: int, defer: bool
 ) -> dict[int, list[Action]]:
     """torch's own lowering (all ranks), on a plain runtime."""
-    return torch_lowering(stages, order, n_units, defer_pp_recv=defer)
+    return torch_ref.lowering(stages, order, n_units, defer_pp_recv=defer)
 
 
 @pytest.mark.parametrize("pp", range(1, 9))
@@ -111,7 +103,7 @@ def test_add_unshard_reshard_equals_torch() -> None:
                 else Action(rng.randrange(n_stages), rng.choice((C.FORWARD, C.FULL_BACKWARD)), i)
                 for i in range(length)
             ]
-            assert add_unshard_reshard(acts) == torch_add_unshard_reshard(list(acts))
+            assert add_unshard_reshard(acts) == torch_ref.add_unshard_reshard(list(acts))
 
 
 def test_deadlock_is_reported_like_torch() -> None:
@@ -145,7 +137,7 @@ def test_lowered_orders_mapping() -> None:
     assert "lowered=[2]" in repr(lowered)  # only this rank at construction
     plain = copy.deepcopy(lowered)
     assert type(plain) is dict and plain == lowered
-    assert "Rank 3" in format_pipeline_order(lowered, error_step_number=1)
+    assert "Rank 3" in torch_ref.format_pipeline_order(lowered, error_step_number=1)
     with pytest.raises(KeyError):
         lowered[4]
     lowered[4] = []
@@ -157,7 +149,7 @@ def test_lowered_orders_mapping() -> None:
 @pytest.mark.parametrize(("pp", "spr", "m", "k"), [(64, 1, 64, 16), (32, 2, 32, 8)])
 def test_large_schedules_validate_and_run_in_simulation(pp: int, spr: int, m: int, k: int) -> None:
     sched = ScheduleSeq1F1B(mock_stages(pp, spr, rank=pp - 1), m, k)
-    validate_schedule(sched.pipeline_order, pp, pp * spr, m * k)
+    torch_ref.validate_schedule(sched.pipeline_order, pp, pp * spr, m * k)
     comms = {
         r: [a for a in sched.pipeline_order_with_comms[r] if a.computation_type not in FSDP]
         for r in sched.pipeline_order_with_comms
@@ -168,7 +160,7 @@ def test_large_schedules_validate_and_run_in_simulation(pp: int, spr: int, m: in
     assert sum(a.computation_type == C.FORWARD for a in mine) == spr * n_units
     assert sum(a.computation_type == C.RECV_F for a in mine) == spr * n_units
     assert sum(a.computation_type == C.SEND_B for a in mine) == spr * n_units
-    simulate_comms_compute(comms, sched.order_spec.stage_to_rank, pp * spr)
+    torch_ref.simulate_comms_compute(comms, sched.order_spec.stage_to_rank, pp * spr)
 
 
 class _CountingDeque(deque):

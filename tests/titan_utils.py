@@ -46,9 +46,7 @@ def titan_available(generation: str | None = None) -> None:
     if importlib.util.find_spec("torchtitan") is None:
         pytest.skip("torchtitan (extra 'titan') not installed", allow_module_level=True)
     if generation is not None and TITAN != generation:
-        pytest.skip(
-            f"for torchtitan {generation}; this venv has {TITAN}", allow_module_level=True
-        )
+        pytest.skip(f"for torchtitan {generation}; this venv has {TITAN}", allow_module_level=True)
 
 
 TITAN = titan_generation()

@@ -12,6 +12,22 @@ import torch
 import torch.distributed as dist
 
 
+@contextlib.contextmanager
+def process_groups_destroyed() -> Iterator[None]:
+    """Destroy the process groups when training ends, also when it fails.
+
+    Both torchtitan releases destroy them only after a successful run; a failing rank then
+    reaches interpreter finalization with gloo still holding its groups, whose worker threads
+    may hold work with Python-owned tensors, and tearing those down there can abort the process
+    (SIGABRT instead of the Python error; pytorch/pytorch#179291 describes the mechanism).
+    """
+    try:
+        yield
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def loss_on_every_pp_rank(
     loss: Any, group: dist.ProcessGroup, device: torch.device, src: int | None = None
 ) -> Any:

@@ -14,7 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from seq1f1b import ModelShape, resolve_split, segment_multiple
+from seq1f1b import (
+    ContextParallelConfig,
+    ModelShape,
+    SequenceSplit,
+    resolve_split,
+    segment_multiple,
+)
 from seq1f1b.registry import ScheduleEntry, lookup, schedule_names
 
 from .model import block_causal, make_chunk_aware
@@ -226,13 +232,11 @@ def build_schedule(
         batch // mb_size,
         config.seq1f1b.seq_chunks,
         loss_fn,
-        split=lengths,
-        seq_len=config.training.seq_len,
-        scale_grads=False,  # the loss divides by the global token count
+        split=SequenceSplit(tuple(lengths), seq_len=config.training.seq_len),
         # context parallelism: our ring attention shards each segment over the cp mesh;
         # FSDP over the fsdp mesh (dp_shard x cp) sums the gradients, as torchtitan's own CP
-        cp_group=cp_group,
-        cp_reduce_grads=False,
+        context_parallel=ContextParallelConfig(cp_group, reduce_grads=False),
+        scale_grads=False,  # the loss divides by the global token count
     )
     logger.info(
         "Seq1F1B: pp=%d stages/rank=%d M=%d K=%d cp=%d segments=%s (%s split, model %s)",

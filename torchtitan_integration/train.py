@@ -15,6 +15,7 @@ import os
 import sys
 
 from . import assets, cpu, spec
+from .common import process_groups_destroyed
 from .versions import TITAN_0_3, titan_generation
 
 CONFIG_MODULE = "torchtitan_integration.config"
@@ -66,7 +67,8 @@ def run_0_2() -> None:
         assets.register_dataset()
         spec.register()
         sys.argv = [sys.argv[0], *_with_config_module(sys.argv[1:])]
-        main(Seq1F1BTrainer)
+        with process_groups_destroyed():  # torchtitan destroys them only after a success
+            main(Seq1F1BTrainer)
 
 
 if __name__ == "__main__":

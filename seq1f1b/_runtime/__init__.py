@@ -1,7 +1,13 @@
 """The seam between seq1f1b and torch's private internals: every private torch name lives in
 this package, in two layers: :mod:`.ir` (the action IR, passes, features, helpers; imports
 nothing of seq1f1b) and :mod:`.unit` (the runtime subclass, above the lowering). This module
-re-exports both, so ``seq1f1b._runtime`` reads as one seam.
+re-exports both, so ``seq1f1b._runtime`` reads as one seam. Beside them, :mod:`.reference`:
+torch's own passes, for comparison only (tests and benchmarks, nothing else).
+
+Outside the seam only three lists may be used (``tests/test_runtime_seam.py`` checks every
+use, under any name): :data:`VOCABULARY` (the action IR and detected features), :data:`API`
+(the seam's own contract) and :mod:`.reference` (tests/benchmarks compare with torch's passes
+only through reference.py). ``__all__`` is VOCABULARY + API.
 
 The schedules build compute-only orders in torch's action IR and let torch's
 ``_PipelineScheduleRuntime`` run them. What torch does not offer as a public hook is reached
@@ -16,14 +22,16 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 | schedules._PipelineScheduleRuntime            | base class: torch lowers and runs our orders     |
 | schedules._PipelineContext                    | argument of register_custom_function hooks       |
 | schedules._validate_schedule                  | stage -> rank mapping and torch's order checks   |
-| schedules._add_send_recv,                     | torch's reference lowering and deadlock replay,  |
-|   _simulate_comms_compute                     |   which ours must equal (tests, benchmarks)      |
+| reference.py: schedules._add_send_recv,       | tests/benchmarks compare with torch's passes     |
+|   _simulate_comms_compute,                    |   only through reference.py: lowering and        |
+|   _add_unshard_reshard,                       |   deadlock replay ours must equal, the FSDP pass |
+|   _format_pipeline_order, _validate_schedule, |   of our linear-time one, readable orders, and   |
+|   _PipelineScheduleRuntime (plain), its       |   torch's plain runtime (its lowering, its CSV   |
+|   _prepare_schedule_with_comms, _load_csv     |   load) as the reference                         |
 | schedules._add_reduce_grad                    | REDUCE_GRAD (+ WAIT_REDUCE_GRAD, 2.15) per rank  |
-| schedules._add_unshard_reshard                | reference for our linear-time FSDP pass (tests)  |
 | schedules._add_wait_send,                     | 2.15 only: every SEND retired by a WAIT_SEND     |
 |   _validate_send_waits                        |   (a linear per-rank pass: torch's own)          |
 | schedules._defer_recv_ops                     | defer_pp_recv=True (torch's own per-rank pass)   |
-| schedules._format_pipeline_order              | readable orders in tests                         |
 | runtime methods _prepare_schedule_with_comms, | fast per-rank lowering, per-unit losses,         |
 |   _maybe_compute_loss, _maybe_get_loss,       |   per-unit receive shapes, forward-only eval     |
 |   _update_losses, _initialize_stages,         |   orders (overridden in UnitRuntime only)        |
@@ -40,6 +48,13 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 |   _set_pg_timeout                             |                                                  |
 | torch._utils._get_available_device_type       | torchtitan picks "cpu" at import (cpu.py)        |
 | _composable.replicate_with_fsdp.replicate     | DP-replicate that the pipelining runtime reduces |
+
+Touch points (distinct private torch names, overridden private methods and private attributes
+reached in ir.py + unit.py, counted from their syntax trees): 48 at cf73c1e, 45 now; the 3
+comparison-only passes moved to reference.py (test-only). The per-step stage wrapping is now one
+composable per-action context (``UnitRuntime.register_action_context``; it wraps the public
+``forward_one_chunk``/``backward_one_chunk``/``backward_weight_one_chunk``, whatever they are,
+and restores them), the shape of the hook torch would offer.
 
 Each workaround names the upstream hook that would remove it in ``docs/upstream_hooks.md``.
 """
@@ -70,10 +85,8 @@ from .ir import (
     ComputationType,
     PipelineContext,
     PipelineStageBase,
-    ScheduleRuntime,
     StandInStage,
     add_reduce_grad,
-    add_send_recv,
     add_wait_send,
     default_process_group,
     defer_recv_ops,
@@ -83,23 +96,18 @@ from .ir import (
     flash_cuda_backward,
     flash_cuda_forward,
     flatten_dense_tensors,
-    format_pipeline_order,
     fsdp_replicate,
-    load_csv,
     received_tensors,
     recv_infos,
     recv_shape,
     set_pg_timeout,
     set_recv_length,
-    simulate_comms_compute,
     stand_in_stages,
-    torch_add_unshard_reshard,
-    torch_lowering,
     unflatten_dense_tensors,
     validate_schedule,
     validate_send_waits,
 )
-from .unit import UnitRuntime, stage_methods_replaced
+from .unit import ActionContextFactory, UnitRuntime, action_contexts_installed
 
 __all__ = [
     "BACKWARD_INPUT",
@@ -124,14 +132,14 @@ __all__ = [
     "WAIT_SEND_B",
     "WAIT_SEND_F",
     "Action",
+    "ActionContextFactory",
     "ComputationType",
     "PipelineContext",
     "PipelineStageBase",
-    "ScheduleRuntime",
     "StandInStage",
     "UnitRuntime",
+    "action_contexts_installed",
     "add_reduce_grad",
-    "add_send_recv",
     "add_wait_send",
     "default_process_group",
     "defer_recv_ops",
@@ -141,20 +149,49 @@ __all__ = [
     "flash_cuda_backward",
     "flash_cuda_forward",
     "flatten_dense_tensors",
-    "format_pipeline_order",
     "fsdp_replicate",
-    "load_csv",
     "received_tensors",
     "recv_infos",
     "recv_shape",
     "set_pg_timeout",
     "set_recv_length",
-    "simulate_comms_compute",
-    "stage_methods_replaced",
     "stand_in_stages",
-    "torch_add_unshard_reshard",
-    "torch_lowering",
     "unflatten_dense_tensors",
     "validate_schedule",
     "validate_send_waits",
 ]
+
+#: (a) the action IR every order is written in, and the features detected in this release:
+#: usable anywhere.
+VOCABULARY = (
+    "Action",
+    "ComputationType",
+    "FORWARD",
+    "FULL_BACKWARD",
+    "BACKWARD_INPUT",
+    "BACKWARD_WEIGHT",
+    "UNSHARD",
+    "RESHARD",
+    "SEND_F",
+    "RECV_F",
+    "SEND_B",
+    "RECV_B",
+    "REDUCE_GRAD",
+    "OVERLAP_F_B",
+    "WAIT_SEND_F",
+    "WAIT_SEND_B",
+    "WAIT_REDUCE_GRAD",
+    "HAS_SEND_WAITS",
+    "HAS_WARMUP_P2P",
+    "RECV_BUFFER_PER_RECEIVE",
+    "RUNTIME_OPTIONS",
+    "STEP_TAKES_FINALIZE",
+    "UNSHARD_KEEPS_INSERTION_ORDER",
+)
+#: (b) the seam's own contract, what package modules need to do their job: the runtime, stage
+#: types and stand-in stages, receive shapes, the torch passes our lowering runs, helpers over
+#: other internals. Everything in ``__all__`` that is not VOCABULARY.
+API = tuple(name for name in __all__ if name not in VOCABULARY)
+#: (c) torch's own passes, only to compare ours with: only in tests/ and benchmarks/, and only
+#: through this submodule (``from seq1f1b._runtime import reference as torch_ref``).
+REFERENCE = "reference"

@@ -5,7 +5,6 @@ Imports nothing of seq1f1b: orders, replay and lowering build on it; :mod:`.unit
 runtime) builds on them.
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -42,13 +41,10 @@ WAIT_SEND_F: ComputationType | None = getattr(ComputationType, "WAIT_SEND_F", No
 WAIT_SEND_B: ComputationType | None = getattr(ComputationType, "WAIT_SEND_B", None)
 WAIT_REDUCE_GRAD: ComputationType | None = getattr(ComputationType, "WAIT_REDUCE_GRAD", None)
 
-# torch's passes and checks, for our lowering, tests and benchmarks
+# torch's passes and checks that our runtime uses (the ones tests and benchmarks only compare
+# with live in .reference)
 validate_schedule = _schedules._validate_schedule
-add_send_recv = _schedules._add_send_recv
-simulate_comms_compute = _schedules._simulate_comms_compute
 add_reduce_grad = _schedules._add_reduce_grad
-torch_add_unshard_reshard = _schedules._add_unshard_reshard
-format_pipeline_order = _schedules._format_pipeline_order
 
 flatten_dense_tensors = torch._utils._flatten_dense_tensors
 unflatten_dense_tensors = torch._utils._unflatten_dense_tensors
@@ -247,20 +243,3 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(int(n), 1)
     return tuple(reversed(stride))
-
-
-def load_csv(runtime: ScheduleRuntime, filename: str, format: str = "compute_only") -> None:
-    """torch's CSV load on any runtime (e.g. a plain ``_PipelineScheduleRuntime``)."""
-    runtime._load_csv(filename, format=format)  # type: ignore[arg-type]
-
-
-def torch_lowering(
-    stages: Sequence[PipelineStageBase],
-    actions: Mapping[int, Sequence[Action | None]],
-    n_microbatches: int,
-    **options: Any,
-) -> dict[int, list[Action]]:
-    """torch's own ``_prepare_schedule_with_comms`` of ``actions`` (every rank), as a reference."""
-    runtime = ScheduleRuntime(list(stages), n_microbatches, **options)
-    ScheduleRuntime._prepare_schedule_with_comms(runtime, {r: list(a) for r, a in actions.items()})
-    return dict(runtime.pipeline_order_with_comms)

@@ -4,20 +4,24 @@ hook-shaped extension points our schedules override, and the per-step stage meth
 Sits above :mod:`.ir` and the lowering it drives (:mod:`seq1f1b.lowering`).
 """
 
-
 from __future__ import annotations
 
 import contextlib
 import csv
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..lowering import LoweredOrders, SendRecvLowering, StageTopology, fast_path_supported
 from .ir import (
     _NEWER_OPTIONS,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
     FORWARD,
+    FULL_BACKWARD,
     RUNTIME_OPTIONS,
     STEP_TAKES_FINALIZE,
     Action,
@@ -26,28 +30,71 @@ from .ir import (
     validate_schedule,
 )
 
+# ---------------------------------------------------------------------------- action contexts
+#: makes the context one action runs in: ``factory(stage, action)`` for F, B, I and W
+ActionContextFactory = Callable[[PipelineStageBase, Action], contextlib.AbstractContextManager]
 
-# ---------------------------------------------------------------------------- stage hooks
+_CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+def _backward_kind(args: tuple, kwargs: dict) -> Any:
+    """FULL_BACKWARD or BACKWARD_INPUT, from ``backward_one_chunk``'s ``full_backward``."""
+    full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+    return FULL_BACKWARD if full else BACKWARD_INPUT
+
+
 @contextlib.contextmanager
-def stage_methods_replaced(
-    replacements: Mapping[PipelineStageBase, Mapping[str, Callable[..., Any]]],
+def _entered(
+    factories: Sequence[ActionContextFactory], stage: PipelineStageBase, action: Action
 ) -> Iterator[None]:
-    """Replace per-chunk stage methods (instance attributes) for the length of one step; the
-    replacements call what was there before (:meth:`ScheduleSeq1F1B._stage_wrappers` binds it).
+    with contextlib.ExitStack() as stack:
+        for factory in factories:  # the first registered is the outermost
+            stack.enter_context(factory(stage, action))
+        yield
 
-    Upstream hook that would remove this: a backward counterpart of 2.15's
-    ``PipelineStage.register_forward_context`` (see docs/upstream_hooks.md).
+
+def _wrapped(
+    stage: PipelineStageBase, name: str, factories: Sequence[ActionContextFactory]
+) -> Callable[..., Any]:
+    run = getattr(stage, name)  # whatever is there: the class's method or an instance override
+
+    def per_action(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if name == "forward_one_chunk":
+            kind = FORWARD
+        elif name == "backward_weight_one_chunk":
+            kind = BACKWARD_WEIGHT
+        else:
+            kind = _backward_kind(args, kwargs)
+        with _entered(factories, stage, Action(stage.stage_index, kind, chunk_id)):
+            return run(chunk_id, *args, **kwargs)
+
+    return per_action
+
+
+@contextlib.contextmanager
+def action_contexts_installed(
+    stages: Sequence[PipelineStageBase], factories: Sequence[ActionContextFactory]
+) -> Iterator[None]:
+    """Run every F / B / I / W of ``stages`` inside the contexts ``factories`` make, for the
+    length of one step; each stage is left exactly as it was found (an instance override of
+    the user's is wrapped, then put back, never deleted).
+
+    Upstream hook that would remove this: ``register_action_context(factory) -> handle`` on
+    the schedule (docs/upstream_hooks.md); 2.15's ``PipelineStage.register_forward_context``
+    covers forwards only, one per stage, without the action.
     """
-    patched: list[tuple[Any, str, Any]] = []
+    if not factories:
+        yield
+        return
+    saved: list[tuple[PipelineStageBase, str, Any]] = []
     try:
-        for stage, methods in replacements.items():
-            for name, fn in methods.items():
-                # an instance override of the user's is put back afterwards, not deleted
-                patched.append((stage, name, vars(stage).get(name, _ABSENT)))
-                setattr(stage, name, fn)
+        for stage in stages:
+            for name in _CHUNK_METHODS:
+                saved.append((stage, name, vars(stage).get(name, _ABSENT)))
+                setattr(stage, name, _wrapped(stage, name, factories))
         yield
     finally:
-        for stage, name, before in reversed(patched):
+        for stage, name, before in reversed(saved):
             if before is _ABSENT:
                 with contextlib.suppress(AttributeError):
                     delattr(stage, name)
@@ -69,7 +116,8 @@ class UnitRuntime(ScheduleRuntime):
     * :meth:`unit_loss` -- the loss of one microbatch (default: torch's ``loss_fn``);
     * :meth:`collect_losses` -- what ``losses`` receives at the end of ``step()``;
     * :meth:`after_stage_init` -- after torch initialized the stages' receive descriptors;
-    * :meth:`unit_scope` -- a context around the whole run of one step's actions.
+    * :meth:`unit_scope` -- a context around the whole run of one step's actions;
+    * :meth:`register_action_context` -- a context around each F / B / I / W (composable).
 
     Per microbatch losses are kept by index, so a stage may compute them in any order.
     """
@@ -83,6 +131,8 @@ class UnitRuntime(ScheduleRuntime):
             )
         super().__init__(*args, **kwargs)
         self._unit_losses: dict[int, torch.Tensor] = {}
+        # an OrderedDict, as torch's module hooks use (RemovableHandle keeps a weak reference)
+        self._action_contexts: OrderedDict[int, ActionContextFactory] = OrderedDict()
         self._forward_only_lowered: dict[int, list[Action]] | None = None
 
     # ------------------------------------------------------------------ read-only views
@@ -177,6 +227,16 @@ class UnitRuntime(ScheduleRuntime):
     def unit_scope(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
+    def register_action_context(self, factory: ActionContextFactory) -> RemovableHandle:
+        """Run every compute action (F, B, I, W) inside ``factory(stage, action)``.
+
+        Factories compose: the first registered is the outermost. Returns a handle whose
+        ``remove()`` unregisters the factory (as torch's module hooks do).
+        """
+        handle = RemovableHandle(self._action_contexts)
+        self._action_contexts[handle.id] = factory
+        return handle
+
     def finish_step(self) -> None:
         """Called after the last action of a step, before the losses are collected."""
 
@@ -219,7 +279,6 @@ class UnitRuntime(ScheduleRuntime):
         """eval(): the forwards alone, lowered (torch would still walk the backward actions
         and hand gradients between same-rank stages that computed none)."""
         if self._forward_only_lowered is None:
-
             fwd = {
                 r: [a for a in acts if a is not None and a.computation_type == FORWARD]
                 for r, acts in self.pipeline_order.items()
@@ -290,7 +349,8 @@ class UnitRuntime(ScheduleRuntime):
         if not self._has_backward:
             self.pipeline_order_with_comms = self._forward_only_order()
         try:
-            with self.unit_scope():
+            factories = list(self._action_contexts.values())
+            with self.unit_scope(), action_contexts_installed(self._stages, factories):
                 super()._step_microbatches(
                     arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
                 )

@@ -16,8 +16,7 @@ import os
 import sys
 from typing import Any
 
-import torch
-
+from ..common import process_groups_destroyed
 from .toml import build_config
 
 
@@ -54,6 +53,11 @@ def run(argv: list[str] | None = None) -> None:
 
     init_logger()
     config = parse(sys.argv[1:] if argv is None else argv)
+    with process_groups_destroyed():  # also when training fails
+        _train(config, logger)
+
+
+def _train(config: Any, logger: Any) -> None:
     trainer = None
     try:
         trainer = config.build()
@@ -72,5 +76,3 @@ def run(argv: list[str] | None = None) -> None:
     finally:
         if trainer is not None:
             trainer.close()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()

@@ -173,9 +173,7 @@ class Seq1F1BTrainer(Trainer):
         """Unpipelined: the same chunk-aware attention, masked by the packed documents."""
         docs = document_ids_from_positions(extra_kwargs["positions"])
         with packed_documents(docs):
-            return super()._forward_backward_body(
-                inputs, labels, global_valid_tokens, extra_kwargs
-            )
+            return super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
 
     def pp_forward_backward_step(
         self,

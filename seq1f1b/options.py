@@ -1,0 +1,177 @@
+"""The schedule's grouped arguments: how a sequence is cut (:class:`SequenceSplit`) and how it is
+sharded over context-parallel ranks (:class:`ContextParallelConfig`).
+
+One object per concern keeps the schedule's signature close to torch's (whose schedules take
+the stages, the microbatch count, the loss and chunk specs) and puts each concern's validation
+next to its data. The flat keyword spellings of earlier releases (``model_shape=``,
+``split_multiple_of=``, ``seq_len=``, ``cp_group=``, ``cp_prefix=``, ``cp_reduce_grads=``) are
+folded into these objects by :func:`fold_flat_options`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from .context_parallel import CP_PREFIX_MODES
+from .kv import ContextParallel
+from .partition import SPLIT_MODES, ModelShape, resolve_split, segment_multiple
+
+__all__ = ["ContextParallelConfig", "SequenceSplit", "fold_flat_options"]
+
+_SPLIT_FLAT = ("model_shape", "split_multiple_of", "seq_len")
+_CP_FLAT = ("cp_group", "cp_prefix", "cp_reduce_grads")
+
+
+def positive_int(name: str, value: Any, fix: str) -> int:
+    """``value`` if it is an int >= 1, else a ValueError naming ``name`` and the fix."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 (got {value!r}): {fix}")
+    return value
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """How each sample's sequence is cut into ``seq_chunks`` segments.
+
+    Args:
+        mode: "uniform", "compute" (equal FLOPs; needs ``model_shape``) or explicit lengths.
+        model_shape: transformer shape for ``mode="compute"``.
+        multiple_of: every segment length (with context parallelism: each rank's share of it)
+            is a multiple of this (e.g. the TP degree).
+        seq_len: sequence length, if fixed up front (the split is checked at construction and
+            a step of another length is an error). Without it every step may have its own.
+    """
+
+    mode: str | tuple[int, ...] = "uniform"
+    model_shape: ModelShape | None = None
+    multiple_of: int = 1
+    seq_len: int | None = None
+    _cache: dict[tuple[int, int], list[int]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, str):
+            object.__setattr__(self, "mode", tuple(self.mode))
+
+    def check(self, seq_chunks: int) -> None:
+        """Raise ValueError (naming the fix) if this split cannot serve ``seq_chunks``."""
+        positive_int("split_multiple_of", self.multiple_of, "pass 1, or the TP degree")
+        if isinstance(self.mode, str):
+            if self.mode not in SPLIT_MODES:
+                raise ValueError(
+                    f"split={self.mode!r} is unknown: use one of {list(SPLIT_MODES)} or a list "
+                    "of segment lengths"
+                )
+            if self.mode == "compute" and self.model_shape is None:
+                raise ValueError(
+                    "split='compute' needs the model shape: pass model_shape=ModelShape(...)"
+                )
+        elif len(self.mode) != seq_chunks:
+            raise ValueError(
+                f"split has {len(self.mode)} lengths but seq_chunks={seq_chunks}: give exactly "
+                "seq_chunks lengths, or change seq_chunks"
+            )
+
+    def lengths(self, seq_len: int, seq_chunks: int, cp_size: int = 1) -> list[int]:
+        """Segment lengths for a sequence of ``seq_len`` tokens (cached per length)."""
+        key = (seq_len, cp_size)
+        if key not in self._cache:
+            multiple = segment_multiple(self.multiple_of, cp_size)
+            if cp_size > 1 and (seq_len % multiple or seq_len < multiple * seq_chunks):
+                raise ValueError(
+                    f"seq_len={seq_len} cannot be cut into {seq_chunks} segments that are "
+                    f"each a multiple of {multiple} tokens (context parallelism over {cp_size} "
+                    f"ranks cuts each segment into 2 * cp = {2 * cp_size} chunks, and each "
+                    f"rank's share must be a multiple of split_multiple_of={self.multiple_of}): "
+                    f"use a sequence length that is a multiple of {multiple} and at least "
+                    f"{multiple * seq_chunks}, or fewer seq_chunks"
+                )
+            mode = self.mode if isinstance(self.mode, str) else list(self.mode)
+            self._cache[key] = resolve_split(
+                mode, seq_len, seq_chunks, shape=self.model_shape, multiple_of=multiple
+            )
+        return self._cache[key]
+
+
+@dataclass(frozen=True)
+class ContextParallelConfig:
+    """Context parallelism: the group a stage's sequence is sharded over (ring attention).
+
+    Args:
+        group: the process group (e.g. ``device_mesh["cp"].get_group()``). Every CP rank
+            passes the same whole batch; the schedule keeps its load-balanced share of each
+            segment (every segment a multiple of ``2 * cp`` tokens).
+        prefix: how a segment reaches the cached K/V of earlier segments on the other CP
+            ranks: "pass_q" (its queries travel), "pass_kv" (the cache travels) or "auto"
+            (whichever moves fewer bytes, per segment).
+        reduce_grads: average parameter gradients over ``group`` at the end of ``step()``;
+            False when FSDP/DDP over a mesh that includes CP averages them.
+    """
+
+    group: dist.ProcessGroup | None = None
+    prefix: str = "auto"
+    reduce_grads: bool = True
+
+    def resolve(self) -> ContextParallel | None:
+        """This rank's view of the group (None without context parallelism)."""
+        if self.prefix not in CP_PREFIX_MODES:
+            raise ValueError(
+                f"cp_prefix={self.prefix!r} is unknown: use one of {list(CP_PREFIX_MODES)}"
+            )
+        if self.group is None:
+            return None
+        size = dist.get_world_size(self.group)
+        if size < 1 or dist.get_rank(self.group) < 0:
+            raise ValueError(
+                "cp_group does not contain this rank: pass the context-parallel group this "
+                "rank belongs to (e.g. device_mesh['cp'].get_group())"
+            )
+        if size == 1:
+            return None
+        return ContextParallel(self.group, dist.get_rank(self.group), size, self.prefix)
+
+
+def fold_flat_options(
+    split: SequenceSplit | str | Sequence[int],
+    context_parallel: ContextParallelConfig | None,
+    flat: dict[str, Any],
+) -> tuple[SequenceSplit, ContextParallelConfig]:
+    """Build the grouped arguments, taking the flat spellings out of ``flat`` (in place).
+
+    Refuses to mix a grouped object with its flat spellings, so no setting is silently lost.
+    """
+    split_flat = {k: flat.pop(k) for k in _SPLIT_FLAT if k in flat}
+    cp_flat = {k: flat.pop(k) for k in _CP_FLAT if k in flat}
+    if isinstance(split, SequenceSplit):
+        if split_flat:
+            raise ValueError(
+                f"pass {sorted(split_flat)} inside split=SequenceSplit(...), not beside it"
+            )
+    else:
+        if isinstance(split, str) or split is None:
+            mode: str | tuple[int, ...] = split
+        else:
+            mode = tuple(split)
+        split = SequenceSplit(
+            mode,
+            model_shape=split_flat.get("model_shape"),
+            multiple_of=split_flat.get("split_multiple_of", 1),
+            seq_len=split_flat.get("seq_len"),
+        )
+    if context_parallel is None:
+        context_parallel = ContextParallelConfig(
+            cp_flat.get("cp_group"),
+            cp_flat.get("cp_prefix", "auto"),
+            cp_flat.get("cp_reduce_grads", True),
+        )
+    elif cp_flat:
+        raise ValueError(
+            f"pass {sorted(cp_flat)} inside context_parallel=ContextParallelConfig(...), not "
+            "beside it"
+        )
+    return split, context_parallel

@@ -1,0 +1,77 @@
+"""Receive sizing: each unit's activation and gradient receives get their own segment length,
+and every received activation is checked against it before it is used.
+
+torch sizes all receives of a stage alike, from the first microbatch it ever saw (2.13/2.14:
+preallocated buffers; 2.15: ``tensor_meta`` per receive). Segments differ in length within a
+step and between steps, so the seam's ``set_recv_length`` resizes each receive per unit per
+step. The ratio (positions torch saw : tokens of the segment it saw them for) is kept, not the
+size, which covers sequence-sharded activations (tensor parallel) and steps of any length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _runtime as rt
+from ._runtime import PipelineStageBase
+
+__all__ = ["ReceiveSizer"]
+
+_Key = tuple[int, bool, int, int]  # (stage, backward?, unit, slot)
+
+
+class ReceiveSizer:
+    """Sizes one schedule's receives per unit (see the module docstring)."""
+
+    def __init__(self, seq_dim: int, seq_chunks: int) -> None:
+        self.seq_dim = seq_dim
+        self.seq_chunks = seq_chunks
+        self._base: dict[_Key, tuple[int, int]] = {}  # (positions torch saw, their tokens)
+
+    def resize(self, stages: list[PipelineStageBase], lengths: list[int]) -> None:
+        """Give each unit's receives (forward and backward) its segment's length."""
+        for stage in stages:
+            for backward in (False, True):
+                for u, infos in rt.recv_infos(stage, backward).items():
+                    for i, info in enumerate(infos):
+                        shape = rt.recv_shape(info)
+                        if shape is None:
+                            continue
+                        want = self.length(lengths, (stage.stage_index, backward, u, i), shape)
+                        if want is not None:
+                            rt.set_recv_length(info, self.seq_dim, want)
+
+    def length(self, lengths: list[int], key: _Key, shape: torch.Size) -> int | None:
+        """Positions the receive ``key`` holds at ``seq_dim`` (None: not a per-token tensor)."""
+        stage_index, _, unit, _ = key
+        dim = self.seq_dim
+        if len(shape) <= dim:
+            if len(set(lengths)) == 1:
+                return None
+            raise ValueError(
+                f"stage {stage_index} receives a tensor of shape {tuple(shape)} with no "
+                f"sequence dim {dim}: uneven segment lengths need activations that keep the "
+                "sequence at seq_dim; use split='uniform' with a divisible seq_len"
+            )
+        base, tokens = self._base.setdefault(key, (int(shape[dim]), lengths[0]))
+        seg = lengths[unit % self.seq_chunks]
+        if (base * seg) % tokens:
+            raise ValueError(
+                f"stage {stage_index} receives activations with {base} positions for a "
+                f"segment of {tokens} tokens, which does not scale to a segment of {seg}: "
+                "set split_multiple_of to the sequence-sharding degree (e.g. the TP size)"
+            )
+        return base * seg // tokens
+
+    def check_received(self, stage: PipelineStageBase, unit: int, lengths: list[int]) -> None:
+        """Every received activation has its unit's segment length (never silently wrong)."""
+        for slot, buf in enumerate(rt.received_tensors(stage, unit)):
+            key = (stage.stage_index, False, unit, slot)
+            want = self.length(lengths, key, buf.shape)
+            if want is not None and buf.shape[self.seq_dim] != want:
+                raise RuntimeError(
+                    f"stage {stage.stage_index}, unit {unit}: received an activation with "
+                    f"{buf.shape[self.seq_dim]} positions at dim {self.seq_dim}, expected "
+                    f"{want} (its segment). The receive was not sized per unit: this torch "
+                    "release changed how receive buffers are allocated (see seq1f1b/_runtime/)."
+                )

@@ -1,0 +1,178 @@
+"""A step's inputs as units: the sequence length, the cut into (sample, segment) units, each
+unit's loss weight, and the packed-document runs. Pure functions of the inputs and the
+schedule's settings (no process group, no stage), so every rank computes the same thing and a
+test can call them directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .kv import ContextParallel
+from .masks import document_runs
+from .microbatch import (
+    count_tokens,
+    shard_units,
+    split_presplit_units,
+    split_target,
+    split_units,
+)
+from .partition import segment_offsets
+
+__all__ = ["StepInputs", "UnitCutter", "check_presplit", "token_weights"]
+
+Presplit = tuple[list, list, list | None]
+
+
+@dataclass
+class StepInputs:
+    """This rank's share of one step, cut into units (``u = m * K + k``)."""
+
+    lengths: list[int]
+    args: list
+    kwargs: list
+    targets: list | None
+    weights: list[float]  # each unit's loss weight (its token share; 1.0 without scaling)
+
+
+def check_presplit(
+    arg_mbs: list | None, kwarg_mbs: list | None, target_mbs: list | None, n_samples: int
+) -> Presplit:
+    """Pre-split samples: M entries each (torch's contract, with M = n_microbatches)."""
+    out: list[list | None] = []
+    for name, mbs, empty in (
+        ("arg_mbs", arg_mbs, ()),
+        ("kwarg_mbs", kwarg_mbs, {}),
+        ("target_mbs", target_mbs, None),
+    ):
+        if mbs is None:
+            out.append(None if name == "target_mbs" else [empty] * n_samples)
+            continue
+        if not isinstance(mbs, list) or len(mbs) != n_samples:
+            raise ValueError(
+                f"{name} must be a list of n_microbatches={n_samples} samples (got "
+                f"{type(mbs).__name__}): ScheduleSeq1F1B cuts each sample into its "
+                "seq_chunks segments itself"
+            )
+        out.append(mbs)
+    return out[0], out[1], out[2]  # type: ignore[return-value]
+
+
+def token_weights(tokens: Sequence[int], total: int, cp_size: int) -> list[float]:
+    """Loss weight of each local unit: its token share of the batch, times the number of
+    units and the CP size, so that the mean over units (and over the CP group, as FSDP/DDP
+    averaging expects) of the weighted mean losses is the batch's mean loss."""
+    scale = len(tokens) * cp_size / total
+    return [scale * t for t in tokens]
+
+
+@dataclass(frozen=True)
+class UnitCutter:
+    """The schedule's settings for cutting whole-batch (or per-sample) inputs into units."""
+
+    n_samples: int
+    seq_chunks: int
+    seq_dim: int
+    kwargs_seq_dims: Mapping[str, int | None] = field(default_factory=dict)
+    ignore_index: int | None = -100
+    scale_grads: bool = True
+    args_chunk_spec: Any = None
+    kwargs_chunk_spec: Any = None
+
+    def seq_len(self, args: tuple, kwargs: dict, target: Any, presplit: Presplit | None) -> int:
+        """The sequence length this rank's inputs carry (0: this rank got none)."""
+        if presplit is not None:  # the first sample tells the length
+            arg_mbs, kwarg_mbs, target_mbs = presplit
+            args, kwargs = tuple(arg_mbs[0]), dict(kwarg_mbs[0])
+            target = target_mbs[0] if target_mbs else None
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                return int(a.shape[self.seq_dim])
+        for name, value in kwargs.items():
+            dim = self.kwargs_seq_dims.get(name, self.seq_dim)
+            if isinstance(value, torch.Tensor) and dim is not None:
+                return int(value.shape[dim])
+        if isinstance(target, torch.Tensor):
+            return int(target.shape[self.seq_dim])
+        return 0
+
+    def cut(
+        self,
+        lengths: list[int],
+        args: tuple,
+        kwargs: dict,
+        target: Any,
+        presplit: Presplit | None,
+        cp: ContextParallel | None,
+    ) -> StepInputs:
+        """Cut this rank's inputs into units (with CP: its share of each) and weigh them."""
+        m, dim, seq_dims = self.n_samples, self.seq_dim, dict(self.kwargs_seq_dims)
+        if presplit is not None:
+            arg_units, kwarg_units, target_units = split_presplit_units(
+                *presplit, lengths, dim, seq_dims
+            )
+        else:
+            arg_units, kwarg_units = split_units(
+                args,
+                kwargs,
+                m,
+                lengths,
+                dim,
+                args_chunk_spec=self.args_chunk_spec,
+                kwargs_chunk_spec=self.kwargs_chunk_spec,
+                kwargs_seq_dims=seq_dims,
+            )
+            target_units = None if target is None else split_target(target, m, lengths, dim)
+        total = 0
+        if target_units is not None and self.scale_grads:
+            total = sum(count_tokens(t, self.ignore_index) for t in target_units)
+            if total == 0:
+                raise ValueError(
+                    f"every target of this batch is ignore_index={self.ignore_index}: a mean "
+                    "loss over zero tokens is undefined. Drop the batch, or pass "
+                    "scale_grads=False with a sum loss"
+                )
+        if cp is not None:  # keep this CP rank's share of every segment
+            starts = segment_offsets(lengths)
+            shards = [
+                (cp.runs(starts[seg], starts[seg] + lengths[seg]), starts[seg])
+                for _ in range(m)
+                for seg in range(self.seq_chunks)
+            ]
+            arg_units, kwarg_units, target_units = shard_units(
+                arg_units, kwarg_units, target_units, shards, dim, seq_dims
+            )
+        weights = [1.0] * (m * self.seq_chunks)
+        if total:
+            tokens = [count_tokens(t, self.ignore_index) for t in target_units]
+            weights = token_weights(tokens, total, 1 if cp is None else cp.size)
+        return StepInputs(lengths, arg_units, kwarg_units, target_units, weights)
+
+    def documents(self, document_ids: Any, seq_len: int) -> list:
+        """Per-sample document runs, checked against the batch and the sequence length."""
+        m = self.n_samples
+        if isinstance(document_ids, torch.Tensor):
+            if document_ids.dim() != 2 or document_ids.shape[0] % m:
+                raise ValueError(
+                    f"document_ids has shape {tuple(document_ids.shape)}: it must be (batch, "
+                    f"seq_len) with a batch divisible by n_microbatches={m}"
+                )
+            samples = list(torch.tensor_split(document_ids, m, dim=0))
+        else:
+            samples = list(document_ids)
+            if len(samples) != m:
+                raise ValueError(
+                    f"document_ids as a list needs one (batch, seq_len) tensor per sample "
+                    f"(n_microbatches={m}), got {len(samples)}"
+                )
+        for ids in samples:
+            if seq_len and ids.shape[-1] != seq_len:
+                raise ValueError(
+                    f"document_ids cover {ids.shape[-1]} positions but the inputs have "
+                    f"seq_len={seq_len}: pass one id per token"
+                )
+        return [document_runs(ids) for ids in samples]

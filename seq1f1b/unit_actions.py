@@ -1,0 +1,152 @@
+"""What runs around each compute action of a Seq1F1B step: the unit's place in its sample
+(:class:`~seq1f1b.kv.SegmentInfo`), its K/V cache bookkeeping, the received-length check and,
+on the first step, the guard against plain SDPA. Registered on the schedule as one per-action
+context (``UnitRuntime.register_action_context``), so it composes with other such contexts
+and never replaces a stage's methods itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import _runtime as rt
+from ._runtime import Action, PipelineStageBase
+from .kv import ContextParallel, SegmentInfo, StageKVState, UnitContext, activate
+from .partition import segment_offsets
+from .receives import ReceiveSizer
+
+__all__ = ["PlainAttentionGuard", "UnitActions"]
+
+
+class PlainAttentionGuard(TorchFunctionMode):
+    """Fails fast when a model calls plain SDPA inside a chunked unit (wrong, not just slow)."""
+
+    error: RuntimeError | None = None
+
+    def __init__(self, documents: bool) -> None:
+        super().__init__()
+        self.documents = documents
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            why = (
+                "it would ignore the document_ids given to step() (attention across documents)"
+                if self.documents
+                else "a segment would not see the earlier segments' keys and values"
+            )
+            self.error = RuntimeError(
+                "ScheduleSeq1F1B: the model called "
+                f"torch.nn.functional.scaled_dot_product_attention directly, so {why} "
+                "(silently wrong results). Route causal attention through "
+                "seq1f1b.chunk_aware_attention / ChunkAwareAttention (or pass "
+                "check_attention=False if this SDPA call is not over the sequence)."
+            )
+            raise self.error
+        return func(*args, **(kwargs or {}))
+
+
+class UnitActions:
+    """The per-action context of one schedule's units; ``begin_step`` sets the step's
+    segment lengths and documents, and the instance is the factory ``(stage, action) -> ctx``.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[PipelineStageBase],
+        seq_chunks: int,
+        receives: ReceiveSizer,
+        cp: ContextParallel | None,
+        skip_invisible: bool = True,
+    ) -> None:
+        self.seq_chunks = seq_chunks
+        self.receives = receives
+        self.cp = cp
+        self.kv_states = {
+            s.stage_index: StageKVState(s.stage_index, seq_chunks, skip_invisible=skip_invisible)
+            for s in stages
+        }
+        self.lengths: list[int] = []
+        self.documents: list | None = None  # per sample: document runs (packed documents)
+        self.guard = False  # check for plain SDPA (first step, first step with documents)
+
+    def begin_step(self, lengths: list[int], documents: list | None, guard: bool) -> None:
+        self.lengths, self.documents, self.guard = lengths, documents, guard
+        self._starts = segment_offsets(lengths)
+        for state in self.kv_states.values():
+            state.clear(reset_peak=True)
+
+    def end_step(self) -> None:
+        for state in self.kv_states.values():
+            state.clear()
+
+    def segment_info(self, unit: int) -> SegmentInfo:
+        m, seg = divmod(unit, self.seq_chunks)
+        total = sum(self.lengths)
+        return SegmentInfo(
+            microbatch=m,
+            segment=seg,
+            num_segments=self.seq_chunks,
+            start=self._starts[seg],
+            length=self.lengths[seg],
+            seq_len=total,
+            bounds=(*self._starts[: self.seq_chunks], total),
+            documents=None if self.documents is None else self.documents[m],
+            cp=self.cp,
+        )
+
+    def __call__(
+        self, stage: PipelineStageBase, action: Action
+    ) -> contextlib.AbstractContextManager[None]:
+        kind = action.computation_type
+        if kind == rt.FORWARD:
+            return self._forward(stage, action.microbatch_index)
+        if not stage.has_backward:
+            return contextlib.nullcontext()
+        if kind == rt.BACKWARD_WEIGHT and not stage.is_first:
+            return self._weight(stage, action.microbatch_index)
+        if kind == rt.BACKWARD_INPUT and stage.is_first:
+            # torch runs the first stage's whole backward in its BACKWARD_WEIGHT (there is no
+            # input gradient to split off): the unit's K/V work happens there
+            return contextlib.nullcontext()
+        return self._backward(stage, action.microbatch_index, free=kind != rt.BACKWARD_INPUT)
+
+    @contextlib.contextmanager
+    def _forward(self, stage: PipelineStageBase, unit: int) -> Iterator[None]:
+        info, state = self.segment_info(unit), self.kv_states[stage.stage_index]
+        if not stage.is_first:
+            self.receives.check_received(stage, unit, self.lengths)
+        keep = stage.has_backward and torch.is_grad_enabled()
+        state.begin_forward(info.microbatch, info.segment)
+        mode = PlainAttentionGuard(info.documents is not None) if self.guard else None
+        try:
+            with activate(UnitContext(state, info, "forward", keep)):
+                with mode or contextlib.nullcontext():
+                    yield
+        except RuntimeError as exc:
+            if mode is not None and mode.error is not None:
+                raise mode.error from exc  # not torch's generic "failed to run forward"
+            raise
+        state.end_forward(info.microbatch, info.segment, keep)
+
+    @contextlib.contextmanager
+    def _backward(self, stage: PipelineStageBase, unit: int, free: bool) -> Iterator[None]:
+        """A full backward, the input half of a split one, or the first stage's whole one."""
+        info, state = self.segment_info(unit), self.kv_states[stage.stage_index]
+        state.begin_backward(info.microbatch, info.segment)
+        with activate(UnitContext(state, info, "backward", True)):
+            yield
+        state.end_backward(info.microbatch, info.segment, free=free)
+
+    @contextlib.contextmanager
+    def _weight(self, stage: PipelineStageBase, unit: int) -> Iterator[None]:
+        """Weight gradients from the intermediates BACKWARD_INPUT saved; checkpointing may
+        recompute the layer (and its attention, from the kept K/V cache) once more here."""
+        info, state = self.segment_info(unit), self.kv_states[stage.stage_index]
+        with activate(UnitContext(state, info, "backward", False)):
+            yield
+        state.end_weight(info.microbatch, info.segment)
