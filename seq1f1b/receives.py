@@ -6,9 +6,14 @@ preallocated buffers; 2.15: ``tensor_meta`` per receive). Segments differ in len
 step and between steps, so the seam's ``set_recv_length`` resizes each receive per unit per
 step. The ratio (positions torch saw : tokens of the segment it saw them for) is kept, not the
 size, which covers sequence-sharded activations (tensor parallel) and steps of any length.
+On a torch with the per-microbatch receive hook (``register_recv_meta_fn``, patch 5 of
+upstream/), that hook asks this class for each receive's length and nothing is rewritten.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,9 +32,18 @@ class ReceiveSizer:
         self.seq_dim = seq_dim
         self.seq_chunks = seq_chunks
         self._base: dict[_Key, tuple[int, int]] = {}  # (positions torch saw, their tokens)
+        self._lengths: list[int] = []
+        self._hooked: set[int] = set()  # stages whose receive hook asks us (patch 5)
 
     def resize(self, stages: list[PipelineStageBase], lengths: list[int]) -> None:
         """Give each unit's receives (forward and backward) its segment's length."""
+        self._lengths = lengths
+        if rt.RECV_META_HOOK:
+            for stage in stages:
+                if stage.stage_index not in self._hooked:
+                    rt.register_recv_meta_fn(stage, self._meta_fn(stage.stage_index))
+                    self._hooked.add(stage.stage_index)
+            return
         for stage in stages:
             for backward in (False, True):
                 for u, infos in rt.recv_infos(stage, backward).items():
@@ -40,6 +54,14 @@ class ReceiveSizer:
                         want = self.length(lengths, (stage.stage_index, backward, u, i), shape)
                         if want is not None:
                             rt.set_recv_length(info, self.seq_dim, want)
+
+    def _meta_fn(self, stage_index: int) -> Callable[[int, str, int, Any], Any]:
+        def fn(mb_index: int, kind: str, arg_index: int, meta: Any) -> Any:
+            key = (stage_index, kind == "gradient", mb_index, arg_index)
+            want = self.length(self._lengths, key, meta.shape)
+            return meta if want is None else rt.meta_with_length(meta, self.seq_dim, want)
+
+        return fn
 
     def length(self, lengths: list[int], key: _Key, shape: torch.Size) -> int | None:
         """Positions the receive ``key`` holds at ``seq_dim`` (None: not a per-token tensor)."""

@@ -53,3 +53,47 @@ def test_short_segments_warn(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         warn_short_segments([128] * 4, SimpleNamespace(seq_chunks=4))
     assert not caplog.text
+
+
+def _init_group(tmp_path) -> None:
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+
+def test_process_groups_destroyed_when_training_fails(tmp_path) -> None:
+    """A failing rank must not reach interpreter exit with gloo groups alive (their worker
+    threads can then abort the process instead of reporting the error: the CI abort of
+    issue 20); torchtitan destroys them only after a successful run."""
+    import torch.distributed as dist
+
+    from torchtitan_integration.common import process_groups_destroyed
+
+    with pytest.raises(ValueError, match="bad batch"):
+        with process_groups_destroyed():
+            _init_group(tmp_path)
+            assert dist.is_initialized()
+            raise ValueError("bad batch")
+    assert not dist.is_initialized()
+
+
+def test_0_3_entry_destroys_groups_on_failure(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("torchtitan")
+    import torch.distributed as dist
+
+    from torchtitan_integration.versions import TITAN_0_3, titan_generation
+
+    if titan_generation() != TITAN_0_3:
+        pytest.skip("torchtitan 0.3's entry")
+    from torchtitan_integration.v03 import train
+
+    def failing(config, logger) -> None:
+        _init_group(tmp_path)
+        raise RuntimeError("training failed")
+
+    monkeypatch.setattr(train, "parse", lambda argv: object())
+    monkeypatch.setattr(train, "_train", failing)
+    with pytest.raises(RuntimeError, match="training failed"):
+        train.run([])
+    assert not dist.is_initialized()

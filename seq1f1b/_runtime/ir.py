@@ -131,6 +131,13 @@ RUNTIME_OPTIONS: tuple[str, ...] = (
 )
 
 
+#: torch hooks of the upstream series (upstream/README.md), found by feature. Where one is
+#: found, the matching workaround is not used.
+#: patch 5: ``PipelineStage.register_recv_meta_fn`` sizes each receive per microbatch
+#: (retires rewriting ``_RecvInfo.tensor_meta`` / ``.buffer`` per unit in set_recv_length).
+RECV_META_HOOK = hasattr(PipelineStageBase, "register_recv_meta_fn")
+
+
 def add_wait_send(rank_actions: list[Action]) -> list[Action]:
     """torch's ``_add_wait_send`` for one rank (a per-rank pass); identity before 2.15."""
     if not HAS_SEND_WAITS:
@@ -199,24 +206,34 @@ def recv_shape(info: Any) -> torch.Size | None:
     return buf.shape if isinstance(buf, torch.Tensor) else None
 
 
+def meta_with_length(meta: Any, dim: int, length: int) -> Any:
+    """``meta`` (2.15's ``TensorMeta``) with ``length`` positions at ``dim``, contiguous."""
+    shape = list(meta.shape)
+    if shape[dim] == length and tuple(meta.stride) == _contiguous(shape):
+        return meta
+    shape[dim] = length  # and a contiguous buffer: p2p backends send contiguous tensors
+    changes: dict[str, Any] = {"shape": torch.Size(shape), "stride": _contiguous(shape)}
+    global_shape = getattr(meta, "global_shape", None)
+    if global_shape is not None and len(global_shape) == len(shape):
+        scale = shape[dim] / meta.shape[dim]
+        gshape = list(global_shape)
+        gshape[dim] = round(gshape[dim] * scale)
+        changes["global_shape"] = torch.Size(gshape)
+        changes["global_stride"] = _contiguous(gshape)
+    return dataclasses.replace(meta, **changes)
+
+
+def register_recv_meta_fn(stage: PipelineStageBase, fn: Callable[..., Any]) -> Any:
+    """The upstream hook (patch 5): ``fn(mb_index, kind, arg_index, meta) -> meta`` sizes
+    each receive of ``stage``; returns its removable handle."""
+    return stage.register_recv_meta_fn(fn)  # type: ignore[attr-defined]
+
+
 def set_recv_length(info: Any, dim: int, length: int) -> None:
     """Make a descriptor receive ``length`` positions at ``dim`` (other dims unchanged)."""
     if RECV_BUFFER_PER_RECEIVE:
-        meta = info.tensor_meta
-        shape = list(meta.shape)
-        if shape[dim] == length and tuple(meta.stride) == _contiguous(shape):
-            return
-        shape[dim] = length  # and a contiguous buffer: p2p backends send contiguous tensors
-        changes: dict[str, Any] = {"shape": torch.Size(shape), "stride": _contiguous(shape)}
-        global_shape = getattr(meta, "global_shape", None)
-        if global_shape is not None and len(global_shape) == len(shape):
-            scale = shape[dim] / meta.shape[dim]
-            gshape = list(global_shape)
-            gshape[dim] = round(gshape[dim] * scale)
-            changes["global_shape"] = torch.Size(gshape)
-            changes["global_stride"] = _contiguous(gshape)
         # descriptors of different units may share one meta object: give this one its own
-        info.tensor_meta = dataclasses.replace(meta, **changes)
+        info.tensor_meta = meta_with_length(info.tensor_meta, dim, length)
         return
     buf = info.buffer
     if buf.shape[dim] == length:
