@@ -49,6 +49,17 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 | torch._utils._get_available_device_type       | torchtitan picks "cpu" at import (cpu.py)        |
 | _composable.replicate_with_fsdp.replicate     | DP-replicate that the pipelining runtime reduces |
 
+Hooks of the upstream series (``upstream/``), found by feature (``TORCH_HOOKS``); on a torch
+that has one, the workaround it retires is not used:
+
+| hook (patch)                                  | workaround it retires                            |
+|-----------------------------------------------|--------------------------------------------------|
+| losses by microbatch index (1)                | our ``_maybe_get_loss`` and our own loss dict    |
+| linear-time lowering (2; no API to detect)    | needs no workaround off: lowering.py equals it   |
+| forward-only eval lowering (3)                | swapping ``pipeline_order_with_comms`` in eval   |
+| ``register_action_context`` (4)               | ``action_contexts_installed`` (stage wrapping)   |
+| ``register_recv_meta_fn`` (5)                 | rewriting ``_RecvInfo.tensor_meta`` per unit     |
+
 Touch points (distinct private torch names, overridden private methods and private attributes
 reached in ir.py + unit.py, counted from their syntax trees): 48 at cf73c1e, 45 now; the 3
 comparison-only passes moved to reference.py (test-only). The per-step stage wrapping is now one
@@ -60,12 +71,15 @@ Each workaround names the upstream hook that would remove it in ``docs/upstream_
 """
 
 from .ir import (
+    ACTION_CONTEXT_HOOK,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
+    FORWARD_ONLY_EVAL,
     FULL_BACKWARD,
     HAS_SEND_WAITS,
     HAS_WARMUP_P2P,
+    LOSSES_BY_INDEX,
     OVERLAP_F_B,
     RECV_B,
     RECV_BUFFER_PER_RECEIVE,
@@ -77,6 +91,7 @@ from .ir import (
     SEND_B,
     SEND_F,
     STEP_TAKES_FINALIZE,
+    TORCH_HOOKS,
     UNSHARD,
     UNSHARD_KEEPS_INSERTION_ORDER,
     WAIT_REDUCE_GRAD,
@@ -113,12 +128,15 @@ from .ir import (
 from .unit import ActionContextFactory, UnitRuntime, action_contexts_installed
 
 __all__ = [
+    "ACTION_CONTEXT_HOOK",
     "BACKWARD_INPUT",
     "BACKWARD_WEIGHT",
     "FORWARD",
+    "FORWARD_ONLY_EVAL",
     "FULL_BACKWARD",
     "HAS_SEND_WAITS",
     "HAS_WARMUP_P2P",
+    "LOSSES_BY_INDEX",
     "OVERLAP_F_B",
     "RECV_B",
     "RECV_BUFFER_PER_RECEIVE",
@@ -130,6 +148,7 @@ __all__ = [
     "SEND_B",
     "SEND_F",
     "STEP_TAKES_FINALIZE",
+    "TORCH_HOOKS",
     "UNSHARD",
     "UNSHARD_KEEPS_INSERTION_ORDER",
     "WAIT_REDUCE_GRAD",
@@ -190,6 +209,10 @@ VOCABULARY = (
     "HAS_SEND_WAITS",
     "HAS_WARMUP_P2P",
     "RECV_META_HOOK",
+    "TORCH_HOOKS",
+    "ACTION_CONTEXT_HOOK",
+    "FORWARD_ONLY_EVAL",
+    "LOSSES_BY_INDEX",
     "RECV_BUFFER_PER_RECEIVE",
     "RUNTIME_OPTIONS",
     "STEP_TAKES_FINALIZE",

@@ -136,6 +136,23 @@ RUNTIME_OPTIONS: tuple[str, ...] = (
 #: patch 5: ``PipelineStage.register_recv_meta_fn`` sizes each receive per microbatch
 #: (retires rewriting ``_RecvInfo.tensor_meta`` / ``.buffer`` per unit in set_recv_length).
 RECV_META_HOOK = hasattr(PipelineStageBase, "register_recv_meta_fn")
+#: patch 1: losses kept by microbatch index (with per-microbatch ``loss_kwarg_mbs`` in
+#: ``step``); retires our ``_maybe_get_loss`` override and our own loss dict.
+LOSSES_BY_INDEX = "loss_kwarg_mbs" in _STEP_PARAMS
+#: patch 3: ``eval()`` runs a forward-only lowering that the runtime asks for
+#: (``_get_forward_only_order_with_comms``); retires swapping ``pipeline_order_with_comms``
+#: around an eval step (our lowering still supplies it: it knows non-chain stage graphs).
+FORWARD_ONLY_EVAL = hasattr(ScheduleRuntime, "_get_forward_only_order_with_comms")
+#: patch 4: ``register_action_context(factory)`` on the runtime; retires wrapping the stages'
+#: per-chunk methods for each step (``action_contexts_installed``).
+ACTION_CONTEXT_HOOK = hasattr(ScheduleRuntime, "register_action_context")
+#: every hook of the series, and whether this torch has it (upstream/check.sh asserts all)
+TORCH_HOOKS = {
+    "losses kept by microbatch index (patch 1)": LOSSES_BY_INDEX,
+    "forward-only eval lowering (patch 3)": FORWARD_ONLY_EVAL,
+    "register_action_context (patch 4)": ACTION_CONTEXT_HOOK,
+    "register_recv_meta_fn (patch 5)": RECV_META_HOOK,
+}
 
 
 def add_wait_send(rank_actions: list[Action]) -> list[Action]:
@@ -244,13 +261,14 @@ def set_recv_length(info: Any, dim: int, length: int) -> None:
     info.buffer = new.requires_grad_(buf.requires_grad)
 
 
-def received_tensors(stage: PipelineStageBase, unit: int) -> list[torch.Tensor]:
-    """Activations received for ``unit`` and not yet consumed (for the length check)."""
-    out: list[torch.Tensor] = []
-    for info in stage.args_recv_info.get(unit, ()):
+def received_tensors(stage: PipelineStageBase, unit: int) -> list[tuple[int, Any, torch.Tensor]]:
+    """(slot, descriptor, tensor) of each activation received for ``unit`` and not yet
+    consumed (for the length check); slot is the descriptor's index, as in recv_infos."""
+    out: list[tuple[int, Any, torch.Tensor]] = []
+    for slot, info in enumerate(stage.args_recv_info.get(unit, ())):
         buf = getattr(info, "buffer", None)
         if not getattr(info, "is_root_arg", False) and isinstance(buf, torch.Tensor):
-            out.append(buf)
+            out.append((slot, info, buf))
     return out
 
 

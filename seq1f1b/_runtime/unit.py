@@ -18,10 +18,13 @@ from torch.utils.hooks import RemovableHandle
 from ..lowering import LoweredOrders, SendRecvLowering, StageTopology, fast_path_supported
 from .ir import (
     _NEWER_OPTIONS,
+    ACTION_CONTEXT_HOOK,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
+    FORWARD_ONLY_EVAL,
     FULL_BACKWARD,
+    LOSSES_BY_INDEX,
     RUNTIME_OPTIONS,
     STEP_TAKES_FINALIZE,
     Action,
@@ -130,9 +133,13 @@ class UnitRuntime(ScheduleRuntime):
                 "torch or drop these options"
             )
         super().__init__(*args, **kwargs)
-        self._unit_losses: dict[int, torch.Tensor] = {}
-        # an OrderedDict, as torch's module hooks use (RemovableHandle keeps a weak reference)
-        self._action_contexts: OrderedDict[int, ActionContextFactory] = OrderedDict()
+        # patch 1's torch keeps the losses by microbatch index itself: share its dict
+        self._unit_losses: dict[int, torch.Tensor] = (
+            self._internal_losses if LOSSES_BY_INDEX else {}  # type: ignore[assignment]
+        )
+        if not ACTION_CONTEXT_HOOK:  # patch 4's torch keeps its own (of this name)
+            # an OrderedDict, as torch's module hooks use (RemovableHandle: a weak reference)
+            self._action_contexts: OrderedDict[int, ActionContextFactory] = OrderedDict()
         self._forward_only_lowered: dict[int, list[Action]] | None = None
 
     # ------------------------------------------------------------------ read-only views
@@ -233,6 +240,8 @@ class UnitRuntime(ScheduleRuntime):
         Factories compose: the first registered is the outermost. Returns a handle whose
         ``remove()`` unregisters the factory (as torch's module hooks do).
         """
+        if ACTION_CONTEXT_HOOK:  # patch 4: torch enters it around each action itself
+            return super().register_action_context(factory)  # type: ignore[misc]
         handle = RemovableHandle(self._action_contexts)
         self._action_contexts[handle.id] = factory
         return handle
@@ -309,12 +318,19 @@ class UnitRuntime(ScheduleRuntime):
                 stage, output, target_mbs[mb_index], mb_index, loss_kwargs
             )
 
-    def _maybe_get_loss(self, stage, mb_index):  # type: ignore[override]
-        if stage.is_last and self._loss_fn is not None:
-            if mb_index not in self._unit_losses:
-                raise RuntimeError(f"no loss for microbatch {mb_index} yet")
-            return self._unit_losses[mb_index]
-        return None
+    if not LOSSES_BY_INDEX:  # before patch 1 torch indexed a list kept in completion order
+
+        def _maybe_get_loss(self, stage, mb_index):  # type: ignore[override]
+            if stage.is_last and self._loss_fn is not None:
+                if mb_index not in self._unit_losses:
+                    raise RuntimeError(f"no loss for microbatch {mb_index} yet")
+                return self._unit_losses[mb_index]
+            return None
+
+    if FORWARD_ONLY_EVAL:  # patch 3: the runtime asks for the forward-only order itself
+
+        def _get_forward_only_order_with_comms(self) -> Any:  # type: ignore[override]
+            return self._forward_only_order()
 
     def _update_losses(self, stages, losses):  # type: ignore[override]
         try:
@@ -343,16 +359,23 @@ class UnitRuntime(ScheduleRuntime):
         losses: list | None = None,
         return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
+        **newer: Any,  # patch 1's step() passes loss_kwarg_mbs
     ) -> None:
         self._unit_losses.clear()
         lowered = self.pipeline_order_with_comms
-        if not self._has_backward:
+        if not self._has_backward and not FORWARD_ONLY_EVAL:
             self.pipeline_order_with_comms = self._forward_only_order()
         try:
-            factories = list(self._action_contexts.values())
+            factories = [] if ACTION_CONTEXT_HOOK else list(self._action_contexts.values())
             with self.unit_scope(), action_contexts_installed(self._stages, factories):
                 super()._step_microbatches(
-                    arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+                    arg_mbs,
+                    kwarg_mbs,
+                    target_mbs,
+                    losses,
+                    return_outputs,
+                    loss_kwargs=loss_kwargs,
+                    **newer,
                 )
         finally:
             self.pipeline_order_with_comms = lowered
