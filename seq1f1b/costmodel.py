@@ -48,19 +48,44 @@ the tensor-parallel collectives, not overlapped: 4 per layer per pass (2 all-gat
 reduce-scatters of ``b*H`` per token) each moving ``(t-1)/t`` of its bytes at ``tp_bandwidth``.
 FSDP's all-gathers / reduce-scatters are assumed overlapped with compute, pipeline p2p is
 ignored (a few MB per unit).
+
+Per action (what the planner simulates): an action's work is split into linear FLOPs (the
+projections, the FFN and, on the last stage, the output layer ``2*s*H*V``), attention FLOPs
+(``(s*P - s*s/2)*(4d+3)*h`` per layer) and elementwise work (tokens times the widths the
+norms, activations and the loss touch), and each kind of action (F, B, I, W) has its own
+seconds per unit of each plus a fixed overhead (:class:`ActionCosts`). From the hardware
+figures: linear and attention FLOPs at the achieved throughput, B = 2 F, I = W = B / 2, no
+elementwise or overhead term. Calibrated (:mod:`seq1f1b.calibration`): all constants fitted to
+measured per-action times, so what short segments cost real kernels is priced.
+
+Context parallelism (``cp``): a rank holds ``1/cp`` of each sequence (head-tail balanced, so
+every rank has ``1/cp`` of the causal work and of the activations) and its ring moves, per
+layer per pass, the segment's own K/V (``cp-1`` hops of ``2*h_kv*d*b`` bytes per local token)
+plus, for a segment with a cached prefix, the cheaper of passing the queries around (``cp-1``
+hops of about ``2*h*d*b`` bytes per local token) or the prefix K/V; backward moves twice the
+forward's bytes. Ring traffic is not assumed overlapped (conservative).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ._runtime import ir as rt
 from ._runtime.ir import Action
 from .partition import ModelShape
-from .simulate import FlopsCosts
 
-__all__ = ["FP32_SLOWDOWN", "PRESETS", "Hardware", "MemoryModel", "TimeModel"]
+__all__ = [
+    "FP32_SLOWDOWN",
+    "PRESETS",
+    "ActionCosts",
+    "Coefficients",
+    "Hardware",
+    "MemoryModel",
+    "TimeModel",
+    "Work",
+    "action_work",
+]
 
 GB = 1e9
 #: dense bf16 over fp32 peak: H100 SXM 989 / 67, A100 312 / 19.5. torch keeps TF32 off for
@@ -87,15 +112,128 @@ class Hardware:
     tp_gbps: float = 300.0  # achieved all-gather / reduce-scatter bandwidth inside a node
     #: achieved fp32 TFLOP/s for settings that run in fp32; None: ``tflops / FP32_SLOWDOWN``
     fp32_tflops: float | None = None
+    cp_gbps: float | None = None  # achieved CP ring bandwidth; None: ``tp_gbps``
 
     @property
     def budget_bytes(self) -> float:
         return (self.memory_gb - self.reserve_gb) * GB
 
     @property
+    def cp_bandwidth(self) -> float:
+        return self.cp_gbps if self.cp_gbps is not None else self.tp_gbps
+
+    @property
     def fp32_throughput(self) -> float:
         """Achieved fp32 TFLOP/s: given, or the bf16 figure scaled by the hardware ratio."""
         return self.fp32_tflops if self.fp32_tflops is not None else self.tflops / FP32_SLOWDOWN
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one action of one segment on one stage computes, at the model's full width.
+
+    ``linear``: matmul FLOPs (projections, FFN, output layer); ``attention``: causal attention
+    FLOPs; ``elements``: tokens times the widths elementwise kernels touch (norms, activations,
+    residuals, the loss over the vocabulary) -- memory-bound work that FLOPs do not price.
+    """
+
+    linear: float
+    attention: float
+    elements: float
+
+    def scaled(self, factor: float) -> Work:
+        return Work(self.linear * factor, self.attention * factor, self.elements * factor)
+
+
+def action_work(shape: ModelShape, layers: int, last: bool, s: int, end: int) -> Work:
+    """Forward work of ``layers`` blocks (plus the output layer and loss when ``last``) on a
+    segment of ``s`` tokens ending at absolute position ``end`` (tokens ``end-s .. end-1``)."""
+    d, h, hidden = shape.head_dim, shape.n_heads, shape.hidden
+    assert d is not None and shape.ffn_hidden is not None
+    proj = 4 * hidden * d * (h + shape.n_kv_heads)
+    mlp = (6 if shape.gated_ffn else 4) * hidden * shape.ffn_hidden
+    linear = layers * s * (proj + mlp) + (2 * s * hidden * shape.vocab if last else 0)
+    attention = layers * (s * end - s * s / 2) * (4 * d + 3) * h
+    widths = layers * (4 * hidden + (2 if shape.gated_ffn else 1) * shape.ffn_hidden)
+    elements = s * (widths + (shape.vocab if last else 0))
+    return Work(float(linear), float(attention), float(elements))
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Seconds of one kind of action: per linear FLOP, per attention FLOP, per element, plus a
+    fixed overhead per action (launches, Python, hooks)."""
+
+    linear: float
+    attention: float
+    elements: float = 0.0
+    overhead: float = 0.0
+
+    def seconds(self, w: Work) -> float:
+        return (
+            self.linear * w.linear
+            + self.attention * w.attention
+            + self.elements * w.elements
+            + self.overhead
+        )
+
+    def scaled(self, factor: float) -> Coefficients:
+        return Coefficients(
+            self.linear * factor,
+            self.attention * factor,
+            self.elements * factor,
+            self.overhead * factor,
+        )
+
+    def plus(self, other: Coefficients) -> Coefficients:
+        return Coefficients(
+            self.linear + other.linear,
+            self.attention + other.attention,
+            self.elements + other.elements,
+            self.overhead + other.overhead,
+        )
+
+
+@dataclass(frozen=True)
+class ActionCosts:
+    """Per-kind coefficients of the actions F, B (full backward), I and W (split backward).
+
+    ``backward_input`` / ``backward_weight`` default to half of ``backward`` each (the
+    hardware model's assumption; a calibration that measured split backwards fits them)."""
+
+    forward: Coefficients
+    backward: Coefficients
+    backward_input: Coefficients | None = None
+    backward_weight: Coefficients | None = None
+    source: str = "hardware"  # where the constants come from, for the output
+
+    @classmethod
+    def from_throughput(cls, flops_per_second: float) -> ActionCosts:
+        """FLOPs at ``flops_per_second``, backward twice the forward, nothing else."""
+        f = Coefficients(1 / flops_per_second, 1 / flops_per_second)
+        return cls(f, f.scaled(2.0))
+
+    def of(self, kind: rt.ComputationType) -> Coefficients:
+        if kind == rt.FORWARD:
+            return self.forward
+        if kind == rt.FULL_BACKWARD:
+            return self.backward
+        split = self.backward_input if kind == rt.BACKWARD_INPUT else self.backward_weight
+        return split if split is not None else self.backward.scaled(0.5)
+
+    def scaled(self, factor: float) -> ActionCosts:
+        """Every constant times ``factor`` (e.g. the fp32 slowdown)."""
+
+        def sc(c: Coefficients | None) -> Coefficients | None:
+            return None if c is None else c.scaled(factor)
+
+        return ActionCosts(
+            self.forward.scaled(factor),
+            self.backward.scaled(factor),
+            sc(self.backward_input),
+            sc(self.backward_weight),
+            self.source,
+        )
 
 
 @dataclass(frozen=True)
@@ -125,18 +263,31 @@ class MemoryModel:
         kv = 2 * b * s.n_kv_heads * s.head_dim if segmented else 0
         return (b * s.hidden + kv) / self.tp
 
-    def activation_bytes(
-        self, tokens_in_flight: float, unit_tokens: int, layers: int, last: bool, segmented: bool
-    ) -> float:
-        """Peak activation bytes of a stage with ``layers`` blocks."""
-        saved = tokens_in_flight * layers * self.layer_bytes_per_token(segmented)
+    def unit_bytes(self, tokens: float, layers: int, last: bool, segmented: bool) -> float:
+        """Bytes a forward of ``tokens`` leaves on a stage of ``layers`` blocks until its
+        backward: the blocks' saved tensors, and on the last stage the loss's fp32
+        log-probabilities."""
+        saved = tokens * layers * self.layer_bytes_per_token(segmented)
+        if last:
+            saved += tokens * 4 * self.shape.vocab / self.tp
+        return saved
+
+    def transient_bytes(self, unit_tokens: float, last: bool) -> float:
+        """Bytes alive only while one unit runs: a recomputed layer, or the logits (and their
+        fp32 copy) on the last stage, whichever is larger."""
         transient = unit_tokens * self._full_layer_bytes() / self.tp if self.recompute else 0.0
         if last:
-            saved += tokens_in_flight * 4 * self.shape.vocab / self.tp
             upcast = 4 if self.dtype_bytes < 4 else 0  # the loss's fp32 copy of the logits
             logits = (self.dtype_bytes + upcast) * self.shape.vocab / self.tp
             transient = max(transient, unit_tokens * logits)
-        return saved + transient
+        return transient
+
+    def activation_bytes(
+        self, tokens_in_flight: float, unit_tokens: float, layers: int, last: bool, segmented: bool
+    ) -> float:
+        """Peak activation bytes of a stage with ``layers`` blocks."""
+        saved = self.unit_bytes(tokens_in_flight, layers, last, segmented)
+        return saved + self.transient_bytes(unit_tokens, last)
 
     def state_bytes(self, layers: int, first: bool, last: bool) -> float:
         """Model-state bytes of a stage (sharded by TP and FSDP) plus what FSDP holds unsharded:
@@ -153,7 +304,8 @@ class MemoryModel:
 
 @dataclass(frozen=True)
 class TimeModel:
-    """Seconds of one unit's actions on one GPU: FLOPs over throughput plus TP collectives."""
+    """Seconds of one action on one GPU: its work priced by :class:`ActionCosts` (from the
+    hardware figures, or calibrated) plus the TP collectives and the CP ring."""
 
     hardware: Hardware
     shape: ModelShape
@@ -162,46 +314,101 @@ class TimeModel:
     layers_per_stage: int
     dtype_bytes: int = 2
     bf16: bool = True  # False: the matmuls run at ``hardware.fp32_throughput``
+    actions: ActionCosts | None = None  # calibrated constants (per GPU, this precision)
+    cp: int = 1
 
     @property
     def _flops_per_second(self) -> float:
         tflops = self.hardware.tflops if self.bf16 else self.hardware.fp32_throughput
         return self.tp * tflops * 1e12
 
-    def _tp_seconds_per_token_pass(self) -> float:
+    @property
+    def costs(self) -> ActionCosts:
+        """Per-GPU constants: the calibrated ones, or FLOPs at the hardware's throughput."""
+        if self.actions is not None:
+            return self.actions
+        return ActionCosts.from_throughput(self._flops_per_second / self.tp)
+
+    def _tp_seconds_per_token_pass(self, layers: int | None = None) -> float:
         """TP collectives of one pass (a forward, a backward or a recompute) per token."""
         if self.tp == 1:
             return 0.0
         moved = 4 * self.dtype_bytes * self.shape.hidden * (self.tp - 1) / self.tp
-        return self.layers_per_stage * moved / (self.hardware.tp_gbps * GB)
+        n = self.layers_per_stage if layers is None else layers
+        return n * moved / (self.hardware.tp_gbps * GB)
+
+    def cp_forward_bytes(self, tokens: int, prefix: int, layers: int) -> float:
+        """Bytes one rank sends around the CP ring in a forward of a segment of ``tokens``
+        after ``prefix`` cached tokens (module docstring)."""
+        if self.cp == 1:
+            return 0.0
+        s, b, hops = self.shape, self.dtype_bytes, self.cp - 1
+        assert s.head_dim is not None
+        local = tokens / self.cp
+        own = 2 * local * s.n_kv_heads * s.head_dim * b
+        by_q = 2 * local * s.n_heads * s.head_dim * b
+        by_kv = 2 * (prefix / self.cp) * s.n_kv_heads * s.head_dim * b
+        return layers * hops * (own + (min(by_q, by_kv) if prefix else 0.0))
+
+    def seconds(
+        self, kind: rt.ComputationType, work: Work, tokens: int, layers: int, prefix: int = 0
+    ) -> float:
+        """One action of a segment of ``tokens`` after ``prefix`` tokens whose full-width
+        forward work is ``work`` on ``layers`` blocks: this GPU's share (``1/(tp*cp)``),
+        collectives, and with recomputation the forward again in B or I."""
+        local = work.scaled(1.0 / (self.tp * self.cp))
+        costs = self.costs
+        comm = tokens * self._tp_seconds_per_token_pass(layers)
+        ring = self.cp_forward_bytes(tokens, prefix, layers) / (self.hardware.cp_bandwidth * GB)
+        out = costs.of(kind).seconds(local)
+        if kind == rt.FORWARD:
+            return out + comm + ring
+        if kind == rt.BACKWARD_WEIGHT:
+            return out
+        out += comm + 2 * ring
+        if self.recompute:
+            out += costs.forward.seconds(local) + comm + ring
+        return out
 
     def tp_comm_share(self, flops: float, tokens: int) -> float:
-        """Share of a forward spent in TP collectives (the rest is compute)."""
+        """Share of a forward of the whole model (``flops``, all layers) spent in TP
+        collectives (the rest is compute)."""
         compute = flops / self._flops_per_second
-        comm = tokens * self._tp_seconds_per_token_pass()
+        comm = tokens * self._tp_seconds_per_token_pass(self.shape.n_layers)
         return comm / (compute + comm) if compute + comm > 0 else 0.0
 
     def forward_backward(self, flops: float, tokens: int) -> tuple[float, float]:
         """(forward, full backward) seconds of a unit of ``tokens`` and ``flops`` forward FLOPs
-        on this stage (whole model width: divided by ``tp`` here)."""
+        on this stage (whole model width: divided by ``tp`` here); hardware figures only."""
         compute = flops / self._flops_per_second
         comm = tokens * self._tp_seconds_per_token_pass()
         if self.recompute:
             return compute + comm, 3 * compute + 2 * comm
         return compute + comm, 2 * compute + comm
 
-    def cost(self, costs: FlopsCosts) -> Callable[[Action], float]:
-        """A :func:`seq1f1b.simulate.simulate` cost callback in seconds for ``costs``' units."""
-        k = len(costs.lengths)
-        per_unit = [
-            self.forward_backward(f, n)
-            for f, n in zip(costs.segment_costs, costs.lengths, strict=True)
-        ]
+    def cost(
+        self,
+        lengths: Sequence[int],
+        model_stages: int,
+        *,
+        seq_chunks: int | None = None,
+    ) -> Callable[[Action], float]:
+        """A :func:`seq1f1b.simulate.simulate` cost callback in seconds: unit ``u`` is segment
+        ``u % K`` of ``lengths``, stage ``g`` is chunk ``g % model_stages`` of the model (equal
+        layers; the last chunk adds the output layer and the loss)."""
+        k = seq_chunks or len(lengths)
+        layers = self.shape.n_layers // model_stages
+        table: dict[tuple[bool, int, rt.ComputationType], float] = {}
+        end = 0
+        for seg, n in enumerate(lengths):
+            end += n
+            for last in (False, True):
+                work = action_work(self.shape, layers, last, n, end)
+                for kind in (rt.FORWARD, rt.FULL_BACKWARD, rt.BACKWARD_INPUT, rt.BACKWARD_WEIGHT):
+                    table[(last, seg, kind)] = self.seconds(kind, work, n, layers, end - n)
 
         def seconds(a: Action) -> float:
-            fwd, bwd = per_unit[(a.microbatch_index or 0) % k]
-            if a.computation_type == rt.FORWARD:
-                return fwd
-            return bwd if a.computation_type == rt.FULL_BACKWARD else bwd / 2
+            last = a.stage_index % model_stages == model_stages - 1
+            return table[(last, (a.microbatch_index or 0) % k, a.computation_type)]
 
         return seconds

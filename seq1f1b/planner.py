@@ -27,10 +27,12 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from .costmodel import GB, PRESETS, Hardware, MemoryModel, TimeModel
-from .order import OrderSpec, build_orders
-from .partition import ModelShape, resolve_split
-from .simulate import FlopsCosts, simulate
+from ._runtime import ir as rt
+from ._runtime.ir import Action
+from .costmodel import GB, PRESETS, ActionCosts, Hardware, MemoryModel, TimeModel, action_work
+from .partition import ModelShape, resolve_split, segment_multiple
+from .registry import REGISTRY, ScheduleEntry, lookup
+from .simulate import simulate
 
 __all__ = [
     "PRECISIONS",
@@ -39,12 +41,14 @@ __all__ = [
     "Setting",
     "build_parser",
     "main",
+    "price",
     "problem_from_args",
     "runs_in_bf16",
     "search",
 ]
 
 DEFAULT_CHUNKS = (1, 2, 4, 8, 16, 32)
+Order = dict[int, list[Action | None]]
 #: What a trainer runs in bf16 and wraps in FSDP (:func:`runs_in_bf16`); the CLI's default is
 #: the first, the trainer this repository's TOML is for by default.
 PRECISIONS = ("torchtitan-0.3", "torchtitan-0.2", "bf16")
@@ -71,7 +75,8 @@ def runs_in_bf16(pp: int, tp: int, fsdp: int, precision: str) -> bool:
 
 @dataclass(frozen=True)
 class Setting:
-    """One point of the search: the degrees (pp x tp x fsdp = GPUs) and the schedule knobs."""
+    """One point of the search: the degrees (pp x tp x cp x fsdp = GPUs), the schedule (a
+    registry name) and its knobs."""
 
     pp: int
     tp: int
@@ -81,21 +86,38 @@ class Setting:
     split: str
     recompute: bool
     bf16: bool = True  # False: the trainer runs this setting in fp32 (:func:`runs_in_bf16`)
+    name: str = ""  # registry schedule; "" = 1F1B, or Seq1F1B when seq_chunks > 1
+    stages_per_rank: int = 1
+    cp: int = 1  # context-parallel degree: each sequence sharded over cp ranks
 
     @property
     def schedule(self) -> str:
         """torchtitan's ``pipeline_parallel_schedule`` for this setting ("" without PP)."""
         if self.pp == 1:
             return ""
-        return "Seq1F1B" if self.seq_chunks > 1 else "1F1B"
+        return self.name or ("Seq1F1B" if self.seq_chunks > 1 else "1F1B")
 
-    def label(self) -> str:
+    @property
+    def entry(self) -> ScheduleEntry | None:
+        return lookup(self.schedule) if self.pp > 1 else None
+
+    def schedule_text(self) -> str:
+        """The schedule with its knobs, e.g. ``InterleavedSeq1F1B v=2 K=4 compute``."""
         sched = self.schedule or "no PP"
+        if self.stages_per_rank > 1 and self.entry and self.entry.placement == "looped":
+            sched += f" v={self.stages_per_rank}"
         if self.seq_chunks > 1:
             sched += f" K={self.seq_chunks} {self.split}"
+        return sched
+
+    def label(self) -> str:
         ac = "full AC" if self.recompute else "no AC"
         fp32 = "" if self.bf16 else ", fp32"
-        return f"pp{self.pp} tp{self.tp} fsdp{self.fsdp} M={self.microbatches} {sched}, {ac}{fp32}"
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        return (
+            f"pp{self.pp} tp{self.tp}{cp} fsdp{self.fsdp} M={self.microbatches} "
+            f"{self.schedule_text()}, {ac}{fp32}"
+        )
 
 
 @dataclass(frozen=True)
@@ -107,7 +129,7 @@ class Candidate:
     bubble: float
     step_seconds: float
     tokens_per_second_per_gpu: float
-    peak_bytes: list[float]  # per stage: model state + activation peak
+    peak_bytes: list[float]  # per pipeline rank (GPU): model state + activation peak
     budget_bytes: float
     tp_comm_share: float
 
@@ -132,9 +154,12 @@ class Candidate:
             parts.append(f"bubble {self.bubble:.1%}")
         if self.setting.tp > 1:
             parts.append(f"TP comm {self.tp_comm_share:.0%}")
+        entry = self.setting.entry
+        if entry is not None and entry.replicas > 1:
+            parts.append(f"{entry.replicas} model replicas")
         if self.setting.recompute:
             parts.append("recompute +1 fwd")
-        mem = f"{self.max_bytes / GB:.1f}/{self.budget_bytes / GB:.0f} GB stage {self.worst_stage}"
+        mem = f"{self.max_bytes / GB:.1f}/{self.budget_bytes / GB:.0f} GB rank {self.worst_stage}"
         parts.append(mem if self.fits else f"does not fit: {mem}")
         return ", ".join(parts)
 
@@ -173,12 +198,45 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _tp_problem(shape: ModelShape, seq_len: int, tp: int) -> str | None:
+def _tp_problem(shape: ModelShape, seq_len: int, tp: int, cp: int) -> str | None:
     if shape.n_kv_heads % tp:
         return f"tp={tp} does not divide the {shape.n_kv_heads} KV heads"
-    if seq_len % tp:
-        return f"tp={tp} does not divide seq_len {seq_len} (sequence parallel)"
+    if seq_len % segment_multiple(tp, cp):
+        return (
+            f"tp={tp} x cp={cp} does not divide seq_len {seq_len} (sequence parallel, and "
+            f"2*cp load-balanced chunks)"
+        )
     return None
+
+
+#: stages per rank tried for schedules that take several (looped placement)
+STAGES_PER_RANK = (1, 2, 4)
+
+
+def schedule_points(
+    shape: ModelShape, pp: int, names: Iterable[str] | None = None
+) -> tuple[list[tuple[ScheduleEntry, int]], list[str]]:
+    """Every (registry entry, stages per rank) that can cut ``shape`` over ``pp`` ranks; and
+    why the others cannot."""
+    wanted = None if names is None else {lookup(n).name for n in names}
+    points: list[tuple[ScheduleEntry, int]] = []
+    why: list[str] = []
+    for entry in REGISTRY:
+        if wanted is not None and entry.name not in wanted:
+            continue
+        hi = entry.max_stages_per_rank
+        for v in STAGES_PER_RANK:
+            if v < entry.min_stages_per_rank or (hi is not None and v > hi):
+                continue
+            n = entry.model_stages(pp, v)
+            if n < 1 or shape.n_layers % n:
+                why.append(
+                    f"pp={pp} {entry.name} v={v}: {n} stages do not divide the "
+                    f"{shape.n_layers} layers"
+                )
+                continue
+            points.append((entry, v))
+    return points, why
 
 
 def search(
@@ -189,6 +247,7 @@ def search(
     *,
     pp: Iterable[int] | None = None,
     tp: Iterable[int] | None = None,
+    cp: Iterable[int] | None = (1,),
     chunks: Sequence[int] = DEFAULT_CHUNKS,
     splits: Sequence[str] = ("compute", "uniform"),
     recompute: Sequence[bool] = (False, True),
@@ -196,19 +255,27 @@ def search(
     dtype_bytes: int = 2,
     state_bytes_per_param: float = 16.0,
     precision: str = "bf16",
+    schedules: Iterable[str] | None = None,
+    actions: ActionCosts | None = None,
 ) -> Plan:
-    """Price every (pp, tp, fsdp, K, split, recompute) on ``hardware.gpus`` GPUs; rank them.
+    """Price every (pp, tp, cp, fsdp, schedule, stages per rank, K, split, recompute) on
+    ``hardware.gpus`` GPUs; rank them.
 
-    ``global_batch`` sequences per step; each of the ``fsdp`` data-parallel pipelines runs
-    ``M = global_batch / fsdp`` microbatches of one sequence. ``pp`` divides the layer count
-    (equal stages), ``tp`` divides the KV heads. K > 1 only with a pipeline, and only with
-    segments of at least ``min_segment`` tokens on average: the FLOPs model does not price what
-    short segments cost real kernels, so it would always favour more of them.
+    Schedules: every entry of :data:`seq1f1b.registry.REGISTRY` (or those in ``schedules``),
+    with 1, 2 or 4 stages per rank where the entry takes them and the layers divide; K > 1
+    for sequence-chunked entries, K = 1 for the others. ``global_batch`` sequences per step;
+    each of the ``fsdp`` data-parallel pipelines runs ``M = global_batch / fsdp``
+    microbatches of one sequence (BitPipe's two replicas take half each). ``cp``: context-
+    parallel degrees to try (None: every divisor); each sequence is sharded over ``cp`` ranks,
+    which FSDP also shards the model state over (torchtitan's mesh). K > 1 only with a
+    pipeline, and only with segments of at least ``min_segment`` tokens on average: short
+    segments cost real kernels more than their FLOPs (a calibrated ``actions`` prices that).
 
     ``precision`` (:data:`PRECISIONS`) names the trainer: which settings compute in bf16
     (``dtype_bytes`` activations) and which in fp32 (4-byte activations,
     ``hardware.fp32_throughput``), and whether FSDP wraps at degree 1. The default prices every
-    setting in bf16; the CLI defaults to torchtitan 0.2.2.
+    setting in bf16; the CLI defaults to torchtitan 0.3. ``actions``: calibrated per-action
+    constants replacing the hardware figures (:mod:`seq1f1b.calibration`).
     """
     if global_batch < 1 or seq_len < 1 or hardware.gpus < 1:
         raise ValueError(
@@ -223,55 +290,124 @@ def search(
     runs_in_bf16(1, 1, 1, precision)  # an unknown name fails here, before any pricing
     allowed_pp = set(pp) if pp is not None else None
     allowed_tp = set(tp) if tp is not None else None
+    allowed_cp = set(cp) if cp is not None else None
+    names = list(schedules) if schedules is not None else None
     cands: list[Candidate] = []
     skipped: list[str] = []
-    orders: dict[tuple[int, int, int], dict] = {}
+    orders: dict[tuple[str, int, int, int, int], Order | str] = {}
     for p in _divisors(hardware.gpus):
         if allowed_pp is not None and p not in allowed_pp:
             continue
         if shape.n_layers % p:
             skipped.append(f"pp={p}: does not divide the {shape.n_layers} layers")
             continue
+        if p > 1:
+            points, why = schedule_points(shape, p, names)
+            skipped += why
+        else:
+            points = [(None, 1)]
         for t in _divisors(hardware.gpus // p):
             if allowed_tp is not None and t not in allowed_tp:
                 continue
-            problem = _tp_problem(shape, seq_len, t)
-            fsdp = hardware.gpus // (p * t)
-            if problem is None and global_batch % fsdp:
-                problem = f"fsdp={fsdp} does not divide the global batch {global_batch}"
-            if problem:
-                skipped.append(f"pp={p} tp={t}: {problem}")
-                continue
-            m = global_batch // fsdp
-            for k in sorted({1, *chunks}):
-                if k > 1 and (p == 1 or seq_len / k < min_segment):
+            for c in _divisors(hardware.gpus // (p * t)):
+                if allowed_cp is not None and c not in allowed_cp:
                     continue
-                for split in splits if k > 1 else ("uniform",):
-                    try:
-                        lengths = resolve_split(split, seq_len, k, shape=shape, multiple_of=t)
-                    except ValueError as exc:
-                        skipped.append(f"pp={p} tp={t} K={k} {split}: {exc}")
-                        continue
-                    bf16 = runs_in_bf16(p, t, fsdp, precision)
-                    for rc in recompute:
-                        setting = Setting(p, t, fsdp, k, m, split, rc, bf16)
-                        cands.append(
-                            _price(
-                                setting,
-                                lengths,
-                                shape,
-                                hardware,
-                                orders,
-                                dtype_bytes,
-                                state_bytes_per_param,
-                                global_batch * seq_len,
-                                precision == "torchtitan-0.3",
-                            )
-                        )
+                problem = _tp_problem(shape, seq_len, t, c)
+                fsdp = hardware.gpus // (p * t * c)
+                if problem is None and global_batch % fsdp:
+                    problem = f"fsdp={fsdp} does not divide the global batch {global_batch}"
+                if problem:
+                    skipped.append(f"pp={p} tp={t} cp={c}: {problem}")
+                    continue
+                m = global_batch // fsdp
+                bf16 = runs_in_bf16(p, t, fsdp * c, precision)
+                for entry, v in points:
+                    chunked = entry is not None and entry.seq_chunked
+                    for k in sorted({1, *chunks}):
+                        if chunked != (k > 1) or (k > 1 and seq_len / k < min_segment):
+                            continue
+                        for split in splits if k > 1 else ("uniform",):
+                            try:
+                                lengths = resolve_split(
+                                    split, seq_len, k, shape=shape,
+                                    multiple_of=segment_multiple(t, c),
+                                )  # fmt: skip
+                            except ValueError as exc:
+                                skipped.append(f"pp={p} tp={t} cp={c} K={k} {split}: {exc}")
+                                continue
+                            name = entry.name if entry is not None else ""
+                            for rc in recompute:
+                                setting = Setting(p, t, fsdp, k, m, split, rc, bf16, name, v, c)
+                                order = _order(setting, orders)
+                                if isinstance(order, str):
+                                    skipped.append(f"{setting.label()}: {order}")
+                                    break
+                                cands.append(
+                                    _price(
+                                        setting,
+                                        lengths,
+                                        shape,
+                                        hardware,
+                                        order,
+                                        dtype_bytes,
+                                        state_bytes_per_param,
+                                        global_batch * seq_len,
+                                        precision == "torchtitan-0.3",
+                                        actions,
+                                    )
+                                )
     cands.sort(
         key=lambda c: (not c.fits, -c.tokens_per_second_per_gpu, c.setting.seq_chunks, c.max_bytes)
     )
     return Plan(shape, seq_len, hardware, global_batch, cands, skipped, precision=precision)
+
+
+def _order(setting: Setting, cache: dict) -> Order | str | None:
+    """The setting's per-rank compute order (None without a pipeline), or why it has none."""
+    entry = setting.entry
+    if entry is None:
+        return None
+    s = setting
+    key = (entry.name, s.pp, s.stages_per_rank, s.microbatches, s.seq_chunks)
+    if key not in cache:
+        try:
+            cache[key] = entry.compute_orders(
+                setting.pp, setting.microbatches, setting.seq_chunks, setting.stages_per_rank
+            )
+        except (ValueError, AssertionError, RuntimeError) as exc:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            cache[key] = f"no order ({text})"
+    return cache[key]
+
+
+def price(
+    setting: Setting,
+    shape: ModelShape,
+    seq_len: int,
+    hardware: Hardware,
+    *,
+    global_batch: int | None = None,
+    dtype_bytes: int = 2,
+    state_bytes_per_param: float = 16.0,
+    fsdp_wrapped: bool = False,
+    actions: ActionCosts | None = None,
+) -> Candidate:
+    """Price one setting (what :func:`search` does for each): its schedule's real order
+    simulated with per-action seconds, memory per rank along that order. ValueError when the
+    schedule has no order for it."""
+    k = setting.seq_chunks
+    lengths = resolve_split(
+        setting.split if k > 1 else "uniform", seq_len, k, shape=shape,
+        multiple_of=segment_multiple(setting.tp, setting.cp),
+    )  # fmt: skip
+    order = _order(setting, {})
+    if isinstance(order, str):
+        raise ValueError(f"{setting.label()}: {order}")
+    batch = global_batch if global_batch is not None else setting.microbatches * setting.fsdp
+    return _price(
+        setting, lengths, shape, hardware, order, dtype_bytes, state_bytes_per_param,
+        batch * seq_len, fsdp_wrapped, actions,
+    )  # fmt: skip
 
 
 def _price(
@@ -279,47 +415,59 @@ def _price(
     lengths: list[int],
     shape: ModelShape,
     hardware: Hardware,
-    orders: dict[tuple[int, int, int], dict],
+    order: Order | None,
     dtype_bytes: int,
     state_bytes_per_param: float,
     tokens_per_step: int,
     fsdp_at_degree_1: bool,
+    actions: ActionCosts | None = None,
 ) -> Candidate:
-    p, k, m = setting.pp, setting.seq_chunks, setting.microbatches
-    layers = shape.n_layers // p
+    p, k, c = setting.pp, setting.seq_chunks, setting.cp
+    entry = setting.entry
+    n = entry.model_stages(p, setting.stages_per_rank) if entry is not None else 1
+    layers = shape.n_layers // n
     dtype_bytes = dtype_bytes if setting.bf16 else 4  # fp32 activations and TP collectives
-    costs = FlopsCosts(shape, tuple(lengths), p, p)
     time = TimeModel(
-        hardware, shape, setting.tp, setting.recompute, layers, dtype_bytes, setting.bf16
-    )
-    if p == 1:  # gradient accumulation over M sequences, no pipeline
-        fwd, bwd = time.forward_backward(costs.segment_costs[0], lengths[0])
-        makespan, bubble, in_flight = m * (fwd + bwd), 0.0, [1.0]
-    else:
-        key = (p, m, k)
-        if key not in orders:
-            orders[key] = build_orders(OrderSpec(p, 1, m, k))
-        res = simulate(orders[key], time.cost(costs), activation=costs.activation)
-        makespan, bubble = res.makespan, res.bubble_ratio
-        in_flight = [res.peak_activation_stage.get(s, 0.0) for s in range(p)]
+        hardware, shape, setting.tp, setting.recompute, layers, dtype_bytes, setting.bf16,
+        actions, c,
+    )  # fmt: skip
     memory = MemoryModel(
         shape,
         setting.tp,
-        setting.fsdp,
+        setting.fsdp * c,  # torchtitan's FSDP shards over the data-parallel and CP ranks
         setting.recompute,
         dtype_bytes,
         state_bytes_per_param,
         pipelined=p > 1,
         fsdp_wrapped=fsdp_at_degree_1,
     )
+    seconds = time.cost(lengths, n, seq_chunks=k)
+    segmented = k > 1
+
+    def saved(a: Action) -> float:
+        last = a.stage_index % n == n - 1
+        tokens = lengths[(a.microbatch_index or 0) % k] / c
+        return memory.unit_bytes(tokens, layers, last, segmented)
+
+    if order is None:  # gradient accumulation over M sequences, no pipeline
+        one = Action(0, rt.FORWARD, 0)
+        back = Action(0, rt.FULL_BACKWARD, 0)
+        makespan, bubble = setting.microbatches * (seconds(one) + seconds(back)), 0.0
+        peak_act, stage_to_rank = {0: saved(one)}, {0: 0}
+    else:
+        res = simulate(order, seconds, activation=saved, replicas=entry.replicas if entry else 1)
+        makespan, bubble = res.makespan, res.bubble_ratio
+        peak_act, stage_to_rank = res.peak_activation_rank, res.stage_to_rank
     peaks = []
-    for s in range(p):
-        first, last = s == 0, s == p - 1
-        act = memory.activation_bytes(
-            in_flight[s] * sum(lengths), max(lengths), layers, last, k > 1
-        )
-        peaks.append(memory.state_bytes(layers, first, last) + act)
-    comm_share = time.tp_comm_share(sum(costs.segment_costs), sum(lengths))
+    unit = max(lengths) / c
+    for r in range(p):
+        mine = [g for g, rank in stage_to_rank.items() if rank == r]
+        state = sum(memory.state_bytes(layers, g % n == 0, g % n == n - 1) for g in mine)
+        transient = max((memory.transient_bytes(unit, g % n == n - 1) for g in mine), default=0)
+        peaks.append(state + peak_act.get(r, 0.0) + transient)
+    seq_len = sum(lengths)
+    flops = action_work(shape, shape.n_layers, True, seq_len, seq_len)
+    comm_share = time.tp_comm_share(flops.linear + flops.attention, seq_len)
     return Candidate(
         setting,
         list(lengths),
@@ -336,17 +484,16 @@ def format_plan(plan: Plan, top: int = 12) -> str:
     """Ranked table (fitting settings first), the recommendation and what it beats."""
     hw = plan.hardware
     lines = [
-        f"{'#':>3}  {'pp':>2} {'tp':>2} {'fsdp':>4} {'M':>3} {'schedule':<22} {'AC':<4} "
+        f"{'#':>3}  {'pp':>2} {'tp':>2} {'cp':>2} {'fsdp':>4} {'M':>3} {'schedule':<34} {'AC':<4} "
         f"{'step s':>7} {'tok/s/GPU':>9}  why"
     ]
     for i, c in enumerate(plan.candidates[:top], 1):
         s = c.setting
-        sched = s.schedule or "none (FSDP/TP)"
-        if s.seq_chunks > 1:
-            sched += f" K={s.seq_chunks} {s.split}"
+        sched = s.schedule_text() if s.pp > 1 else "none (FSDP/TP/CP)"
         mark = "*" if c is plan.best else " "
         lines.append(
-            f"{i:>2}{mark}  {s.pp:>2} {s.tp:>2} {s.fsdp:>4} {s.microbatches:>3} {sched:<22} "
+            f"{i:>2}{mark}  {s.pp:>2} {s.tp:>2} {s.cp:>2} {s.fsdp:>4} {s.microbatches:>3} "
+            f"{sched:<34} "
             f"{'full' if s.recompute else 'none':<4} {c.step_seconds:>7.2f} "
             f"{c.tokens_per_second_per_gpu:>9.0f}  {c.why()}"
         )
@@ -381,7 +528,7 @@ def format_plan(plan: Plan, top: int = 12) -> str:
         lines.append(f"  segment lengths {best.segment_lengths}")
     b = best.setting
     for name, pred, applies in (
-        ("the best plain 1F1B", lambda s: s.pp > 1 and s.seq_chunks == 1, b.seq_chunks > 1),
+        ("the best plain 1F1B", lambda s: s.schedule == "1F1B", b.pp > 1 and b.schedule != "1F1B"),
         ("the best without pipelining", lambda s: s.pp == 1, b.pp > 1),
         ("the best without recomputation", lambda s: not s.recompute, b.recompute),
     ):
@@ -425,6 +572,22 @@ def build_parser(prog: str = "python -m seq1f1b.planner") -> argparse.ArgumentPa
     )
     ap.add_argument("--pp", help="comma-separated pipeline degrees to consider (default: all)")
     ap.add_argument("--tp", help="comma-separated tensor-parallel degrees (default: all)")
+    ap.add_argument(
+        "--cp",
+        default="1",
+        help="comma-separated context-parallel degrees, or 'all' (default: 1, no CP)",
+    )
+    ap.add_argument(
+        "--schedules",
+        help="comma-separated registry schedules to consider (default: every one: "
+        + ", ".join(e.name for e in REGISTRY)
+        + ")",
+    )
+    ap.add_argument(
+        "--calibration",
+        help="JSON of measured per-action constants (python -m benchmarks.calibration) "
+        "replacing the --tflops time model",
+    )
     ap.add_argument(
         "--chunks",
         default=",".join(map(str, DEFAULT_CHUNKS)),
@@ -504,6 +667,14 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
             gated_ffn=a.gated_ffn,
         )
     hw = Hardware(a.gpus, a.gpu_memory_gb, a.reserve_gb, a.tflops, a.tp_gbps, a.fp32_tflops)
+    actions = None
+    if a.calibration:
+        from .calibration import load_action_costs
+
+        actions = load_action_costs(a.calibration)
+    schedules = [x.strip() for x in a.schedules.split(",") if x.strip()] if a.schedules else None
+    for name in schedules or ():
+        lookup(name)  # an unknown name fails with the known ones listed
     plan = search(
         shape,
         a.seq_len,
@@ -511,6 +682,9 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
         a.global_batch or 2 * a.gpus,
         pp=_ints(a.pp, "--pp"),
         tp=_ints(a.tp, "--tp"),
+        cp=None if a.cp == "all" else _ints(a.cp, "--cp"),
+        schedules=schedules,
+        actions=actions,
         chunks=_ints(a.chunks, "--chunks") or [1],
         splits=("compute", "uniform") if a.split == "both" else (a.split,),
         recompute={"none": (False,), "full": (True,), "both": (False, True)}[a.ac],

@@ -16,6 +16,7 @@ import pytest
 from seq1f1b.costmodel import FP32_SLOWDOWN, PRESETS, Hardware, MemoryModel
 from seq1f1b.partition import ModelShape
 from seq1f1b.planner import PRECISIONS, Candidate, main, runs_in_bf16, search
+from seq1f1b.registry import REGISTRY
 from torchtitan_integration.planner import launch_lines
 from torchtitan_integration.planner import main as toml_main
 
@@ -42,13 +43,14 @@ def test_memory_model_matches_hand_computation() -> None:
 
 
 def test_llama3_8b_on_8_gpus_gets_a_ranked_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    """Where the trainer casts at every degree (torchtitan 0.3), Seq1F1B wins at 32k."""
+    """Where the trainer casts at every degree (torchtitan 0.3): a ranked plan over every
+    schedule of the registry; with a pipeline, Seq1F1B beats 1F1B at 32k."""
     argv = "--model llama3-8b --seq-len 32768 --gpus 8 --gpu-memory-gb 80".split()
     argv += ["--precision", "torchtitan-0.3"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "Recommendation (*):" in out and "vs the best plain 1F1B" in out
-    assert main([*argv, "--json", "--top", "200"]) == 0
+    assert "Recommendation (*):" in out
+    assert main([*argv, "--json", "--top", "2000"]) == 0
     doc = json.loads(capsys.readouterr().out)
     rows, best = doc["candidates"], doc["recommended"]
     s = best["setting"]
@@ -67,15 +69,32 @@ def test_llama3_8b_on_8_gpus_gets_a_ranked_plan(capsys: pytest.CaptureFixture[st
     assert fits == sorted(fits, reverse=True)
     speed = [r["tokens_per_second_per_gpu"] for r in rows if r["fits"]]
     assert speed == sorted(speed, reverse=True)
-    # at 32k on 8 x 80 GB Seq1F1B beats every fitting 1F1B setting (bubble 7/23 at pp 8)
-    assert s["seq_chunks"] > 1
-    one = [r for r in rows if r["setting"]["seq_chunks"] == 1 and r["setting"]["pp"] == 8]
-    assert one and all(r["bubble"] == pytest.approx(7 / 23) for r in one)
+    # every registry schedule whose stages divide the 32 layers at some pp was priced
+    names = {r["setting"]["name"] for r in rows if r["setting"]["pp"] > 1}
+    assert {e.name for e in REGISTRY} <= names
+    # 1F1B's bubble at pp 8 is at least the equal-stage (p-1)/(M+p-1) (the last stage also
+    # runs the output layer); Seq1F1B K=8 at the same degrees has a smaller one
+    one = {
+        (r["setting"]["tp"], r["setting"]["recompute"]): r
+        for r in rows
+        if r["setting"]["name"] == "1F1B" and r["setting"]["pp"] == 8
+    }
+    assert one and all(r["bubble"] >= 7 / 23 - 1e-9 for r in one.values())
+    for r in rows:
+        t = r["setting"]
+        if t["name"] == "Seq1F1B" and t["pp"] == 8 and t["seq_chunks"] == 8:
+            assert r["bubble"] < 0.75 * one[(t["tp"], t["recompute"])]["bubble"]
+            assert r["tokens_per_second_per_gpu"] > one[(t["tp"], t["recompute"])][
+                "tokens_per_second_per_gpu"
+            ]
 
 
 def test_recomputation_trades_memory_for_time() -> None:
     hw = Hardware(8, 80.0)
-    p = search(LLAMA8B, 32768, hw, 16, pp=[4], tp=[2], chunks=(4,), splits=("compute",))
+    p = search(
+        LLAMA8B, 32768, hw, 16, pp=[4], tp=[2], chunks=(4,), splits=("compute",),
+        schedules=("Seq1F1B",),
+    )  # fmt: skip
     by_ac = {c.setting.recompute: c for c in p.candidates if c.setting.seq_chunks == 4}
     assert by_ac[True].max_bytes < by_ac[False].max_bytes
     assert by_ac[True].step_seconds > 1.3 * by_ac[False].step_seconds
@@ -86,6 +105,7 @@ def test_published_7b_outcome_at_128k_is_reproduced() -> None:
     Seq1F1B runs; at 64k both run and Seq1F1B needs clearly less memory (34.3 vs 51.4 GB)."""
     hw = Hardware(32, 80.0, reserve_gb=0.0)
     kw = dict(pp=[8], tp=[4], chunks=(1, 4), splits=("compute",), recompute=(False,))
+    kw["schedules"] = ("1F1B", "Seq1F1B")
     long = {c.setting.seq_chunks: c for c in search(PAPER7B, 131072, hw, 8, **kw).candidates}
     assert not long[1].fits and long[4].fits
     mid = {c.setting.seq_chunks: c for c in search(PAPER7B, 65536, hw, 8, **kw).candidates}
