@@ -4,11 +4,12 @@ Why: the hardware figures (FLOPs over an achieved throughput) price neither what
 segments cost real kernels nor the fixed cost of every action (launches, Python, hooks), so
 they overrate many small units. Measuring the actions of a real run and fitting, per kind of
 action (F, B, I, W), seconds per linear FLOP, per attention FLOP, per element of elementwise
-work and a fixed overhead (:class:`seq1f1b.costmodel.Coefficients`) gives a time model whose
-predictions can be checked against measured step times (``python -m benchmarks.calibration``).
+work, per module run and a fixed overhead (:class:`seq1f1b.costmodel.Coefficients`) gives a
+time model whose predictions can be checked against measured step times
+(``python -m benchmarks.calibration``).
 
 The fit is non-negative least squares on relative errors (every action counts alike, short or
-long): with four constants, every subset of them is solved exactly and the best one whose
+long): with five constants, every subset of them is solved exactly and the best one whose
 constants are all >= 0 is kept.
 """
 
@@ -44,8 +45,11 @@ class Sample:
     seconds: float
 
 
-def _features(w: Work) -> tuple[float, float, float, float]:
-    return (w.linear, w.attention, w.elements, 1.0)
+_N = 5  # linear, attention, elements, overhead, per module (Coefficients' order)
+
+
+def _features(w: Work) -> tuple[float, ...]:
+    return (w.linear, w.attention, w.elements, 1.0, w.modules)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -73,11 +77,11 @@ def fit_coefficients(samples: Sequence[Sample]) -> Coefficients:
     if any(y <= 0 for y in ys):
         raise ValueError("every measured time must be > 0")
     # scale each feature to unit magnitude so the normal equations are well conditioned
-    scale = [max((abs(r[j]) for r in rows), default=0.0) or 1.0 for j in range(4)]
-    x = [[r[j] / scale[j] / y for j in range(4)] for r, y in zip(rows, ys, strict=True)]
+    scale = [max((abs(r[j]) for r in rows), default=0.0) or 1.0 for j in range(_N)]
+    x = [[r[j] / scale[j] / y for j in range(_N)] for r, y in zip(rows, ys, strict=True)]
     best: tuple[float, list[float]] | None = None
-    for size in range(1, 5):
-        for cols in itertools.combinations(range(4), size):
+    for size in range(1, _N + 1):
+        for cols in itertools.combinations(range(_N), size):
             if all(max(abs(row[j]) for row in x) == 0 for j in cols):
                 continue
             ata = [[math.fsum(row[i] * row[j] for row in x) for j in cols] for i in cols]
@@ -85,7 +89,7 @@ def fit_coefficients(samples: Sequence[Sample]) -> Coefficients:
             sol = _solve(ata, atb)
             if sol is None or any(v < 0 for v in sol):
                 continue
-            coef = [0.0] * 4
+            coef = [0.0] * _N
             for j, v in zip(cols, sol, strict=True):
                 coef[j] = v
             err = math.fsum(
@@ -96,7 +100,7 @@ def fit_coefficients(samples: Sequence[Sample]) -> Coefficients:
     if best is None:
         raise ValueError("no non-negative fit: the samples carry no work")
     c = [v / scale[j] for j, v in enumerate(best[1])]
-    return Coefficients(c[0], c[1], c[2], c[3])
+    return Coefficients(*c)
 
 
 def fit_action_costs(samples: Iterable[Sample], source: str = "calibrated") -> ActionCosts:

@@ -134,15 +134,21 @@ class Work:
 
     ``linear``: matmul FLOPs (projections, FFN, output layer); ``attention``: causal attention
     FLOPs; ``elements``: tokens times the widths elementwise kernels touch (norms, activations,
-    residuals, the loss over the vocabulary) -- memory-bound work that FLOPs do not price.
+    residuals, the loss over the vocabulary) -- memory-bound work that FLOPs do not price;
+    ``modules``: blocks run (plus one for the output layer and loss), for the per-module cost
+    of launching kernels and running hooks, whatever the tokens.
     """
 
     linear: float
     attention: float
     elements: float
+    modules: float = 0.0
 
     def scaled(self, factor: float) -> Work:
-        return Work(self.linear * factor, self.attention * factor, self.elements * factor)
+        """A share of the work (TP, CP); the modules still run on every rank."""
+        return Work(
+            self.linear * factor, self.attention * factor, self.elements * factor, self.modules
+        )
 
 
 def action_work(shape: ModelShape, layers: int, last: bool, s: int, end: int) -> Work:
@@ -156,24 +162,26 @@ def action_work(shape: ModelShape, layers: int, last: bool, s: int, end: int) ->
     attention = layers * (s * end - s * s / 2) * (4 * d + 3) * h
     widths = layers * (4 * hidden + (2 if shape.gated_ffn else 1) * shape.ffn_hidden)
     elements = s * (widths + (shape.vocab if last else 0))
-    return Work(float(linear), float(attention), float(elements))
+    return Work(float(linear), float(attention), float(elements), float(layers + int(last)))
 
 
 @dataclass(frozen=True)
 class Coefficients:
-    """Seconds of one kind of action: per linear FLOP, per attention FLOP, per element, plus a
-    fixed overhead per action (launches, Python, hooks)."""
+    """Seconds of one kind of action: per linear FLOP, per attention FLOP, per element, per
+    module run, plus a fixed overhead per action (launches, Python, hooks)."""
 
     linear: float
     attention: float
     elements: float = 0.0
     overhead: float = 0.0
+    per_module: float = 0.0
 
     def seconds(self, w: Work) -> float:
         return (
             self.linear * w.linear
             + self.attention * w.attention
             + self.elements * w.elements
+            + self.per_module * w.modules
             + self.overhead
         )
 
@@ -183,6 +191,7 @@ class Coefficients:
             self.attention * factor,
             self.elements * factor,
             self.overhead * factor,
+            self.per_module * factor,
         )
 
     def plus(self, other: Coefficients) -> Coefficients:
@@ -191,6 +200,7 @@ class Coefficients:
             self.attention + other.attention,
             self.elements + other.elements,
             self.overhead + other.overhead,
+            self.per_module + other.per_module,
         )
 
 

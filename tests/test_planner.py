@@ -84,9 +84,10 @@ def test_llama3_8b_on_8_gpus_gets_a_ranked_plan(capsys: pytest.CaptureFixture[st
         t = r["setting"]
         if t["name"] == "Seq1F1B" and t["pp"] == 8 and t["seq_chunks"] == 8:
             assert r["bubble"] < 0.75 * one[(t["tp"], t["recompute"])]["bubble"]
-            assert r["tokens_per_second_per_gpu"] > one[(t["tp"], t["recompute"])][
-                "tokens_per_second_per_gpu"
-            ]
+            assert (
+                r["tokens_per_second_per_gpu"]
+                > one[(t["tp"], t["recompute"])]["tokens_per_second_per_gpu"]
+            )
 
 
 def test_recomputation_trades_memory_for_time() -> None:
@@ -270,3 +271,89 @@ def test_toml_launch_command_is_the_real_multi_node_one() -> None:
     assert "NGPU=4 NNODES=4" in "\n".join(launch_lines(16, gpus_per_node=4))
     with pytest.raises(ValueError):
         launch_lines(0)
+
+
+SMALL = ModelShape(1024, 8, 8, 32000, ffn_hidden=4096)
+
+
+def _by_name(plan_pp: int = 2, m: int = 4, **kw: object) -> dict[str, Candidate]:
+    """The planner's candidates at pp=2 (tp=1, no AC), one per schedule (its first K)."""
+    plan = search(
+        SMALL, 8192, Hardware(plan_pp, 80.0), m, pp=[plan_pp], tp=[1], recompute=(False,),
+        chunks=(1, 4), splits=("compute",), min_segment=1, **kw,
+    )  # fmt: skip
+    out: dict[str, Candidate] = {}
+    for c in plan.candidates:
+        out.setdefault(c.setting.schedule_text(), c)
+    return out
+
+
+def test_search_covers_every_registry_schedule() -> None:
+    """Each registry entry is priced with its own order: stages per rank from its placement,
+    K > 1 only for sequence-chunked ones, BitPipe's two replicas."""
+    got = _by_name()
+    names = {c.setting.name for c in got.values()}
+    assert names == {e.name for e in REGISTRY}
+    for c in got.values():
+        e = c.setting.entry
+        assert e is not None and (c.setting.seq_chunks > 1) == e.seq_chunked
+        assert e.min_stages_per_rank <= c.setting.stages_per_rank
+        assert c.step_seconds > 0 and c.bubble >= 0
+    # interleaving shrinks 1F1B's bubble; sequence chunks shrink it further
+    assert got["Interleaved1F1B v=2"].bubble < got["1F1B"].bubble
+    assert got["Seq1F1B K=4 compute"].bubble < got["1F1B"].bubble
+    assert search(SMALL, 8192, Hardware(2, 80.0), 4, pp=[2], schedules=["bitpipe"]).candidates
+    with pytest.raises(ValueError, match="unknown"):
+        search(SMALL, 8192, Hardware(2, 80.0), 4, pp=[2], schedules=["NoSuch"])
+
+
+def test_memory_follows_each_schedules_order() -> None:
+    """Peak activations per rank come from the simulated order, not one formula: GPipe holds
+    all M microbatches on rank 0, 1F1B pp of them, Seq1F1B K=4 (pp+K-1)/K; BitPipe holds two
+    replicas' weights (twice 1F1B's model state)."""
+    m = 8
+    got = _by_name(m=m)
+    mem = MemoryModel(SMALL, pipelined=True)
+    layers = SMALL.n_layers // 2
+    state0 = mem.state_bytes(layers, True, False)
+    one = mem.unit_bytes(8192, layers, False, False)
+
+    def act(name: str) -> float:
+        return got[name].peak_bytes[0] - state0
+
+    assert act("GPipe") == pytest.approx(m * one)
+    assert act("1F1B") == pytest.approx(2 * one)
+    seg = mem.unit_bytes(1, layers, False, True)  # per token, segmented
+    lengths = got["Seq1F1B K=4 compute"].segment_lengths
+    # warm-up p-r+K-2 = 4 forwards (one sample), then F/B pairs: a segment of the next sample
+    # enters before one of the first leaves (segments differ in length under compute split)
+    low, high = sum(lengths) + lengths[0], sum(lengths) + lengths[0] + lengths[1] - lengths[3]
+    assert low * seg <= act("Seq1F1B K=4 compute") <= high * seg + 1
+    assert act("Seq1F1B K=4 compute") < 0.7 * act("1F1B")
+    # BitPipe: rank 0 holds 4 chunks of L/4 layers of two replicas: twice the stage's weights
+    bit = got["BitPipe"].setting
+    assert bit.entry is not None and bit.entry.replicas == 2
+    quarter = SMALL.n_layers // 4
+    bit_state = mem.state_bytes(quarter, True, False) + 3 * mem.state_bytes(quarter, False, False)
+    assert bit_state > 1.9 * mem.state_bytes(layers, False, False)
+    assert got["BitPipe"].peak_bytes[0] > bit_state
+
+
+def test_context_parallel_halves_activations_and_pays_the_ring() -> None:
+    """cp=2 on 4 GPUs (pp 2 x cp 2) against pp 2 x FSDP 2: half the activations per rank,
+    the ring's traffic added to the step."""
+    plan = search(
+        SMALL, 16384, Hardware(4, 80.0), 4, pp=[2], tp=[1], cp=[1, 2], chunks=(4,),
+        splits=("compute",), recompute=(False,), schedules=["Seq1F1B"], min_segment=1,
+    )  # fmt: skip
+    by_cp = {c.setting.cp: c for c in plan.candidates}
+    assert set(by_cp) == {1, 2}
+    one, two = by_cp[1], by_cp[2]
+    assert two.setting.fsdp == 1 and one.setting.fsdp == 2 and two.setting.microbatches == 4
+    mem1 = MemoryModel(SMALL, fsdp=2, pipelined=True)
+    act1 = one.peak_bytes[0] - mem1.state_bytes(4, True, False)
+    act2 = two.peak_bytes[0] - mem1.state_bytes(4, True, False)  # CP ranks shard state too
+    assert act2 == pytest.approx(act1 / 2, rel=1e-3)  # segment lengths: multiples of 2*cp
+    # cp=2 runs twice the microbatches on half the tokens each: compute alike, plus the ring
+    assert two.step_seconds > one.step_seconds
+    assert "cp2" in two.setting.label()

@@ -1,0 +1,212 @@
+"""Calibrate the planner's time model on measured actions; predicted vs measured step times.
+
+    python -m benchmarks.calibration [--quick|--smoke] --out DIR
+
+Why: the planner ranks schedules by simulated step time, so its per-action costs decide the
+ranking. This measures every schedule of the pp=2 comparison on real gloo ranks (the same
+harness as ``python -m benchmarks``), takes each action's measured CPU time from the traces
+(F, B, I, W of segments of every length the splits produce, on every stage), fits the cost
+model's constants (:func:`seq1f1b.calibration.fit_action_costs`: seconds per linear FLOP,
+per attention FLOP, per element and per action, for each kind of action), and then prices
+every measured setting with the planner's own code (:func:`seq1f1b.planner.price`: the
+schedule's order simulated with the fitted costs) and prints its predicted step time vs
+1F1B next to the measured one (wall-clock median and replayed).
+
+Two predictions: ``fit on all`` uses constants fitted to every run's actions; ``held out``
+refits without the run being predicted (its actions never seen), the honest check that the
+constants transfer to a schedule they were not fitted on. ``python -m benchmarks`` runs the
+same on its own pp=2 measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from typing import Any
+
+from seq1f1b.calibration import Sample, fit_action_costs, save_action_costs
+from seq1f1b.costmodel import ActionCosts, Hardware, action_work
+from seq1f1b.partition import resolve_split
+from seq1f1b.planner import Setting as PlanSetting
+from seq1f1b.planner import price
+from seq1f1b.registry import REGISTRY, is_baseline, lookup
+from seq1f1b.testing import TinyConfig
+
+from .measured import RunSpec, Setting, measure, model_shape
+from .presets import PP2_SPECS, PRESETS
+
+__all__ = ["CALIBRATION_SPECS", "calibrate", "samples_of_run"]
+
+#: the pp=2 comparison plus the schedules it leaves out (every registry schedule the
+#: benchmark model can run at pp=2 with 1, 2 or 4 stages per rank)
+CALIBRATION_SPECS = (
+    *PP2_SPECS,
+    RunSpec("ZBSeq1F1B", 4, "compute"),
+    RunSpec("InterleavedSeq1F1B", 2, "compute"),
+    *(RunSpec(e.name, 4, "compute") for e in REGISTRY if e.name == "ZBVSeq1F1B"),
+)
+
+
+def _lengths(run: dict[str, Any], cfg: TinyConfig) -> list[int]:
+    entry = lookup(run["schedule"])
+    k = run["seq_chunks"] if entry.seq_chunked else 1
+    split = run["split"] if entry.seq_chunked else "uniform"
+    return resolve_split(split, run["seq_len"], k, shape=model_shape(cfg))
+
+
+def samples_of_run(run: dict[str, Any], cfg: TinyConfig) -> list[Sample]:
+    """Every action of a measured run's trace as (kind, work, CPU seconds)."""
+    entry = lookup(run["schedule"])
+    shape = model_shape(cfg)
+    n = entry.model_stages(run["pp"])
+    layers = cfg.n_layers // n
+    lengths = _lengths(run, cfg)
+    k = len(lengths)
+    ends = [sum(lengths[: i + 1]) for i in range(k)]
+    out = []
+    for ev in run["trace"]:
+        if ev["cpu"] <= 0:
+            continue
+        seg = ev["mb"] % k
+        last = ev["stage"] % n == n - 1
+        work = action_work(shape, layers, last, lengths[seg], ends[seg])
+        out.append(Sample(ev["kind"], work, ev["cpu"]))
+    return out
+
+
+def _predicted_seconds(run: dict[str, Any], cfg: TinyConfig, costs: ActionCosts) -> float:
+    entry = lookup(run["schedule"])
+    k = run["seq_chunks"] if entry.seq_chunked else 1
+    setting = PlanSetting(
+        pp=run["pp"],
+        tp=1,
+        fsdp=1,
+        seq_chunks=k,
+        microbatches=run["microbatches"],
+        split=run["split"] or "uniform",
+        recompute=False,
+        bf16=True,
+        name=entry.name,
+        stages_per_rank=entry.stages_per_rank,
+    )
+    hw = Hardware(run["pp"], 1e6, reserve_gb=0.0)
+    return price(setting, model_shape(cfg), run["seq_len"], hw, actions=costs).step_seconds
+
+
+def calibrate(runs: Sequence[dict[str, Any]], cfg: TinyConfig) -> dict[str, Any]:
+    """Fit on the runs' traces; each run's predicted and measured step time vs 1F1B."""
+    timed = [r for r in runs if r.get("trace") and r.get("step_time_s")]
+    per_run = {r["label"]: samples_of_run(r, cfg) for r in timed}
+    everything = [s for ss in per_run.values() for s in ss]
+    costs = fit_action_costs(everything, source="fit on every measured action")
+    base = next(r for r in timed if is_baseline(r["schedule"]))
+    base_all = _predicted_seconds(base, cfg, costs)
+    rows = []
+    for r in timed:
+        others = [s for label, ss in per_run.items() if label != r["label"] for s in ss]
+        held = fit_action_costs(others, source=f"without {r['label']}")
+        pred_all = _predicted_seconds(r, cfg, costs) / base_all
+        pred_held = _predicted_seconds(r, cfg, held) / _predicted_seconds(base, cfg, held)
+        wall = r["step_time_s"] / base["step_time_s"]
+        replay = (
+            r["replay_step_time_s"] / base["replay_step_time_s"]
+            if r.get("replay_step_time_s") and base.get("replay_step_time_s")
+            else None
+        )
+        rows.append(
+            {
+                "label": r["label"],
+                "seq_len": r["seq_len"],
+                "predicted_vs_1f1b": pred_all,
+                "predicted_held_out_vs_1f1b": pred_held,
+                "measured_wall_vs_1f1b": wall,
+                "measured_replayed_vs_1f1b": replay,
+                "error_vs_wall": pred_all / wall - 1,
+                "error_held_out_vs_wall": pred_held / wall - 1,
+                "error_vs_replayed": None if replay is None else pred_all / replay - 1,
+            }
+        )
+    residual = [
+        costs.of(_kind(s.kind)).seconds(s.work) / s.seconds - 1 for s in everything if s.seconds
+    ]
+    return {
+        "constants": asdict(costs),
+        "actions": len(everything),
+        "action_error_median_abs": sorted(abs(e) for e in residual)[len(residual) // 2],
+        "rows": rows,
+    }
+
+
+def _kind(name: str) -> Any:
+    from seq1f1b._runtime import ComputationType
+
+    return ComputationType(name)
+
+
+def table(result: dict[str, Any]) -> str:
+    """The markdown table of :func:`calibrate`'s rows."""
+    lines = [
+        "| setting | predicted vs 1F1B (fit on all) | held out | measured wall | replayed | "
+        "error vs wall (all / held out) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        rep = (
+            ""
+            if r["measured_replayed_vs_1f1b"] is None
+            else f"{r['measured_replayed_vs_1f1b']:.3f}"
+        )
+        lines.append(
+            f"| {r['label']} @{r['seq_len']} | {r['predicted_vs_1f1b']:.3f} | "
+            f"{r['predicted_held_out_vs_1f1b']:.3f} | {r['measured_wall_vs_1f1b']:.3f} | {rep} | "
+            f"{r['error_vs_wall']:+.1%} / {r['error_held_out_vs_wall']:+.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.calibration", description=__doc__)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true")
+    mode.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seq-len", type=int, help="tokens per sample (default: the preset's)")
+    a = ap.parse_args(argv)
+    preset = PRESETS["smoke" if a.smoke else "quick" if a.quick else "full"]
+    os.makedirs(a.out, exist_ok=True)
+    seq_len = a.seq_len or preset.seq_lens[0]
+    specs = tuple(
+        s
+        for s in CALIBRATION_SPECS
+        if preset.model.n_layers % s.model_stages(2) == 0 and not s.memory_only
+    )
+    setting = Setting(2, 2, seq_len, preset.model, specs, max(preset.timed_steps, 1))
+    runs = measure(setting)
+    result = calibrate(runs, preset.model)
+    result["setting"] = f"pp=2, M=2, {seq_len} tokens, model {asdict(preset.model)}"
+    save_action_costs(
+        replace(
+            fit_action_costs(
+                [s for r in runs for s in samples_of_run(r, preset.model)], "calibration"
+            ),
+            source=f"benchmarks.calibration {preset.name} @{seq_len}",
+        ),
+        os.path.join(a.out, "calibration.json"),
+    )
+    for r in runs:
+        r.pop("trace", None)
+    with open(os.path.join(a.out, "calibration_results.json"), "w") as f:
+        json.dump({**result, "runs": runs}, f, indent=1)
+    print(
+        f"{result['setting']}; {result['actions']} actions, median |error| per action "
+        f"{result['action_error_median_abs']:.1%}"
+    )
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
