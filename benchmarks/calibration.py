@@ -67,7 +67,7 @@ def samples_of_run(run: dict[str, Any], cfg: TinyConfig) -> list[Sample]:
     k = len(lengths)
     ends = [sum(lengths[: i + 1]) for i in range(k)]
     out = []
-    for ev in run["trace"]:
+    for ev in (e for step in run.get("step_traces") or [run["trace"]] for e in step):
         if ev["cpu"] <= 0:
             continue
         seg = ev["mb"] % k
@@ -196,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         os.path.join(a.out, "calibration.json"),
     )
+    with open(os.path.join(a.out, "traces.json"), "w") as f:
+        json.dump({r["label"]: r.pop("step_traces") for r in runs}, f)
     for r in runs:
         r.pop("trace", None)
     with open(os.path.join(a.out, "calibration_results.json"), "w") as f:

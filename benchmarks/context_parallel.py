@@ -89,6 +89,7 @@ def measure_cp(preset: Preset, timed_steps: int | None = None) -> dict[str, Any]
     layers = cfg.n_layers // 2  # stage 0 of 2
     for r in runs:
         r.pop("trace", None)
+        r.pop("step_traces", None)
         if r["cp"] > 1:
             mode = "auto" if "pass_" not in r["label"] else r["label"].rsplit(", ", 1)[1]
             lengths = uniform_split(seq_len, r["seq_chunks"])

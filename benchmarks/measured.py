@@ -407,6 +407,10 @@ def _merge(setting: Setting, spec: RunSpec, per_rank: list[dict[str, Any]]) -> d
         ),
         "loss": loss,
         "trace": trace,
+        # every timed step's actions, all ranks (the calibration fits on them)
+        "step_traces": [
+            [dict(ev, rank=rank) for rank, t in enumerate(traces) for ev in t] for traces in steps
+        ],
     }
 
 

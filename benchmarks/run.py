@@ -406,6 +406,7 @@ def run_all(preset: Preset, out: str, command: str, budget: float | None = None)
     for setting in results["measured"].values():
         for r in setting["runs"]:
             r.pop("trace", None)  # kept in traces/*.json
+            r.pop("step_traces", None)
     timings["total_s"] = time.perf_counter() - t_start
     results["meta"] = {
         "mode": preset.name,
