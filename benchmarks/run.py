@@ -21,11 +21,13 @@ from seq1f1b.planner import search
 from seq1f1b.registry import is_baseline, lookup
 
 from .budget import budget_rows, verify_rows
+from .calibration import calibrate
 from .context_parallel import longest_sequences, measure_cp
 from .masks import measure_skipping, simulate_masked_splits
 from .measured import RunSpec, Setting, measure, model_shape
 from .orders import ScheduleSpec
 from .presets import BUDGET_SPECS, PP2_SPECS, Preset
+from .published import memory_vs_published
 from .simtables import PAPER_SHAPE, simulate_spec, simulation_table
 from .trace import write_chrome_trace
 
@@ -143,7 +145,8 @@ def _planner_vs_published() -> dict:
     1F1B out of memory and Seq1F1B running at 128k."""
     out: dict = {
         "args": "--model paper-7b --gpus 32 --gpu-memory-gb 80 --reserve-gb 0 --global-batch 8 "
-        "--pp 8 --tp 4 --ac none --min-segment 1 --split compute --chunks 1,2,4,8",
+        "--pp 8 --tp 4 --ac none --min-segment 1 --split compute --chunks 1,2,4,8 "
+        "--schedules 1F1B,Seq1F1B --precision bf16",
         "published_gb": {"65536": {"1F1B": 51.4, "Seq1F1B": 34.3}, "131072": {"1F1B": "OOM"}},
     }
     for seq in (65536, 131072):
@@ -158,6 +161,7 @@ def _planner_vs_published() -> dict:
             splits=("compute",),
             recompute=(False,),
             min_segment=1,
+            schedules=("1F1B", "Seq1F1B"),
         )
         out[str(seq)] = {
             f"K={c.setting.seq_chunks}": {"gb": round(c.max_bytes / GB, 1), "fits": c.fits}
@@ -348,6 +352,12 @@ def run_all(preset: Preset, out: str, command: str, budget: float | None = None)
         timings[f"pp2_{seq_len}_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
+    _log("calibrating the planner's time model on the measured pp=2 actions")
+    timed_runs = [r for s in results["measured"].values() if s["timed"] for r in s["runs"]]
+    results["calibration"] = calibrate(timed_runs, preset.model)
+    timings["calibration_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
     _log(f"measuring memory at pp=4, M=4, {preset.pp4_seq_len} tokens")
     specs = tuple(s for s in preset.pp4_specs if _usable(s, 4, preset))
     setting = Setting(4, 4, preset.pp4_seq_len, preset.model, specs, 0, preset.pp4_fresh_processes)
@@ -378,6 +388,7 @@ def run_all(preset: Preset, out: str, command: str, budget: float | None = None)
     timings["budget_s"] = time.perf_counter() - t
 
     results["planner_example"] = _planner_vs_published()
+    results["memory_vs_published"] = memory_vs_published()
 
     t = time.perf_counter()
     _log("packed documents: skipping on / off (measured), mask-aware split (simulated)")

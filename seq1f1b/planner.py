@@ -31,7 +31,7 @@ from ._runtime import ir as rt
 from ._runtime.ir import Action
 from .costmodel import GB, PRESETS, ActionCosts, Hardware, MemoryModel, TimeModel, action_work
 from .partition import ModelShape, resolve_split, segment_multiple
-from .registry import REGISTRY, ScheduleEntry, lookup
+from .registry import REGISTRY, ScheduleEntry, is_baseline, lookup
 from .simulate import simulate
 
 __all__ = [
@@ -480,6 +480,10 @@ def _price(
     )
 
 
+def _is_baseline(s: Setting) -> bool:
+    return s.pp > 1 and is_baseline(s.schedule)
+
+
 def format_plan(plan: Plan, top: int = 12) -> str:
     """Ranked table (fitting settings first), the recommendation and what it beats."""
     hw = plan.hardware
@@ -528,7 +532,7 @@ def format_plan(plan: Plan, top: int = 12) -> str:
         lines.append(f"  segment lengths {best.segment_lengths}")
     b = best.setting
     for name, pred, applies in (
-        ("the best plain 1F1B", lambda s: s.schedule == "1F1B", b.pp > 1 and b.schedule != "1F1B"),
+        ("the best plain 1F1B", _is_baseline, b.pp > 1 and not _is_baseline(b)),
         ("the best without pipelining", lambda s: s.pp == 1, b.pp > 1),
         ("the best without recomputation", lambda s: not s.recompute, b.recompute),
     ):

@@ -76,6 +76,12 @@ def test_results_json(smoke_out: Path) -> None:
     for (_, c), r in cp.items():  # the ring moved exactly what the formula says
         if c > 1:
             assert all(sent == r["cp_formula_bytes"] for sent in r["cp_sent_bytes_rank"])
+    # the calibrated planner priced every measured pp=2 run, next to its measured ratio
+    cal = {r["label"] for r in res["calibration"]["rows"]}
+    assert cal == {r["label"] for r in pp2["runs"]}
+    assert all(r["predicted_vs_1f1b"] > 0 for r in res["calibration"]["rows"])
+    published = {r["schedule"] for r in res["memory_vs_published"]["rows"]}
+    assert published == {"1F1B", "1F1B-I", "Seq1F1B", "Seq1F1B-I"}
     with_cp, without = cp[("Seq1F1B K=4 uniform", 2)], cp[("Seq1F1B K=4 uniform", 1)]
     assert with_cp["peak_activation_bytes"][0] < 0.6 * without["peak_activation_bytes"][0]
     assert with_cp["kv_peak_bytes_rank"][0] * 2 == without["kv_peak_bytes_rank"][0]

@@ -135,10 +135,21 @@ def render_toml(
         f"tensor_parallel_degree = {s.tp}",
         f"pipeline_parallel_degree = {s.pp}",
     ]
+    if s.cp > 1:
+        lines.append(f"context_parallel_degree = {s.cp}")
     if s.pp > 1:
         lines += [
             f'pipeline_parallel_schedule = "{s.schedule}"',
             "pipeline_parallel_microbatch_size = 1",
+            *(
+                [
+                    "pipeline_parallel_layers_per_stage = "
+                    f"{plan.shape.n_layers // (s.entry.model_stages(s.pp, s.stages_per_rank))}"
+                    f"   # {s.stages_per_rank} stages per rank"
+                ]
+                if s.entry is not None and s.stages_per_rank > 1 and s.entry.placement == "looped"
+                else []
+            ),
             "# the plan prices equal layers per stage, embedding and output on stages of them:",
             "pipeline_parallel_first_stage_less_layers = 0",
             "pipeline_parallel_last_stage_less_layers = 0",
