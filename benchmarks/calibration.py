@@ -12,6 +12,10 @@ every measured setting with the planner's own code (:func:`seq1f1b.planner.price
 schedule's order simulated with the fitted costs) and prints its predicted step time vs
 1F1B next to the measured one (wall-clock median and replayed).
 
+Measured: ``replayed`` replays each rank's actions in the order they ran with each action's
+fastest CPU time over the timed steps (what the ranks would take with their cores to
+themselves); ``wall`` is the wall-clock median, which other jobs on a shared machine inflate.
+
 Two predictions: ``fit on all`` uses constants fitted to every run's actions; ``held out``
 refits without the run being predicted (its actions never seen), the honest check that the
 constants transfer to a schedule they were not fitted on. ``python -m benchmarks`` runs the
@@ -37,6 +41,7 @@ from seq1f1b.testing import TinyConfig
 
 from .measured import RunSpec, Setting, measure, model_shape
 from .presets import PP2_SPECS, PRESETS
+from .replay import replay_step_time
 
 __all__ = ["CALIBRATION_SPECS", "calibrate", "samples_of_run"]
 
@@ -57,8 +62,33 @@ def _lengths(run: dict[str, Any], cfg: TinyConfig) -> list[int]:
     return resolve_split(split, run["seq_len"], k, shape=model_shape(cfg))
 
 
+def fastest_trace(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The last timed step's actions (all ranks, in the order they ran), each with its
+    smallest CPU time over the timed steps: other jobs on the machine only ever add time
+    (cache and memory-bandwidth contention inflate even CPU time), so the minimum is the
+    action's own cost."""
+    steps = run.get("step_traces") or [run["trace"]]
+    best: dict[tuple[int, int, str, int], float] = {}
+    for step in steps:
+        for ev in step:
+            key = (ev.get("rank", 0), ev["stage"], ev["kind"], ev["mb"])
+            best[key] = min(best.get(key, ev["cpu"]), ev["cpu"])
+    return [
+        dict(ev, cpu=best[(ev.get("rank", 0), ev["stage"], ev["kind"], ev["mb"])])
+        for ev in steps[-1]
+    ]
+
+
+def replay_fastest(run: dict[str, Any]) -> float:
+    """The step time the ranks would have had with each action at its fastest (replayed)."""
+    trace = fastest_trace(run)
+    ranks = sorted({ev.get("rank", 0) for ev in trace})
+    per_rank = [[ev for ev in trace if ev.get("rank", 0) == r] for r in ranks]
+    return replay_step_time(per_rank, lookup(run["schedule"]).replicas)
+
+
 def samples_of_run(run: dict[str, Any], cfg: TinyConfig) -> list[Sample]:
-    """Every action of a measured run's trace as (kind, work, CPU seconds)."""
+    """Every action of a measured run as (kind, work, fastest CPU seconds over the steps)."""
     entry = lookup(run["schedule"])
     shape = model_shape(cfg)
     n = entry.model_stages(run["pp"])
@@ -67,7 +97,7 @@ def samples_of_run(run: dict[str, Any], cfg: TinyConfig) -> list[Sample]:
     k = len(lengths)
     ends = [sum(lengths[: i + 1]) for i in range(k)]
     out = []
-    for ev in (e for step in run.get("step_traces") or [run["trace"]] for e in step):
+    for ev in fastest_trace(run):
         if ev["cpu"] <= 0:
             continue
         seg = ev["mb"] % k
@@ -99,7 +129,7 @@ def _predicted_seconds(run: dict[str, Any], cfg: TinyConfig, costs: ActionCosts)
 def calibrate(runs: Sequence[dict[str, Any]], cfg: TinyConfig) -> dict[str, Any]:
     """Fit on the runs' traces; each run's predicted and measured step time vs the 1F1B run
     of the same length."""
-    timed = [r for r in runs if r.get("trace") and r.get("step_time_s")]
+    timed = [r for r in runs if (r.get("step_traces") or r.get("trace")) and r.get("step_time_s")]
     per_run = {(r["label"], r["seq_len"]): samples_of_run(r, cfg) for r in timed}
     everything = [s for ss in per_run.values() for s in ss]
     costs = fit_action_costs(everything, source="fit on every measured action")
@@ -114,15 +144,15 @@ def calibrate(runs: Sequence[dict[str, Any]], cfg: TinyConfig) -> dict[str, Any]
         pred_all = _predicted_seconds(r, cfg, costs) / _predicted_seconds(base, cfg, costs)
         pred_held = _predicted_seconds(r, cfg, held) / _predicted_seconds(base, cfg, held)
         wall = r["step_time_s"] / base["step_time_s"]
-        replay = (
-            r["replay_step_time_s"] / base["replay_step_time_s"]
-            if r.get("replay_step_time_s") and base.get("replay_step_time_s")
-            else None
-        )
+        replay_s = replay_fastest(r)
+        replay = replay_s / replay_fastest(base)
+        pred_s = _predicted_seconds(r, cfg, costs)
         rows.append(
             {
                 "label": r["label"],
                 "seq_len": r["seq_len"],
+                "predicted_s": pred_s,
+                "replayed_s": replay_s,
                 "predicted_vs_1f1b": pred_all,
                 "predicted_held_out_vs_1f1b": pred_held,
                 "measured_wall_vs_1f1b": wall,
@@ -130,8 +160,8 @@ def calibrate(runs: Sequence[dict[str, Any]], cfg: TinyConfig) -> dict[str, Any]
                 "action_wall_over_cpu": r.get("action_wall_over_cpu"),
                 "error_vs_wall": pred_all / wall - 1,
                 "error_held_out_vs_wall": pred_held / wall - 1,
-                "error_vs_replayed": None if replay is None else pred_all / replay - 1,
-                "error_held_out_vs_replayed": None if replay is None else pred_held / replay - 1,
+                "error_vs_replayed": pred_all / replay - 1,
+                "error_held_out_vs_replayed": pred_held / replay - 1,
             }
         )
     residual = [
@@ -155,8 +185,8 @@ def table(result: dict[str, Any]) -> str:
     """The markdown table of :func:`calibrate`'s rows."""
     lines = [
         "| setting | predicted vs 1F1B | held out | replayed | wall | error vs replayed "
-        "(all / held out) | error vs wall | wall/CPU |",
-        "|---|---|---|---|---|---|---|---|",
+        "(all / held out) | error vs wall | wall/CPU | step s: predicted / replayed |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         rep = r["measured_replayed_vs_1f1b"]
@@ -170,7 +200,9 @@ def table(result: dict[str, Any]) -> str:
             f"| {r['label']} @{r['seq_len']} | {r['predicted_vs_1f1b']:.3f} | "
             f"{r['predicted_held_out_vs_1f1b']:.3f} | {'' if rep is None else f'{rep:.3f}'} | "
             f"{r['measured_wall_vs_1f1b']:.3f} | {err} | {r['error_vs_wall']:+.1%} | "
-            f"{'' if ratio is None else f'{ratio:.2f}'} |"
+            f"{'' if ratio is None else f'{ratio:.2f}'} | "
+            f"{r['predicted_s']:.3f} / {r['replayed_s']:.3f} "
+            f"({r['predicted_s'] / r['replayed_s'] - 1:+.1%}) |"
         )
     return "\n".join(lines)
 
@@ -182,17 +214,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seq-len", type=int, help="tokens per sample (default: the preset's)")
+    ap.add_argument("--steps", type=int, help="timed steps per schedule (default: the preset's)")
+    ap.add_argument(
+        "--reuse",
+        help="a directory this command wrote before: refit on its traces, measure nothing",
+    )
     a = ap.parse_args(argv)
     preset = PRESETS["smoke" if a.smoke else "quick" if a.quick else "full"]
     os.makedirs(a.out, exist_ok=True)
     seq_len = a.seq_len or preset.seq_lens[0]
-    specs = tuple(
-        s
-        for s in CALIBRATION_SPECS
-        if preset.model.n_layers % s.model_stages(2) == 0 and not s.memory_only
-    )
-    setting = Setting(2, 2, seq_len, preset.model, specs, max(preset.timed_steps, 1))
-    runs = measure(setting)
+    if a.reuse:
+        with open(os.path.join(a.reuse, "calibration_results.json")) as f:
+            runs = json.load(f)["runs"]
+        with open(os.path.join(a.reuse, "traces.json")) as f:
+            traces = json.load(f)
+        for r in runs:
+            r["step_traces"] = traces[r["label"]]
+            r["trace"] = r["step_traces"][-1]
+        seq_len = runs[0]["seq_len"]
+    else:
+        specs = tuple(
+            s
+            for s in CALIBRATION_SPECS
+            if preset.model.n_layers % s.model_stages(2) == 0 and not s.memory_only
+        )
+        steps = a.steps or max(preset.timed_steps, 1)
+        setting = Setting(2, 2, seq_len, preset.model, specs, steps)
+        runs = measure(setting)
     result = calibrate(runs, preset.model)
     result["setting"] = f"pp=2, M=2, {seq_len} tokens, model {asdict(preset.model)}"
     save_action_costs(
