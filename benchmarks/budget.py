@@ -49,7 +49,7 @@ def budget_rows(
     """Per schedule: fit, predicted longest length (verification filled in later)."""
     rows = []
     for label, runs in fits.items():
-        pts = [(r["seq_len"], max(r["peak_activation_bytes"])) for r in runs]
+        pts = [(r["seq_len"], max(r["peak_activation_rank_bytes"])) for r in runs]
         a, b, worst = fit_line(pts)
         rows.append(
             {

@@ -195,7 +195,7 @@ class _Run:
         pp_rank, pp, pp_group, cp_group = _mesh(rank, setting)
         n = pp * spec.stages_per_rank
         mods = build_stages(setting.model, n, seed=0)
-        self.mine = list(range(pp_rank, n, pp))
+        self.mine = entry.stages_of(pp, pp_rank, spec.stages_per_rank)
         cpu = torch.device("cpu")
         stages = [ProbedStage(mods[s], s, n, cpu, probe=probe, group=pp_group) for s in self.mine]
         self.params = [p for s in self.mine for p in mods[s].parameters()]

@@ -23,6 +23,10 @@ PP2_SPECS = (
     RunSpec("Seq1F1B", 4, "uniform"),
     RunSpec("Seq1F1B", 4, "compute"),
     RunSpec("Seq1F1B", 8, "compute"),
+    RunSpec("ZBSeq1F1B", 4, "compute"),
+    RunSpec("ZBVSeq1F1B", 4, "compute"),
+    RunSpec("ZBVSeq1F1B", 8, "compute"),
+    RunSpec("ZBVSeq1F1B", 8, "uniform"),
     RunSpec("BitPipe"),
 )
 # pp=4, M=4: the memory target's setting (Interleaved1F1B and BitPipe need layers % 8 == 0)
@@ -42,6 +46,8 @@ BUDGET_SPECS = (
     RunSpec("Seq1F1B", 4, "uniform"),
     RunSpec("Seq1F1B", 4, "compute"),
     RunSpec("Seq1F1B", 8, "compute"),
+    RunSpec("ZBVSeq1F1B", 8, "compute"),
+    RunSpec("ZBVSeq1F1B", 8, "uniform"),
 )
 
 

@@ -30,6 +30,7 @@ from .presets import BUDGET_SPECS, PP2_SPECS, Preset
 from .published import memory_vs_published
 from .simtables import PAPER_SHAPE, simulate_spec, simulation_table
 from .trace import write_chrome_trace
+from .v_targets import v_targets
 
 __all__ = ["run_all"]
 
@@ -89,8 +90,8 @@ def _budget(preset: Preset, runs: list[dict[str, Any]], budget: float | None) ->
     for spec in BUDGET_SPECS:
         pts = [r for r in runs if r["label"].startswith(spec.label + " @")]
         fits[spec.label] = [*pts, main[spec.label]]
-    if budget is None:
-        budget = float(max(main["1F1B"]["peak_activation_bytes"]))
+    if budget is None:  # per rank: V placements hold two stages on each
+        budget = float(max(main["1F1B"]["peak_activation_rank_bytes"]))
     rows = budget_rows(fits, budget, granule=64)
     by_label = {s.label: s for s in BUDGET_SPECS}
 
@@ -101,7 +102,7 @@ def _budget(preset: Preset, runs: list[dict[str, Any]], budget: float | None) ->
         check = Setting(2, 2, preset.seq_lens[0], preset.model, specs, 0, keep_trace=False)
         runs = measure(check)
         return {
-            label: float(max(r["peak_activation_bytes"]))
+            label: float(max(r["peak_activation_rank_bytes"]))
             for label, r in zip(lengths, runs, strict=True)
         }
 
@@ -112,7 +113,7 @@ def _budget(preset: Preset, runs: list[dict[str, Any]], budget: float | None) ->
         "rows": rows,
         "note": (
             "pp=2, M=2. Budget: the largest per-stage peak of Schedule1F1B at "
-            f"{preset.seq_lens[0]} tokens. Peak = max over stages of saved activations, fitted "
+            f"{preset.seq_lens[0]} tokens. Peak = max over ranks of saved activations, fitted "
             "linearly over "
             f"{', '.join(str(int(preset.seq_lens[0] * f)) for f in preset.fit_fractions)} and "
             f"{preset.seq_lens[0]} tokens, solved for the budget (multiples of 64 tokens)"
@@ -405,7 +406,7 @@ def run_all(preset: Preset, out: str, command: str, budget: float | None = None)
         "simulated": longest_sequences(),
     }
     timings["context_parallel_s"] = time.perf_counter() - t
-    results["targets"] = _targets(results)
+    results["targets"] = _targets(results) + v_targets(results, preset.name)
 
     t = time.perf_counter()
     trace_dir = os.path.join(out, "traces")

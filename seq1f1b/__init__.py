@@ -11,7 +11,12 @@ from .partition import (
     segment_multiple,
     uniform_split,
 )
-from .schedule import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B, ScheduleZBSeq1F1B
+from .schedule import (
+    ScheduleInterleavedSeq1F1B,
+    ScheduleSeq1F1B,
+    ScheduleZBSeq1F1B,
+    ScheduleZBVSeq1F1B,
+)
 
 __version__ = "0.1.0"
 
@@ -23,6 +28,7 @@ __all__ = [
     "ScheduleInterleavedSeq1F1B",
     "ScheduleSeq1F1B",
     "ScheduleZBSeq1F1B",
+    "ScheduleZBVSeq1F1B",
     "SegmentInfo",
     "SequenceSplit",
     "build_bitpipe_stages",

@@ -52,6 +52,15 @@ class OrderSpec:
     n_microbatches: int
     seq_chunks: int
     split_backward: bool = False  # ZBSeq1F1B: I then W instead of B (see split_backward)
+    placement: str = "looped"  # or "v": rank r holds stages r and 2*pp-1-r (ZBV-Seq1F1B)
+
+    def __post_init__(self) -> None:
+        if self.placement not in ("looped", "v"):
+            raise ValueError(f"placement must be 'looped' or 'v' (got {self.placement!r})")
+        if self.placement == "v" and self.stages_per_rank != 2:
+            raise ValueError(
+                f"the V placement holds exactly 2 stages per rank (got {self.stages_per_rank})"
+            )
 
     @property
     def num_stages(self) -> int:
@@ -62,8 +71,16 @@ class OrderSpec:
         return self.n_microbatches * self.seq_chunks
 
     def stage_to_rank(self, stage: int) -> int:
-        """Looped placement: stage s lives on rank s % pp."""
+        """Looped placement: stage s lives on rank s % pp; V: on ``min(s, 2*pp-1-s)``."""
+        if self.placement == "v":
+            return min(stage, 2 * self.pp - 1 - stage)
         return stage % self.pp
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages ``rank`` holds, in increasing order."""
+        if self.placement == "v":
+            return [rank, 2 * self.pp - 1 - rank]
+        return list(range(rank, self.num_stages, self.pp))
 
 
 @contextlib.contextmanager

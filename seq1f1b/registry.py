@@ -55,6 +55,7 @@ class ScheduleEntry:
             "Seq1F1B": seq1f1b.ScheduleSeq1F1B,
             "InterleavedSeq1F1B": seq1f1b.ScheduleInterleavedSeq1F1B,
             "ZBSeq1F1B": seq1f1b.ScheduleZBSeq1F1B,
+            "ZBVSeq1F1B": seq1f1b.ScheduleZBVSeq1F1B,
             "BitPipe": seq1f1b.ScheduleBitPipe,
         }[self.name]
 
@@ -73,6 +74,16 @@ class ScheduleEntry:
             )
             raise ValueError(f"{self.name} needs {want} stages per rank (got {v})")
 
+    def stages_of(self, pp: int, rank: int, stages_per_rank: int | None = None) -> list[int]:
+        """The stage indices ``rank`` holds (looped or V placement; BitPipe has its layout)."""
+        if self.placement == "bitpipe":
+            from .bitpipe import BitPipeLayout
+
+            return BitPipeLayout(pp).stages_of(rank)
+        if self.placement == "v":
+            return [rank, 2 * pp - 1 - rank]
+        return list(range(rank, pp * (stages_per_rank or self.stages_per_rank), pp))
+
     def model_stages(self, pp: int, stages_per_rank: int | None = None) -> int:
         """Stages one copy of the model is cut into (BitPipe: 2*pp per replica)."""
         return pp * (stages_per_rank or self.stages_per_rank) // self.replicas
@@ -85,9 +96,11 @@ class ScheduleEntry:
         self.check_stages_per_rank(v)
         if self.seq_chunked:
             from .order import OrderSpec, build_orders
+            from .order_v import build_v_orders
 
-            spec = OrderSpec(pp, v, n_microbatches, seq_chunks, self.split_backward)
-            return dict(build_orders(spec))
+            spec = OrderSpec(pp, v, n_microbatches, seq_chunks, self.split_backward,
+                             "v" if self.placement == "v" else "looped")  # fmt: skip
+            return dict(build_v_orders(spec) if spec.placement == "v" else build_orders(spec))
         if self.placement == "bitpipe":
             from .bitpipe import build_bitpipe_orders
 
@@ -147,6 +160,20 @@ REGISTRY: tuple[ScheduleEntry, ...] = (
         split_backward=True,
         max_stages_per_rank=None,
         memory_formula=lambda p, m, k, v: min(p + k - 1, m * k) / k,
+    ),
+    ScheduleEntry(
+        "ZBVSeq1F1B",
+        2,
+        "v",
+        seq_chunked=True,
+        ours=True,
+        split_backward=True,
+        min_stages_per_rank=2,
+        max_stages_per_rank=2,
+        # every rank: min(2MK, 2p+2K-2) units of 1/K sample on half of the rank's layers
+        # (seq1f1b.order_v.rank_peak_units), Seq1F1B's stage-0 peak
+        memory_formula=lambda p, m, k, v: min(2 * p + 2 * k - 2, 2 * m * k) / (2 * k),
+        formula_backward_cost=1.0,
     ),
     ScheduleEntry(
         "InterleavedSeq1F1B",

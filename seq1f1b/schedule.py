@@ -14,9 +14,15 @@ from typing import Any
 
 from ._runtime import Action, PipelineStageBase
 from .order import rank_order
+from .order_v import v_rank_order
 from .sequence_schedule import SequencePipelineSchedule
 
-__all__ = ["ScheduleInterleavedSeq1F1B", "ScheduleSeq1F1B", "ScheduleZBSeq1F1B"]
+__all__ = [
+    "ScheduleInterleavedSeq1F1B",
+    "ScheduleSeq1F1B",
+    "ScheduleZBSeq1F1B",
+    "ScheduleZBVSeq1F1B",
+]
 
 
 class ScheduleSeq1F1B(SequencePipelineSchedule):
@@ -87,3 +93,24 @@ class ScheduleZBSeq1F1B(SequencePipelineSchedule):
 
     def _calculate_single_rank_operations(self, rank: int) -> list[Action | None]:
         return list(rank_order(self.order_spec, rank))
+
+
+class ScheduleZBVSeq1F1B(SequencePipelineSchedule):
+    """Zero-bubble Seq1F1B on the V placement (ZB-V): rank ``r`` holds stages ``r`` and
+    ``2*pp-1-r`` of ``2*pp``, so rank 0 holds the first and the last stage, and each backward
+    is split into its input half and its weight half (the first stage keeps full backwards).
+
+    Same arguments as :class:`ScheduleSeq1F1B`, with exactly two stages per rank in that
+    placement (torch's ``style="v"``, as for ``ScheduleZBVZeroBubble``). The order is ZB-V's
+    with the backwards shifted by ``K - 1`` units (:mod:`seq1f1b.order_v`); stage ``s`` holds at
+    most ``min(M*K, 2*pp - 1 - s + K)`` units (:func:`seq1f1b.order_v.stage_peak_units`).
+    Activation checkpointing must be non-reentrant (its recomputation then runs in
+    BACKWARD_INPUT). Any ``n_microbatches`` works; ``M*K + K - 1 >= 2*pp - 1`` keeps ZB-V's
+    warm-up full.
+    """
+
+    _split_backward = True
+    _placement = "v"
+
+    def _calculate_single_rank_operations(self, rank: int) -> list[Action | None]:
+        return list(v_rank_order(self.order_spec, rank))

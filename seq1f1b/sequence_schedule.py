@@ -60,7 +60,7 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         scale_grads: bool = True,
         **options: Any,
     ) -> None:
-        stage_list = _check_stages(stages)
+        stage_list = _check_stages(stages, self._placement)
         m = positive_int("n_microbatches", n_microbatches, "pass the number of samples per step")
         k = positive_int("seq_chunks", seq_chunks, "pass 1 for plain 1F1B, or 2, 4, 8 ...")
         if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:
@@ -89,12 +89,14 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         self._guard_attention = check_attention and (k > 1 or self._cp is not None)
         self._guard_documents = check_attention
         self.order_spec = OrderSpec(self.pp_group_size, len(stage_list), m, k,
-                                    split_backward=self._split_backward)  # fmt: skip
+                                    self._split_backward, self._placement)  # fmt: skip
         ranks = range(self.pp_group_size)
         self._install_order({r: self._calculate_single_rank_operations(r) for r in ranks})
 
     #: whether the orders split each backward into BACKWARD_INPUT + BACKWARD_WEIGHT
     _split_backward = False
+    #: how stages sit on ranks: "looped" (stage s on rank s % pp) or "v" (r and 2*pp-1-r)
+    _placement = "looped"
 
     def _calculate_single_rank_operations(self, rank: int) -> list[Action | None]:
         """This rank's compute-only order (closed form; subclasses)."""
@@ -286,18 +288,29 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         return metadata_inference()
 
 
-def _check_stages(stages: PipelineStageBase | Sequence[PipelineStageBase]) -> list:
-    """This rank's stages, in looped placement (stage s on rank s % pp)."""
+def _check_stages(
+    stages: PipelineStageBase | Sequence[PipelineStageBase], placement: str = "looped"
+) -> list:
+    """This rank's stages, checked against the schedule's placement (looped or V)."""
     stage_list = [stages] if isinstance(stages, PipelineStageBase) else list(stages)
     if not stage_list:
         raise ValueError("stages is empty: pass this rank's PipelineStage(s)")
     pp, rank = stage_list[0].group_size, stage_list[0].group_rank
     n_stages = stage_list[0].num_stages
     indices = sorted(s.stage_index for s in stage_list)
+    consistent = all(s.num_stages == n_stages and s.group_size == pp for s in stage_list)
+    if placement == "v":
+        expected = [rank, 2 * pp - 1 - rank]
+        if not consistent or n_stages != 2 * pp or indices != expected:
+            raise ValueError(
+                f"rank {rank} of {pp} holds stages {indices} of {n_stages}: this schedule uses "
+                f"the V placement (num_stages = 2 * pp, rank r holds stages r and 2*pp-1-r), "
+                f"so this rank must hold exactly {expected}. Split the model into 2 * pp "
+                "stages and give rank r the stages r and 2*pp-1-r (torch's style='v')"
+            )
+        return sorted(stage_list, key=lambda s: s.stage_index)
     expected = list(range(rank, n_stages, pp))
-    if any(s.num_stages != n_stages or s.group_size != pp for s in stage_list) or (
-        n_stages != pp * len(stage_list) or indices != expected
-    ):
+    if not consistent or n_stages != pp * len(stage_list) or indices != expected:
         raise ValueError(
             f"rank {rank} of {pp} holds stages {indices} of {n_stages}: Seq1F1B uses looped "
             f"placement (stage s on rank s % pp, the same number on every rank), so this "

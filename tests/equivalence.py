@@ -104,12 +104,17 @@ def _groups(rank: int, world: int, cp: int) -> tuple[int, int, object, object]:
     return rank // cp, world // cp, mesh["pp"].get_group(), mesh["cp"].get_group()
 
 
+def my_stages(case: Case, pp_rank: int, pp: int) -> list[int]:
+    """The stages this pipeline rank holds in the schedule's placement (looped or V)."""
+    return lookup(case.schedule).stages_of(pp, pp_rank, case.stages_per_rank)
+
+
 def run_case(rank: int, world: int, case: Case, tol: float = 1e-5) -> None:
     pp_rank, pp, pp_group, cp_group = _groups(rank, world, case.cp)
     num_stages = pp * case.stages_per_rank
     ref_loss, ref_grads = reference(case, num_stages)
     mods = build_stages(case.cfg, num_stages, checkpointing=case.checkpointing)
-    mine = list(range(pp_rank, num_stages, pp))
+    mine = my_stages(case, pp_rank, pp)
     dev = torch.device("cpu")
     stages = [PipelineStage(mods[s], s, num_stages, dev, group=pp_group) for s in mine]
     split = case.split if isinstance(case.split, str) else list(case.split)
@@ -200,6 +205,26 @@ def zb_grid() -> list[Case]:
             Case(spr, 3, 2, docs=True, window=5, schedule="ZBSeq1F1B"),
         ]
     return cases
+
+
+def zbv_grid() -> list[Case]:
+    """ZBVSeq1F1B (V placement, two stages per rank, split backward): K in {1,2,4} and 3,
+    M in {1,2,3}, uneven and compute splits, checkpointing, documents + window, padding."""
+    z = "ZBVSeq1F1B"
+    return [
+        *(Case(2, k, m, schedule=z) for k, m in ((1, 1), (1, 3), (2, 2), (4, 1), (4, 2))),
+        Case(2, 4, 3, split="compute", schedule=z),
+        Case(2, 3, 2, split=(11, 8, 5), schedule=z),
+        Case(2, 4, 2, checkpointing=True, split=(9, 7, 5, 3), schedule=z),
+        Case(2, 2, 3, checkpointing=True, schedule=z),
+        Case(2, 3, 2, docs=True, window=5, schedule=z),
+        Case(2, 4, 2, docs=True, checkpointing=True, schedule=z),
+        Case(2, 3, 2, docs=True, pad=True, schedule=z),
+    ]
+
+
+def run_zbv_grid(rank: int, world: int) -> None:
+    run_cases(rank, world, zbv_grid())
 
 
 def run_zb_grid(rank: int, world: int, stages_per_rank: int) -> None:

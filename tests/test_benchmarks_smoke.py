@@ -50,7 +50,8 @@ def test_results_json(smoke_out: Path) -> None:
     pp2 = next(s for k, s in res["measured"].items() if k.startswith("pp2"))
     labels = {r["label"] for r in pp2["runs"]}
     assert {"1F1B", "GPipe", "Interleaved1F1B", "Seq1F1B K=4 compute"} <= labels
-    per_rank = {"Interleaved1F1B": 2, "BitPipe": 4}
+    assert {"ZBVSeq1F1B K=4 compute", "ZBVSeq1F1B K=8 uniform"} <= labels
+    per_rank = {"Interleaved1F1B": 2, "BitPipe": 4, "ZBVSeq1F1B": 2}
     for r in pp2["runs"]:
         assert r["step_time_s"] > 0
         assert len(r["peak_activation_bytes"]) == 2 * per_rank.get(r["schedule"], 1)
@@ -72,6 +73,8 @@ def test_results_json(smoke_out: Path) -> None:
     )
     assert res["budget"]["rows"] and all(r["longest_seq_len"] > 0 for r in res["budget"]["rows"])
     assert [t["name"] for t in res["targets"]]
+    values = " ".join(t["value"] for t in res["targets"])
+    assert "ZBVSeq1F1B K=8" in values and "of 1F1B's length" in values
     cp = {(r["label"], r["cp"]): r for r in res["context_parallel"]["measured"]["runs"]}
     for (_, c), r in cp.items():  # the ring moved exactly what the formula says
         if c > 1:
@@ -121,7 +124,7 @@ def test_budget_fit_and_step_down() -> None:
 
     a, b, worst = fit_line([(1024, 1124.0), (2048, 2148.0), (4096, 4196.0)])
     assert (a, b) == pytest.approx((100.0, 1.0)) and worst < 1e-9
-    runs = [{"seq_len": n, "peak_activation_bytes": [50 + n, 100 + n]} for n in (1024, 4096)]
+    runs = [{"seq_len": n, "peak_activation_rank_bytes": [50 + n, 100 + n]} for n in (1024, 4096)]
     rows = budget_rows({"x": runs}, budget=8292.0, granule=64)
     assert rows[0]["longest_seq_len"] == 8192
 

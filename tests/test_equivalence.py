@@ -15,6 +15,7 @@ from equivalence import (
     run_wide_cp_grid,
     run_with_instance_override,
     run_zb_grid,
+    run_zbv_grid,
 )
 
 # the 4-rank grids (and the ring of 4) run on the default torch only, their 2-rank (3-rank)
@@ -101,6 +102,14 @@ def test_zero_bubble_split_backward_matches_reference(world: int, stages_per_ran
     # ZBSeq1F1B: BACKWARD_INPUT / BACKWARD_WEIGHT with the cached K/V gradients; K in
     # {1,2,3,4}, uneven splits, checkpointing, documents + window
     run_ranks(run_zb_grid, world, stages_per_rank)
+
+
+@pytest.mark.parametrize("world", [2, FOUR_RANKS])
+def test_zbv_seq1f1b_matches_reference(world: int) -> None:
+    # ZBVSeq1F1B: V placement (rank r holds stages r and 2pp-1-r, a same-rank handoff at the
+    # bottom of the V), split backward; K in {1,2,3,4}, uneven splits, checkpointing,
+    # documents + window, padding
+    run_ranks(run_zbv_grid, world)
 
 
 @pytest.mark.parametrize("world", [2, FOUR_RANKS])

@@ -45,7 +45,7 @@ def test_lookup_is_case_insensitive_and_names_the_choices() -> None:
     assert lookup("interleaved1f1b").name == "Interleaved1F1B"
     with pytest.raises(ValueError, match="unknown: use one of"):
         lookup("Seq2F2B")
-    assert {"Seq1F1B", "ZBSeq1F1B", "InterleavedSeq1F1B", "BitPipe"} == set(
+    assert {"Seq1F1B", "ZBSeq1F1B", "ZBVSeq1F1B", "InterleavedSeq1F1B", "BitPipe"} == set(
         schedule_names(ours=True)
     )
     assert is_baseline("1f1b") and not is_baseline("Seq1F1B")

@@ -224,13 +224,17 @@ def test_block_causal_documents_pp2_match_unpipelined(seed, tmp_path):
     # tests/test_titan_config.py::test_bad_settings_are_refused_naming_the_key)
 
 
-def test_zero_bubble_seq1f1b_from_toml(seed, reference, tmp_path):
-    """pipeline_parallel_schedule = "ZBSeq1F1B" (split backward) with full activation
+@pytest.mark.parametrize("schedule", ["ZBSeq1F1B", "ZBVSeq1F1B"])
+def test_zero_bubble_seq1f1b_from_toml(seed, reference, tmp_path, schedule):
+    """pipeline_parallel_schedule = "ZBSeq1F1B" (split backward) or "ZBVSeq1F1B" (V placement:
+    4 stages on 2 ranks, rank 0 holding the first and the last) with full activation
     checkpointing, through the registry, equals the unpipelined run."""
     run = run_titan(
-        2, *PP2, *seed, "--parallelism.pipeline_parallel_schedule", "ZBSeq1F1B",
+        2, *PP2, *seed, "--parallelism.pipeline_parallel_schedule", schedule,
         "--activation_checkpoint.mode", "full", dump=tmp_path,
     )  # fmt: skip
+    if schedule == "ZBVSeq1F1B":
+        assert "Seq1F1B: pp=2 stages/rank=2" in run.output, run.output[-2000:]
     assert_same_curve(run, reference)
 
 

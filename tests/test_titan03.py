@@ -68,7 +68,7 @@ def seed(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 
 @pytest.mark.titan_grid
-@pytest.mark.parametrize("schedule", ["Seq1F1B", "InterleavedSeq1F1B"])
+@pytest.mark.parametrize("schedule", ["Seq1F1B", "InterleavedSeq1F1B", "ZBVSeq1F1B"])
 def test_validation_through_eval_matches_unpipelined(seed, tmp_path, schedule) -> None:
     """0.3's validator on a Seq1F1B pipeline: ``eval()`` with the documents from positions,
     the loss on rank 0 too, equal to the unpipelined validation of the same weights."""

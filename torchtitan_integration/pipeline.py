@@ -104,6 +104,15 @@ def stages_per_rank(job_config: Any, n_layers: int, pp: int) -> int:
     return job_config.seq1f1b.stages_per_rank
 
 
+def split_style_schedule(entry: ScheduleEntry, v: int) -> str:
+    """The torch schedule name that makes torchtitan's stage split place stages as ``entry``
+    does: it only reads the name's style (``ZBVZeroBubble``: V, rank r holds stages r and
+    2pp-1-r; ``1F1B``/``Interleaved1F1B``: looped, stage s on rank s % pp)."""
+    if entry.placement == "v":
+        return "ZBVZeroBubble"
+    return "1F1B" if v == 1 else "Interleaved1F1B"
+
+
 #: below this many tokens a segment's GEMMs are too small to keep a device busy
 MIN_SEGMENT_TOKENS = 64
 
@@ -317,9 +326,8 @@ def pipeline_seq1f1b(
         par.pipeline_parallel_last_stage_less_layers,
     )
     make_chunk_aware(model, block_causal(model_args))
-    # "1F1B"/"Interleaved1F1B" only pick torchtitan's looped placement (stage s on rank s % pp)
     stages, parts = pipeline_module_split(
-        model, parallel_dims.get_mesh("pp"), "1F1B" if v == 1 else "Interleaved1F1B", device, names
+        model, parallel_dims.get_mesh("pp"), split_style_schedule(entry, v), device, names
     )
     for i, part in enumerate(parts):
         parts[i] = parallelize_fn(part, parallel_dims, job_config)
@@ -354,7 +362,7 @@ def validate_before_start(job_config: Any, parallel_dims: Any, model_args: Any) 
             f"{job_config.parallelism.pipeline_parallel_schedule!r}: torch's context_parallel "
             "(which torch's schedules use) has no CPU attention kernels; on CPU, context "
             "parallelism runs with the Seq1F1B schedules' own ring attention: use 'Seq1F1B', "
-            "'InterleavedSeq1F1B' or 'ZBSeq1F1B'"
+            "'InterleavedSeq1F1B', 'ZBSeq1F1B' or 'ZBVSeq1F1B'"
         )
     if entry.replicas == 2:
         from .bitpipe import check_bitpipe

@@ -12,7 +12,7 @@ from torchtitan.train import Trainer
 from seq1f1b import ScheduleBitPipe, packed_documents
 
 from .bitpipe import clip_counting_each_chunk_once, sync_twins
-from .common import loss_on_every_pp_rank, torchtitan_metrics_for_this_trainer
+from .common import last_stage_rank, loss_on_every_pp_rank, torchtitan_metrics_for_this_trainer
 from .model import block_causal, document_ids_from_eos
 from .pipeline import check_world_size
 from .spec import schedule_shards_cp
@@ -138,7 +138,9 @@ class Seq1F1BTrainer(Trainer):
 
     def _loss_on_every_pp_rank(self, loss: torch.Tensor | None) -> torch.Tensor:
         group = self.parallel_dims.get_mesh("pp").get_group()
-        return loss_on_every_pp_rank(loss, group, self.device)
+        if getattr(self, "_pp_loss_src", None) is None:  # last rank looped, rank 0 in a V
+            self._pp_loss_src = last_stage_rank(group, self.pp_has_last_stage, self.device)
+        return loss_on_every_pp_rank(loss, group, self.device, self._pp_loss_src)
 
     def train_step(self, data_iterator: Any) -> None:
         schedule = getattr(self, "pp_schedule", None)

@@ -20,7 +20,13 @@ from torch import nn
 
 from seq1f1b import ModelShape
 
-from ..pipeline import check_config, check_schedule_name, pipelining_result, stages_per_rank
+from ..pipeline import (
+    check_config,
+    check_schedule_name,
+    pipelining_result,
+    split_style_schedule,
+    stages_per_rank,
+)
 from .model import make_chunk_aware
 
 
@@ -113,11 +119,10 @@ def pipeline_seq1f1b(
         parallelism.pipeline_parallel_last_stage_less_layers,
     )
     make_chunk_aware(model)
-    # "1F1B"/"Interleaved1F1B" only pick torchtitan's looped placement (stage s on rank s % pp)
     stages, parts = _pipeline_module_split(
         model,
         parallel_dims.get_mesh("pp"),
-        "1F1B" if v == 1 else "Interleaved1F1B",
+        split_style_schedule(entry, v),
         device,
         names,
         get_mesh=_build_get_mesh_callback(parallel_dims),

@@ -191,10 +191,8 @@ class Seq1F1BTrainer(Trainer):
                 label_mbs=label_mbs,
                 global_valid_tokens=global_valid_tokens,
             )
-            if getattr(self, "_pp_loss_src", None) is None:
-                self._pp_loss_src = last_stage_rank(group, self.pp_has_last_stage, self.device)
             mine = loss.reshape(()) if self.pp_has_last_stage else None
-            return loss_on_every_pp_rank(mine, group, self.device, self._pp_loss_src)
+            return loss_on_every_pp_rank(mine, group, self.device, self._loss_src(group))
         arg_mbs, kwarg_mbs, target_mbs, docs = [], [], [], []
         for input_dict, labels in zip(input_dict_mbs, label_mbs, strict=True):
             inputs, labels, extra_kwargs = self.post_dataloading_process(input_dict, labels)
@@ -215,7 +213,13 @@ class Seq1F1BTrainer(Trainer):
                 document_ids=docs,
             )
         loss = torch.sum(torch.stack(losses)).to(self.device) if losses is not None else None
-        return loss_on_every_pp_rank(loss, group, self.device)
+        return loss_on_every_pp_rank(loss, group, self.device, self._loss_src(group))
+
+    def _loss_src(self, group: Any) -> int:
+        """The PP rank holding the last stage (the last rank looped, rank 0 in a V), once."""
+        if getattr(self, "_pp_loss_src", None) is None:
+            self._pp_loss_src = last_stage_rank(group, self.pp_has_last_stage, self.device)
+        return self._pp_loss_src
 
     def close(self) -> None:
         try:

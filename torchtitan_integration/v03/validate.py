@@ -21,8 +21,8 @@ def validate_before_start(config: Any) -> None:
             "available with torchtitan 0.3: BitPipe holds every stage twice (a V-shaped and a "
             "looped replica per rank), and 0.3's pipelining_fn contract returns one model part "
             "per stage that its optimizer, checkpointer and gradient clipping each see once. "
-            "Use 'Seq1F1B', 'InterleavedSeq1F1B' or 'ZBSeq1F1B', or torchtitan 0.2.2 "
-            "(TORCHTITAN_VERSION=0.2.2 scripts/setup_env.sh)"
+            "Use 'Seq1F1B', 'InterleavedSeq1F1B', 'ZBSeq1F1B' or 'ZBVSeq1F1B', or torchtitan "
+            "0.2.2 (TORCHTITAN_VERSION=0.2.2 scripts/setup_env.sh)"
         )
     if not entry.seq_chunked:
         return
