@@ -176,6 +176,7 @@ class Plan:
     skipped: list[str] = field(default_factory=list)  # degree combinations ruled out, and why
     tolerance: float = 0.02
     precision: str = "bf16"  # the trainer the settings were priced for (:func:`runs_in_bf16`)
+    time_model: str = "hardware"  # where the per-action constants come from
 
     @property
     def best(self) -> Candidate | None:
@@ -359,7 +360,16 @@ def search(
     cands.sort(
         key=lambda c: (not c.fits, -c.tokens_per_second_per_gpu, c.setting.seq_chunks, c.max_bytes)
     )
-    return Plan(shape, seq_len, hardware, global_batch, cands, skipped, precision=precision)
+    return Plan(
+        shape,
+        seq_len,
+        hardware,
+        global_batch,
+        cands,
+        skipped,
+        precision=precision,
+        time_model="hardware" if actions is None else f"calibrated ({actions.source})",
+    )
 
 
 def _order(setting: Setting, cache: dict) -> Order | str | None:
@@ -718,8 +728,13 @@ def describe(preset: str | None, plan: Plan) -> str:
         f"layers={s.n_layers} vocab={s.vocab} ffn={s.ffn_hidden}"
         f"{' (gated)' if s.gated_ffn else ''}; seq_len {plan.seq_len}, global batch "
         f"{plan.global_batch} sequences, {hw.gpus} GPUs x {hw.memory_gb:g} GB\n"
-        f"time model: {hw.tflops:g} TFLOP/s per GPU in bf16, {hw.fp32_throughput:.3g} in fp32, "
-        f"TP collectives at {hw.tp_gbps:g} GB/s; memory and time formulas: seq1f1b/costmodel.py\n"
+        + (
+            f"time model: {hw.tflops:g} TFLOP/s per GPU in bf16, {hw.fp32_throughput:.3g} in fp32, "
+            if plan.time_model == "hardware"
+            else f"time model: {plan.time_model}, "
+        )
+        + f"TP collectives at {hw.tp_gbps:g} GB/s; memory and time formulas: "
+        "seq1f1b/costmodel.py\n"
         f"precision: {_PRECISION_TEXT[plan.precision]}\n"
     )
 

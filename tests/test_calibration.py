@@ -68,7 +68,9 @@ def test_fit_is_non_negative_under_noise_and_per_kind() -> None:
         fit_action_costs([s for s in samples if s.kind == "F"])
 
 
-def test_planner_prices_with_the_fitted_constants(tmp_path: Path) -> None:
+def test_planner_prices_with_the_fitted_constants(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A per-action overhead makes many short units dear: with it, K=8 loses to K=2 at a
     length where the hardware model (FLOPs only) prefers K=8; the CLI reads the JSON."""
     hw = Hardware(2, 1e6, reserve_gb=0.0)
@@ -88,3 +90,4 @@ def test_planner_prices_with_the_fitted_constants(tmp_path: Path) -> None:
     assert load_action_costs(str(path)) == dear
     argv = "--model llama3-8b --seq-len 8192 --gpus 2 --gpu-memory-gb 80 --pp 2 --ac none"
     assert main([*argv.split(), "--calibration", str(path), "--schedules", "1F1B"]) == 0
+    assert "time model: calibrated" in capsys.readouterr().out

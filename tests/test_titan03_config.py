@@ -127,6 +127,8 @@ def test_model_shape_is_torchtitans_debug_model() -> None:
     "argv",
     [
         "--model llama3-8b --seq-len 32768 --gpus 8 --gpu-memory-gb 80",
+        # a sequence-chunked plan with several looped stages per rank (layers per stage)
+        "--model llama3-8b --seq-len 65536 --gpus 8 --gpu-memory-gb 80",
         "--model llama3-70b --seq-len 65536 --gpus 64 --gpu-memory-gb 80 --ac full",
     ],
 )
