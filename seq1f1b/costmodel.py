@@ -38,22 +38,24 @@ sequence parallelism, so every activation and weight is split ``t`` ways):
   the same at FSDP degree 1 where the trainer wraps every model in FSDP (torchtitan 0.3);
   the bf16 working copy of any other unsharded bf16 run (autocast's cast weights, Megatron's
   bf16 weights) is not counted;
-* a stage's activation peak = peak tokens in flight on the stage (from the simulated schedule)
-  times the per-token bytes.
+* a rank's activation peak: each forward adds its unit's bytes (:meth:`MemoryModel.unit_bytes`)
+  to its stage until the unit's backward, read along the rank's simulated order (all the
+  rank's stages together), plus the largest transient of its stages.
 
-Time (seconds): a unit's FLOPs (:func:`seq1f1b.partition.segment_flops`, causal attention
-included) over ``t * flops_per_gpu`` (``Hardware.tflops`` in bf16,
-``Hardware.fp32_throughput`` in fp32); backward = 2 forwards, 3 with full recomputation; plus
-the tensor-parallel collectives, not overlapped: 4 per layer per pass (2 all-gathers, 2
-reduce-scatters of ``b*H`` per token) each moving ``(t-1)/t`` of its bytes at ``tp_bandwidth``.
-FSDP's all-gathers / reduce-scatters are assumed overlapped with compute, pipeline p2p is
-ignored (a few MB per unit).
+Time (seconds): an action's FLOPs on its stage (:func:`action_work`: its blocks, causal
+attention at the segment's position, and on the last stage the output layer) over
+``t * flops_per_gpu`` (``Hardware.tflops`` in bf16, ``Hardware.fp32_throughput`` in fp32);
+backward = 2 forwards, plus one forward with full recomputation; plus the tensor-parallel
+collectives, not overlapped: 4 per layer per pass (2 all-gathers, 2 reduce-scatters of
+``b*H`` per token) each moving ``(t-1)/t`` of its bytes at ``tp_bandwidth``. FSDP's
+all-gathers / reduce-scatters are assumed overlapped with compute, pipeline p2p is ignored (a
+few MB per unit).
 
 Per action (what the planner simulates): an action's work is split into linear FLOPs (the
 projections, the FFN and, on the last stage, the output layer ``2*s*H*V``), attention FLOPs
-(``(s*P - s*s/2)*(4d+3)*h`` per layer) and elementwise work (tokens times the widths the
-norms, activations and the loss touch), and each kind of action (F, B, I, W) has its own
-seconds per unit of each plus a fixed overhead (:class:`ActionCosts`). From the hardware
+(``(s*P - s*s/2)*(4d+3)*h`` per layer), elementwise work (tokens times the widths the norms,
+activations and the loss touch) and modules run, and each kind of action (F, B, I, W) has its
+own seconds per unit of each plus a fixed overhead (:class:`ActionCosts`). From the hardware
 figures: linear and attention FLOPs at the achieved throughput, B = 2 F, I = W = B / 2, no
 elementwise or overhead term. Calibrated (:mod:`seq1f1b.calibration`): all constants fitted to
 measured per-action times, so what short segments cost real kernels is priced.
