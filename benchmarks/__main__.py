@@ -30,11 +30,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="activation budget per stage (default: Schedule1F1B's peak at the first length)",
     )
+    ap.add_argument(
+        "--only",
+        choices=["pp2"],
+        default=None,
+        help="pp2: only the timed pp=2 comparison at the first length, the memory budget, the "
+        "simulations and the targets",
+    )
     a = ap.parse_args(argv)
     preset = PRESETS["smoke" if a.smoke else "quick" if a.quick else "full"]
     command = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
     budget = a.budget_mib * 1024 * 1024 if a.budget_mib else None
-    results = run_all(preset, a.out, command, budget)
+    results = run_all(preset, a.out, command, budget, pp2_only=a.only == "pp2")
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     report = markdown_report(results)
