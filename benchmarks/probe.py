@@ -97,7 +97,10 @@ class SavedTensorMeter:
             self.live_total += size
             self.peak_total = max(self.peak_total, self.live_total)
         self._refs[ptr] = n + 1
-        return _Held(self, ptr, t)
+        # detached: a saved *output* held as itself would close a cycle through C++ (tensor ->
+        # grad_fn -> saved variable -> holder -> tensor) that outlives a graph retained by a
+        # split backward's input half, so the meter would count it until the step's end
+        return _Held(self, ptr, t.detach())
 
     @staticmethod
     def _unpack(h: Any) -> Any:

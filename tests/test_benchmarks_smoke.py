@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,3 +132,26 @@ def test_budget_fit_and_step_down() -> None:
     verify_rows(rows, peaks, budget=8292.0, granule=64)
     assert rows[0]["verified_within_budget"] and rows[0]["verify_runs"] == 2
     assert rows[0]["longest_seq_len"] < 8192
+
+
+def test_meter_releases_saved_outputs_of_a_retained_graph() -> None:
+    """A saved *output* (ReLU saves its result) of a graph run with retain_graph=True, as a
+    split backward's input half does, is released with the graph: the meter must not hold the
+    tensor itself (tensor -> grad_fn -> saved -> holder -> tensor would be a cycle through C++
+    that no collector breaks, and the meter would report it as live until the step ended)."""
+    import gc
+
+    from benchmarks.probe import SavedTensorMeter
+
+    w = torch.randn(8, 8, requires_grad=True)
+    meter = SavedTensorMeter(exclude=[w])
+    meter.stage = 0
+    with meter.active():
+        x = torch.randn(4, 8, requires_grad=True)
+        y = torch.relu(x @ w)
+        loss = y.sum()
+        loss.backward(retain_graph=True)
+    assert meter.live_total > 0  # the retained graph still holds its saved tensors
+    del y, loss
+    gc.collect()
+    assert meter.live_total == 0 and meter.live[0] == 0
