@@ -25,7 +25,7 @@ from .context_parallel import longest_sequences, measure_cp
 from .masks import measure_skipping, simulate_masked_splits
 from .measured import RunSpec, Setting, measure, model_shape
 from .orders import ScheduleSpec
-from .presets import BUDGET_SPECS, PP2_SPECS, Preset
+from .presets import Preset
 from .simtables import PAPER_SHAPE, simulate_spec, simulation_table
 from .trace import write_chrome_trace
 from .v_targets import memory_bound_rows, v_targets
@@ -71,11 +71,13 @@ def _simulated(runs: list[dict[str, Any]], preset: Preset) -> None:
 
 
 def _measure_pp2(preset: Preset, seq_len: int, with_fits: bool) -> list[dict[str, Any]]:
-    specs = [s for s in (PP2_SPECS if with_fits else preset.long_specs) if _usable(s, 2, preset)]
+    specs = [
+        s for s in (preset.pp2_specs if with_fits else preset.long_specs) if _usable(s, 2, preset)
+    ]
     if with_fits:
         specs += [
             replace(s, seq_len=int(seq_len * f), memory_only=True)
-            for s in BUDGET_SPECS
+            for s in preset.budget_specs
             for f in preset.fit_fractions
         ]
     return measure(Setting(2, 2, seq_len, preset.model, tuple(specs), preset.timed_steps))
@@ -85,13 +87,13 @@ def _budget(preset: Preset, runs: list[dict[str, Any]], budget: float | None) ->
     """Fit peak(S) per schedule, solve for the budget, verify at the answer."""
     main = {r["label"]: r for r in runs if not r["label"].count("@")}
     fits: dict[str, list[dict[str, Any]]] = {}
-    for spec in BUDGET_SPECS:
+    for spec in preset.budget_specs:
         pts = [r for r in runs if r["label"].startswith(spec.label + " @")]
         fits[spec.label] = [*pts, main[spec.label]]
     if budget is None:  # per rank: V placements hold two stages on each
         budget = float(max(main["1F1B"]["peak_activation_rank_bytes"]))
     rows = budget_rows(fits, budget, granule=64)
-    by_label = {s.label: s for s in BUDGET_SPECS}
+    by_label = {s.label: s for s in preset.budget_specs}
 
     def measure_peaks(lengths: dict[str, int]) -> dict[str, float]:
         specs = tuple(
@@ -245,7 +247,8 @@ def _zero_bubble_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         if zb:
             wall = zb["step_time_s"] / base["step_time_s"]
             replay = zb["replay_step_time_s"] / base["replay_step_time_s"]
-            plain = runs["Seq1F1B K=4 compute"]["step_time_s"] / base["step_time_s"]
+            seq = runs.get("Seq1F1B K=4 compute")
+            plain = seq["step_time_s"] / base["step_time_s"] if seq else float("nan")
             out.append(
                 {
                     "name": "measured step time, pp=2, M=2, 4096 tokens, ZBSeq1F1B K=4 vs 1F1B",
