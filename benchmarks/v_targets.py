@@ -47,7 +47,7 @@ def memory_bound_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for r in runs:
         entry = lookup(r["schedule"])
-        if not entry.seq_chunked or entry.placement == "bitpipe":
+        if not entry.seq_chunked or entry.replicas != 1:
             continue
         pp, m, k = r["pp"], r["microbatches"], r["seq_chunks"]
         if entry.placement == "v":
