@@ -238,7 +238,7 @@ class _SegmentAttention(torch.autograd.Function):
                 o, lse = _flex_block_fwd(q, kb, vb, q_start, off, flex_docs, spec, scale)
                 out_acc, lse_acc = merge(out_acc, lse_acc, o, lse.to(acc))
         else:  # a single tile over the whole segment is the kernel's result as it is
-            out_acc, lse_acc = run_tiles_forward(q, blocks, plan, spec, scale, kernels)
+            out_acc, lse_acc = run_tiles_forward(q, blocks, plan, spec, scale, kernels, final=True)
         out = out_acc.to(q.dtype)
         ctx.scale, ctx.kernels, ctx.plan, ctx.spec = scale, kernels, plan, spec
         ctx.entries = entries
@@ -251,7 +251,7 @@ class _SegmentAttention(torch.autograd.Function):
         dkv: dict[int, list[torch.Tensor]] = {}
         dq = run_tiles_backward(
             grad_out, q, out, lse, kv_blocks(k, v, prefix), ctx.plan, ctx.spec, ctx.scale,
-            ctx.kernels, None, dkv,
+            ctx.kernels, None, dkv, final=True,
         )  # fmt: skip
         own = dkv.get(-1)
         dk = None if own is None else own[0].to(k.dtype)

@@ -11,6 +11,7 @@ query tensor, its keys likewise in block ``block`` of the key/value blocks.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -145,15 +146,20 @@ def run_tiles_forward(
     kernels: tuple[str, Any, Any],
     out_acc: torch.Tensor | None = None,
     lse_acc: torch.Tensor | None = None,
+    *,
+    final: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The planned tiles' softmax results merged into ``out_acc`` / ``lse_acc`` (in place when
     given) and returned.
 
     Without accumulators, a first tile that spans all of ``q`` *is* the result (merging it
     into 0 / -inf is the identity, bit for bit): no zero buffer, no merge. A segment with a
-    single tile (the first segment, K = 1) thus costs exactly one kernel call."""
+    single tile (the first segment, K = 1) thus costs exactly one kernel call. ``final``: the
+    caller merges nothing more into the result, so a lone tile's output also keeps the
+    kernel's dtype (no round trip through the fp32 accumulator for bf16)."""
     fwd = kernels[1]
     acc = accumulator_dtype(q)
+    lone = final and len(plan) == 1
     for entry in plan:
         kb, vb = blocks[entry[0]]
         t = entry[1]
@@ -166,7 +172,7 @@ def run_tiles_forward(
         else:
             o, lse = fwd(qt, kt, vt, t.kind == "causal", scale)
         if out_acc is None and covers_queries(entry, q):
-            out_acc, lse_acc = o.to(acc), lse.to(acc)
+            out_acc, lse_acc = (o if lone else o.to(acc)), lse.to(acc)
             continue
         if out_acc is None or lse_acc is None:
             out_acc = new_accumulator(q, q.shape, 0.0, acc)
@@ -192,14 +198,20 @@ def run_tiles_backward(
     kernels: tuple[str, Any, Any],
     dq: torch.Tensor | None,
     dkv: dict[int, list[torch.Tensor]],
+    *,
+    final: bool = False,
 ) -> torch.Tensor:
     """Exact gradients of the planned tiles, given the merged ``out`` / ``lse``: added into
     ``dq`` (returned; created when None) and ``dkv[block] = [dk, dv]`` (wide accumulators).
 
     A tile's gradient that spans the whole of ``q`` (or of its key block) and lands first is
-    taken as the accumulator itself instead of being added into a zero one."""
+    taken as the accumulator itself instead of being added into a zero one. ``final``: nothing
+    is added to these gradients after this call, so a gradient made by one tile alone keeps
+    the kernel's dtype."""
     bwd = kernels[2]
     wide = accumulator_dtype(q)
+    lone_q = final and len(plan) == 1
+    per_block = Counter(entry[0] for entry in plan) if final else Counter()
     for entry in plan:
         block, t = entry[0], entry[1]
         kb, vb = blocks[block]
@@ -213,14 +225,15 @@ def run_tiles_backward(
         else:
             dqt, dkt, dvt = bwd(*args, lse[rows, :, qs], t.kind == "causal", scale)
         if dq is None and covers_queries(entry, q):
-            dq = dqt.to(wide)
+            dq = dqt if lone_q else dqt.to(wide)
         else:
             if dq is None:
                 dq = new_accumulator(q, q.shape, 0.0, wide)
             dq[rows, :, qs] += dqt
         dkt, dvt = reduce_kv(dkt, n_rep), reduce_kv(dvt, n_rep)
         if block not in dkv and covers_keys(entry, kb):
-            dkv[block] = [dkt.to(wide), dvt.to(wide)]
+            lone = per_block[block] == 1
+            dkv[block] = [dkt if lone else dkt.to(wide), dvt if lone else dvt.to(wide)]
             continue
         if block not in dkv:
             dkv[block] = [

@@ -296,3 +296,31 @@ def test_single_tile_equals_the_same_rows_as_several_tiles() -> None:
         )
         grads.append((dq, *dkv[-1]))
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-12)
+
+
+def test_lone_tile_keeps_the_kernel_dtype_bitwise() -> None:
+    """bf16: a lone tile's output and gradients stay bf16 (no fp32 round trip) and equal the
+    accumulated path's, rounded back, bit for bit; a tile that is not alone is widened."""
+    from seq1f1b import tiles
+
+    q, k, v = (t.detach() for t in _qkv(torch.bfloat16, s=12))
+    spec = masks.MaskSpec()
+    plan = masks.plan_segment(0, 12, (), ((0, 2, ((0, 12),)),), spec)
+    kernels = ("cpu_flash", _cpu_fwd, _cpu_bwd)
+    blocks = tiles.kv_blocks(k, v, [])
+    lone = tiles.run_tiles_forward(q, blocks, plan, spec, 0.3, kernels, final=True)
+    wide = tiles.run_tiles_forward(q, blocks, plan, spec, 0.3, kernels)
+    assert lone[0].dtype == torch.bfloat16 and wide[0].dtype == torch.float32
+    assert torch.equal(lone[0], wide[0].to(torch.bfloat16)) and torch.equal(lone[1], wide[1])
+    g = torch.randn(q.shape).to(torch.bfloat16)
+    got = []
+    for final in (True, False):
+        dkv: dict[int, list[torch.Tensor]] = {}
+        dq = tiles.run_tiles_backward(
+            g, q, lone[0], lone[1], blocks, plan, spec, 0.3, kernels, None, dkv, final=final
+        )
+        got.append((dq, *dkv[-1]))
+    assert all(t.dtype == torch.bfloat16 for t in got[0])
+    assert all(t.dtype == torch.float32 for t in got[1])
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b.to(torch.bfloat16))
