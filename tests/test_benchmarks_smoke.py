@@ -155,3 +155,20 @@ def test_meter_releases_saved_outputs_of_a_retained_graph() -> None:
     del y, loss
     gc.collect()
     assert meter.live_total == 0 and meter.live[0] == 0
+
+
+def test_gap_measures_and_tabulates() -> None:
+    """``benchmarks.gap`` on tiny sizes: ratios vs 1F1B for each schedule, 1F1B's own 1.0, the
+    simulated ratio below 1 for Seq1F1B (the FLOPs model's bubble saving), and a table row per
+    tree and schedule."""
+    from benchmarks.gap import _table, measure_gap
+
+    res = measure_gap([2], steps=1, seq_len=128)
+    runs = res["runs"]
+    assert list(runs) == ["1F1B", "Seq1F1B K=2 compute"]
+    assert runs["1F1B"]["wall_vs_1f1b"] == 1.0 and runs["1F1B"]["replay_vs_1f1b"] == 1.0
+    seq = runs["Seq1F1B K=2 compute"]
+    assert 0 < seq["simulated_vs_1f1b"] < 1
+    assert seq["wall_vs_1f1b"] > 0 and seq["replay_vs_1f1b"] > 0
+    table = _table({"old": [res], "new": [res, res]})
+    assert table.count("| Seq1F1B K=2 compute |") == 2 and "load average" in table
