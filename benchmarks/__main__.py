@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from .presets import PRESETS
 from .report import markdown_report
@@ -30,11 +31,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="activation budget per stage (default: Schedule1F1B's peak at the first length)",
     )
+    ap.add_argument(
+        "--only",
+        choices=["pp2"],
+        default=None,
+        help="pp2: only the timed pp=2 comparison at the first length, the memory budget, the "
+        "simulations and the targets",
+    )
+    ap.add_argument(
+        "--runs",
+        default=None,
+        help="comma-separated labels of the pp=2 runs to keep (1F1B always), e.g. "
+        "'ZBSeq1F1B K=8 uniform,ZBVSeq1F1B K=4 compute'",
+    )
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default: the mode's)")
     a = ap.parse_args(argv)
     preset = PRESETS["smoke" if a.smoke else "quick" if a.quick else "full"]
+    if a.runs:
+        preset = preset.only([x.strip() for x in a.runs.split(",") if x.strip()])
+    if a.steps:
+        preset = replace(preset, timed_steps=a.steps)
     command = "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv)
     budget = a.budget_mib * 1024 * 1024 if a.budget_mib else None
-    results = run_all(preset, a.out, command, budget)
+    results = run_all(preset, a.out, command, budget, pp2_only=a.only == "pp2")
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     report = markdown_report(results)

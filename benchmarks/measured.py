@@ -117,6 +117,7 @@ class RunResult:
     step_times_s: list[float] = field(default_factory=list)
     peak_activation_bytes: dict[int, int] = field(default_factory=dict)  # per stage
     peak_activation_rank_bytes: int = 0
+    unit_activation_bytes: dict[int, int] = field(default_factory=dict)  # per stage, median
     peak_rss_bytes: int | None = None
     param_bytes: int = 0  # this rank's parameters (BitPipe: two replicas' chunks)
     loss: float | None = None
@@ -280,13 +281,18 @@ def _trace(records: list[ActionRecord], spec: RunSpec) -> list[dict[str, Any]]:
 def _memory_step(run: _Run, probe: RankProbe) -> None:
     meter = SavedTensorMeter(exclude=run.params)
     probe.meter = meter
+    probe.unit_bytes = {}
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     comm_stats().reset()
     try:
         with meter.active():
             run.result.loss = run.step()
     finally:
+        probe.close_forward()
         probe.meter = None
+    run.result.unit_activation_bytes = {
+        s: int(statistics.median(b)) for s, b in probe.unit_bytes.items() if b
+    }
     run.result.cp_sent_bytes = dict(comm_stats().sent)
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     run.result.peak_activation_bytes = {s: meter.peak.get(s, 0) for s in run.mine}
@@ -376,6 +382,10 @@ def _merge(setting: Setting, spec: RunSpec, per_rank: list[dict[str, Any]]) -> d
     for r in per_rank:
         for s, b in r["peak_activation_bytes"].items():  # CP: a stage's largest rank
             stages[int(s)] = max(stages.get(int(s), 0), int(b))
+    units: dict[int, int] = {}
+    for r in per_rank:
+        for s, b in r["unit_activation_bytes"].items():
+            units[int(s)] = max(units.get(int(s), 0), int(b))
     trace = [dict(ev, rank=rank) for rank, r in enumerate(per_rank) for ev in r["trace"]]
     loss = next((r["loss"] for r in per_rank if r["loss"] is not None), None)
     return {
@@ -399,6 +409,10 @@ def _merge(setting: Setting, spec: RunSpec, per_rank: list[dict[str, Any]]) -> d
         "tokens_per_s": tokens / median if median else None,
         "peak_activation_bytes": [stages[s] for s in sorted(stages)],
         "peak_activation_rank_bytes": [r["peak_activation_rank_bytes"] for r in per_rank],
+        # peak / one forward's saved bytes, per stage: units in flight as measured
+        "units_in_flight": [
+            round(stages[s] / units[s], 2) if units.get(s) else None for s in sorted(stages)
+        ],
         "param_bytes_rank": [r["param_bytes"] for r in per_rank],
         "kv_peak_bytes_rank": [r["kv_peak_bytes"] for r in per_rank],
         "cp_sent_bytes_rank": [r["cp_sent_bytes"] for r in per_rank],

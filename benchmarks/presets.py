@@ -5,7 +5,7 @@ Why: one table of every size in one place, so that what ran is stated, not impli
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from seq1f1b.testing import TinyConfig
 
@@ -23,7 +23,9 @@ PP2_SPECS = (
     RunSpec("Seq1F1B", 4, "uniform"),
     RunSpec("Seq1F1B", 4, "compute"),
     RunSpec("Seq1F1B", 8, "compute"),
+    RunSpec("Seq1F1B", 8, "uniform"),
     RunSpec("ZBSeq1F1B", 4, "compute"),
+    RunSpec("ZBSeq1F1B", 8, "uniform"),
     RunSpec("ZBVSeq1F1B", 4, "compute"),
     RunSpec("ZBVSeq1F1B", 8, "compute"),
     RunSpec("ZBVSeq1F1B", 8, "uniform"),
@@ -46,6 +48,9 @@ BUDGET_SPECS = (
     RunSpec("Seq1F1B", 4, "uniform"),
     RunSpec("Seq1F1B", 4, "compute"),
     RunSpec("Seq1F1B", 8, "compute"),
+    RunSpec("Seq1F1B", 8, "uniform"),
+    RunSpec("ZBSeq1F1B", 8, "uniform"),
+    RunSpec("ZBVSeq1F1B", 4, "compute"),
     RunSpec("ZBVSeq1F1B", 8, "compute"),
     RunSpec("ZBVSeq1F1B", 8, "uniform"),
 )
@@ -68,6 +73,22 @@ class Preset:
     verify_budget: bool = True
     pp4_specs: tuple[RunSpec, ...] = PP4_SPECS
     long_specs: tuple[RunSpec, ...] = PP2_SPECS  # measured at seq_lens[1:]
+    pp2_specs: tuple[RunSpec, ...] = PP2_SPECS  # measured at seq_lens[0] (timed)
+    budget_specs: tuple[RunSpec, ...] = BUDGET_SPECS  # the memory-budget search (in pp2_specs)
+
+    def only(self, labels: list[str]) -> Preset:
+        """This preset with only the pp=2 runs named (1F1B is always kept: the baseline)."""
+        known = {s.label for s in self.pp2_specs}
+        unknown = [x for x in labels if x not in known]
+        if unknown:
+            raise ValueError(f"unknown run labels {unknown}: choose from {sorted(known)}")
+        keep = {"1F1B", *labels}
+        return replace(
+            self,
+            pp2_specs=tuple(s for s in self.pp2_specs if s.label in keep),
+            budget_specs=tuple(s for s in self.budget_specs if s.label in keep),
+            long_specs=tuple(s for s in self.long_specs if s.label in keep),
+        )
 
 
 PRESETS = {

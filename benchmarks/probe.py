@@ -97,7 +97,10 @@ class SavedTensorMeter:
             self.live_total += size
             self.peak_total = max(self.peak_total, self.live_total)
         self._refs[ptr] = n + 1
-        return _Held(self, ptr, t)
+        # detached: a saved *output* held as itself would close a cycle through C++ (tensor ->
+        # grad_fn -> saved variable -> holder -> tensor) that outlives a graph retained by a
+        # split backward's input half, so the meter would count it until the step's end
+        return _Held(self, ptr, t.detach())
 
     @staticmethod
     def _unpack(h: Any) -> Any:
@@ -126,14 +129,27 @@ class RankProbe:
     def __init__(self) -> None:
         self.records: list[ActionRecord] = []
         self.meter: SavedTensorMeter | None = None
+        # bytes each forward left saved on its stage (its loss included: counted up to the
+        # rank's next action), i.e. one unit's activations: peak / this = units in flight
+        self.unit_bytes: dict[int, list[int]] = {}
+        self._open: tuple[int, int] | None = None  # (stage, live bytes) at a forward's start
 
     def clear(self) -> None:
         self.records = []
 
+    def close_forward(self) -> None:
+        """Book the bytes the last forward (and its loss) left saved on its stage."""
+        if self._open is not None and self.meter is not None:
+            stage, before = self._open
+            self.unit_bytes.setdefault(stage, []).append(self.meter.live.get(stage, 0) - before)
+        self._open = None
+
     @contextmanager
     def span(self, stage: int, kind: str, microbatch: int) -> Iterator[None]:
+        self.close_forward()
         if self.meter is not None and kind == "F":
             self.meter.stage = stage
+            self._open = (stage, self.meter.live.get(stage, 0))
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             yield

@@ -26,11 +26,11 @@ from .context_parallel import longest_sequences, measure_cp
 from .masks import measure_skipping, simulate_masked_splits
 from .measured import RunSpec, Setting, measure, model_shape
 from .orders import ScheduleSpec
-from .presets import BUDGET_SPECS, PP2_SPECS, Preset
+from .presets import Preset
 from .published import memory_vs_published
 from .simtables import PAPER_SHAPE, simulate_spec, simulation_table
 from .trace import write_chrome_trace
-from .v_targets import v_targets
+from .v_targets import memory_bound_rows, v_targets
 
 __all__ = ["run_all"]
 
@@ -73,11 +73,13 @@ def _simulated(runs: list[dict[str, Any]], preset: Preset) -> None:
 
 
 def _measure_pp2(preset: Preset, seq_len: int, with_fits: bool) -> list[dict[str, Any]]:
-    specs = [s for s in (PP2_SPECS if with_fits else preset.long_specs) if _usable(s, 2, preset)]
+    specs = [
+        s for s in (preset.pp2_specs if with_fits else preset.long_specs) if _usable(s, 2, preset)
+    ]
     if with_fits:
         specs += [
             replace(s, seq_len=int(seq_len * f), memory_only=True)
-            for s in BUDGET_SPECS
+            for s in preset.budget_specs
             for f in preset.fit_fractions
         ]
     return measure(Setting(2, 2, seq_len, preset.model, tuple(specs), preset.timed_steps))
@@ -87,13 +89,13 @@ def _budget(preset: Preset, runs: list[dict[str, Any]], budget: float | None) ->
     """Fit peak(S) per schedule, solve for the budget, verify at the answer."""
     main = {r["label"]: r for r in runs if not r["label"].count("@")}
     fits: dict[str, list[dict[str, Any]]] = {}
-    for spec in BUDGET_SPECS:
+    for spec in preset.budget_specs:
         pts = [r for r in runs if r["label"].startswith(spec.label + " @")]
         fits[spec.label] = [*pts, main[spec.label]]
     if budget is None:  # per rank: V placements hold two stages on each
         budget = float(max(main["1F1B"]["peak_activation_rank_bytes"]))
     rows = budget_rows(fits, budget, granule=64)
-    by_label = {s.label: s for s in BUDGET_SPECS}
+    by_label = {s.label: s for s in preset.budget_specs}
 
     def measure_peaks(lengths: dict[str, int]) -> dict[str, float]:
         specs = tuple(
@@ -249,7 +251,8 @@ def _zero_bubble_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         if zb:
             wall = zb["step_time_s"] / base["step_time_s"]
             replay = zb["replay_step_time_s"] / base["replay_step_time_s"]
-            plain = runs["Seq1F1B K=4 compute"]["step_time_s"] / base["step_time_s"]
+            seq = runs.get("Seq1F1B K=4 compute")
+            plain = seq["step_time_s"] / base["step_time_s"] if seq else float("nan")
             out.append(
                 {
                     "name": "measured step time, pp=2, M=2, 4096 tokens, ZBSeq1F1B K=4 vs 1F1B",
@@ -305,8 +308,16 @@ def _pictures(out: str, results: dict[str, Any], log: Callable[[str], None]) -> 
     return paths
 
 
-def run_all(preset: Preset, out: str, command: str, budget: float | None = None) -> dict[str, Any]:
-    """Run every part of the benchmark for ``preset``; write nothing but traces and PNGs."""
+def run_all(
+    preset: Preset, out: str, command: str, budget: float | None = None, pp2_only: bool = False
+) -> dict[str, Any]:
+    """Run every part of the benchmark for ``preset``; write nothing but traces and PNGs.
+
+    ``pp2_only``: the simulations, the timed pp=2 comparison at the first length, the memory
+    budget and the targets, without pp=4, documents, CP and the planner example (the full
+    model's pp=2 targets in a quarter of the full run's time)."""
+    if pp2_only:
+        preset = replace(preset, seq_lens=preset.seq_lens[:1])
     os.makedirs(out, exist_ok=True)
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
@@ -358,54 +369,60 @@ def run_all(preset: Preset, out: str, command: str, budget: float | None = None)
     results["calibration"] = calibrate(timed_runs, preset.model)
     timings["calibration_s"] = time.perf_counter() - t
 
-    t = time.perf_counter()
-    _log(f"measuring memory at pp=4, M=4, {preset.pp4_seq_len} tokens")
-    specs = tuple(s for s in preset.pp4_specs if _usable(s, 4, preset))
-    setting = Setting(4, 4, preset.pp4_seq_len, preset.model, specs, 0, preset.pp4_fresh_processes)
-    pp4 = measure(setting)
-    results["measured"]["pp4"] = {
-        "title": f"pp=4, M=4, {preset.pp4_seq_len} tokens per sample (memory only)",
-        "short": f"pp=4, M=4, {preset.pp4_seq_len} tokens",
-        "pp": 4,
-        "seq_len": preset.pp4_seq_len,
-        "timed": False,
-        "note": (
-            f"Memory only: 4 ranks share 2 cores, so step times would measure the OS scheduler, "
-            f"not the schedule. Memory: {MEMORY_DEF}."
-            + (
-                " Peak RSS: growth of the rank process's ru_maxrss over its first step, one "
-                "fresh process group per schedule."
-                if preset.pp4_fresh_processes
-                else ""
-            )
-        ),
-        "runs": pp4,
-    }
-    timings["pp4_s"] = time.perf_counter() - t
+    if not pp2_only:
+        t = time.perf_counter()
+        _log(f"measuring memory at pp=4, M=4, {preset.pp4_seq_len} tokens")
+        specs = tuple(s for s in preset.pp4_specs if _usable(s, 4, preset))
+        setting = Setting(
+            4, 4, preset.pp4_seq_len, preset.model, specs, 0, preset.pp4_fresh_processes
+        )
+        pp4 = measure(setting)
+        results["measured"]["pp4"] = {
+            "title": f"pp=4, M=4, {preset.pp4_seq_len} tokens per sample (memory only)",
+            "short": f"pp=4, M=4, {preset.pp4_seq_len} tokens",
+            "pp": 4,
+            "seq_len": preset.pp4_seq_len,
+            "timed": False,
+            "note": (
+                "Memory only: 4 ranks share 2 cores, so step times would measure the OS "
+                f"scheduler, not the schedule. Memory: {MEMORY_DEF}."
+                + (
+                    " Peak RSS: growth of the rank process's ru_maxrss over its first step, one "
+                    "fresh process group per schedule."
+                    if preset.pp4_fresh_processes
+                    else ""
+                )
+            ),
+            "runs": pp4,
+        }
+        timings["pp4_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
     _log("memory-budget search")
     results["budget"] = _budget(preset, pp2_runs, budget)
     timings["budget_s"] = time.perf_counter() - t
 
-    results["planner_example"] = _planner_vs_published()
-    results["memory_vs_published"] = memory_vs_published()
+    if not pp2_only:
+        results["planner_example"] = _planner_vs_published()
+        results["memory_vs_published"] = memory_vs_published()
 
-    t = time.perf_counter()
-    _log("packed documents: skipping on / off (measured), mask-aware split (simulated)")
-    results["masks"] = {
-        "measured": measure_skipping(preset),
-        "simulated": simulate_masked_splits(PAPER_SHAPE, chunks=(4, 8)),
-    }
-    timings["masks_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        _log("packed documents: skipping on / off (measured), mask-aware split (simulated)")
+        results["masks"] = {
+            "measured": measure_skipping(preset),
+            "simulated": simulate_masked_splits(PAPER_SHAPE, chunks=(4, 8)),
+        }
+        timings["masks_s"] = time.perf_counter() - t
 
-    t = time.perf_counter()
-    _log("context parallelism: pp=2 x cp=2 (measured), longest sequence at 8B (simulated)")
-    results["context_parallel"] = {
-        "measured": measure_cp(preset),
-        "simulated": longest_sequences(),
-    }
-    timings["context_parallel_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        _log("context parallelism: pp=2 x cp=2 (measured), longest sequence at 8B (simulated)")
+        results["context_parallel"] = {
+            "measured": measure_cp(preset),
+            "simulated": longest_sequences(),
+        }
+        timings["context_parallel_s"] = time.perf_counter() - t
+    first_pp2 = next((s for k, s in results["measured"].items() if k.startswith("pp2_")), None)
+    results["memory_bounds"] = memory_bound_rows(first_pp2["runs"] if first_pp2 else [])
     results["targets"] = _targets(results) + v_targets(results, preset.name)
 
     t = time.perf_counter()

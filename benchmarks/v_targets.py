@@ -10,12 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from seq1f1b.costmodel import PRESETS as PLANNER_PRESETS
+from seq1f1b.order import stage_peak_units as looped_peak_units
+from seq1f1b.order_v import stage_peak_units as v_peak_units
 from seq1f1b.registry import lookup
 
 from .orders import ScheduleSpec
 from .simtables import simulate_spec
 
-__all__ = ["simulated_8b_ratios", "v_targets"]
+__all__ = ["memory_bound_rows", "simulated_8b_ratios", "v_targets"]
 
 #: the 8B shape's setting of the simulated target
 SIM_PP, SIM_M, SIM_SEQ = 8, 8, 32768
@@ -37,6 +39,34 @@ def simulated_8b_ratios() -> dict[str, float]:
         res, _ = simulate_spec(ScheduleSpec(name, SIM_PP, SIM_M, k), shape, SIM_SEQ)
         times[f"{name} K={k}" if lookup(name).seq_chunked else name] = res.makespan
     return {label: t / times["1F1B"] for label, t in times.items()}
+
+
+def memory_bound_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per stage of each Seq1F1B-family run with a closed form: units in flight by the formula
+    and as measured (the stage's peak saved bytes over the bytes one forward left saved)."""
+    rows = []
+    for r in runs:
+        entry = lookup(r["schedule"])
+        if not entry.seq_chunked or entry.replicas != 1:
+            continue
+        pp, m, k = r["pp"], r["microbatches"], r["seq_chunks"]
+        if entry.placement == "v":
+            formula = v_peak_units
+        elif entry.stages_per_rank == 1:
+            formula = looped_peak_units
+        else:
+            continue
+        for s, measured in enumerate(r.get("units_in_flight") or []):
+            rows.append(
+                {
+                    "label": r["label"],
+                    "stage": s,
+                    "formula_units": formula(pp, m, k, s),
+                    "measured_units": measured,
+                    "peak_bytes": r["peak_activation_bytes"][s],
+                }
+            )
+    return rows
 
 
 def _ratio(run: dict[str, Any], base: dict[str, Any], key: str) -> float | None:
@@ -90,6 +120,21 @@ def v_targets(results: dict[str, Any], preset: str) -> list[dict[str, Any]]:
                     "met": bool(ok),
                 }
             )
+    bounds = results.get("memory_bounds") or []
+    split = [b for b in bounds if lookup(b["label"].split()[0]).split_backward]
+    if split:
+        worst = max(split, key=lambda b: (b["measured_units"] or 0) / b["formula_units"])
+        over = (worst["measured_units"] or 0) / worst["formula_units"]
+        out.append(
+            {
+                "name": "units in flight per stage, measured vs the formula (ZBSeq1F1B, "
+                "ZBVSeq1F1B; every stage)",
+                "value": f"largest measured/formula {over:.2f} ({worst['label']}, stage "
+                f"{worst['stage']}: {worst['measured_units']} vs {worst['formula_units']})",
+                "target": "<= 1.05 on every stage",
+                "met": over <= 1.05,
+            }
+        )
     ratios = simulated_8b_ratios()
     k8, k16 = ratios["ZBVSeq1F1B K=8"], ratios["ZBVSeq1F1B K=16"]
     out.append(

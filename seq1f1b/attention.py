@@ -227,18 +227,18 @@ class _SegmentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, kernels, plan, spec, q_start, entries, flex_docs, *prefix):
         acc = accumulator_dtype(q)
-        out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         blocks = kv_blocks(k, v, prefix)
         if flex_docs is not None:  # one FlexAttention call per block the plan touches
+            out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+            lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
             starts = tuple(e.start for e in entries)
             for block in sorted({entry[0] for entry in plan}):
                 kb, vb = blocks[block]
                 off = q_start if block < 0 else starts[block]
                 o, lse = _flex_block_fwd(q, kb, vb, q_start, off, flex_docs, spec, scale)
                 out_acc, lse_acc = merge(out_acc, lse_acc, o, lse.to(acc))
-        else:
-            run_tiles_forward(q, blocks, plan, spec, scale, kernels, out_acc, lse_acc)
+        else:  # a single tile over the whole segment is the kernel's result as it is
+            out_acc, lse_acc = run_tiles_forward(q, blocks, plan, spec, scale, kernels, final=True)
         out = out_acc.to(q.dtype)
         ctx.scale, ctx.kernels, ctx.plan, ctx.spec = scale, kernels, plan, spec
         ctx.entries = entries
@@ -248,11 +248,10 @@ class _SegmentAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, *prefix = ctx.saved_tensors
-        dq = torch.zeros(q.shape, dtype=accumulator_dtype(q), device=q.device)
         dkv: dict[int, list[torch.Tensor]] = {}
-        run_tiles_backward(
+        dq = run_tiles_backward(
             grad_out, q, out, lse, kv_blocks(k, v, prefix), ctx.plan, ctx.spec, ctx.scale,
-            ctx.kernels, dq, dkv,
+            ctx.kernels, None, dkv, final=True,
         )  # fmt: skip
         own = dkv.get(-1)
         dk = None if own is None else own[0].to(k.dtype)

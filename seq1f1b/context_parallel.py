@@ -115,9 +115,7 @@ class _CPAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, layout: _Layout, entries, *prefix):
-        cp, acc = layout.cp, accumulator_dtype(q)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        cp = layout.cp
         local = kv_blocks(k, v, prefix)
         args = (layout.spec, layout.scale, layout.kernels)
         # the blocks that travel unchanged go on to the next rank while this one computes
@@ -125,7 +123,7 @@ class _CPAttention(torch.autograd.Function):
         if layout.pass_q:
             moving.append(q)
         pending = _start(moving, cp) if cp.size > 1 else None
-        run_tiles_forward(q, local, layout.plan.local, *args, out, lse)
+        out, lse = run_tiles_forward(q, local, layout.plan.local, *args)
         travel: list[torch.Tensor] = []  # partial (out, lse) of the visiting queries
         for hop in range(1, cp.size):
             assert pending is not None
@@ -135,13 +133,14 @@ class _CPAttention(torch.autograd.Function):
                 _STATS.add("prefix", travel)
                 travel = _ring_shift(travel, cp)
             kv = kv_blocks(moving[0], moving[1], [] if layout.pass_q else moving[2:])
-            run_tiles_forward(q, kv, layout.plan.kv[src], *args, out, lse)
+            out, lse = run_tiles_forward(q, kv, layout.plan.kv[src], *args, out, lse)
             if layout.pass_q:
                 q_src = moving[-1]
-                o_t, l_t = travel or (torch.zeros_like(out), torch.full_like(lse, -torch.inf))
+                o_t, l_t = travel or (None, None)
                 prefix_blocks = {j: b for j, b in local.items() if j >= 0}
-                run_tiles_forward(q_src, prefix_blocks, layout.plan.q[src], *args, o_t, l_t)
-                travel = [o_t, l_t]
+                travel = list(
+                    run_tiles_forward(q_src, prefix_blocks, layout.plan.q[src], *args, o_t, l_t)
+                )
         if travel:  # the partial results of the previous rank's queries go home
             _STATS.add("prefix", travel)
             o_t, l_t = _ring_shift(travel, cp)
@@ -157,7 +156,6 @@ class _CPAttention(torch.autograd.Function):
         layout: _Layout = ctx.layout
         cp, wide = layout.cp, accumulator_dtype(q)
         grad_out = grad_out.contiguous()
-        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
         dkv: dict[int, list[torch.Tensor]] = {}
         local = kv_blocks(k, v, prefix)
         args = (layout.spec, layout.scale, layout.kernels)
@@ -166,7 +164,7 @@ class _CPAttention(torch.autograd.Function):
         if layout.pass_q:
             moving += [q, grad_out, out, lse]
         pending = _start(moving, cp) if cp.size > 1 else None
-        run_tiles_backward(grad_out, q, out, lse, local, layout.plan.local, *args, dq, dkv)
+        dq = run_tiles_backward(grad_out, q, out, lse, local, layout.plan.local, *args, None, dkv)
         kv_ids = [-1, *range((n_kv - 2) // 2)]
         accs: list[torch.Tensor] = []  # gradient accumulators of the visiting blocks / queries
         for hop in range(1, cp.size):
@@ -180,7 +178,7 @@ class _CPAttention(torch.autograd.Function):
                 held = _ring_shift(accs, cp)
             kv = kv_blocks(moving[0], moving[1], moving[2:n_kv])
             got: dict[int, list[torch.Tensor]] = {}
-            run_tiles_backward(grad_out, q, out, lse, kv, layout.plan.kv[src], *args, dq, got)
+            dq = run_tiles_backward(grad_out, q, out, lse, kv, layout.plan.kv[src], *args, dq, got)
             accs = []
             for i, block in enumerate(kv_ids):
                 for which in (0, 1):
@@ -192,9 +190,9 @@ class _CPAttention(torch.autograd.Function):
                     accs.append(g + held[2 * i + which] if held else g)
             if layout.pass_q:
                 q_src, do_src, o_src, lse_src = moving[n_kv:]
-                dq_src = held[-1] if held else torch.zeros_like(q_src, dtype=wide)
+                dq_src = held[-1] if held else None
                 prefix_blocks = {j: b for j, b in local.items() if j >= 0}
-                run_tiles_backward(
+                dq_src = run_tiles_backward(
                     do_src, q_src, o_src, lse_src, prefix_blocks, layout.plan.q[src], *args,
                     dq_src, dkv,
                 )  # fmt: skip

@@ -40,6 +40,7 @@ __all__ = [
     "sample_groups",
     "seq1f1b_warmup",
     "split_backward",
+    "stage_peak_units",
 ]
 
 
@@ -107,6 +108,18 @@ def seq1f1b_warmup(pp: int, rank: int, n_units: int, seq_chunks: int) -> int:
     that sample's first (last-segment) backward.
     """
     return min(pp - rank + seq_chunks - 2, n_units)
+
+
+def stage_peak_units(pp: int, n_microbatches: int, seq_chunks: int, stage: int) -> int:
+    """Most units stage ``stage`` holds at once with one stage per rank (Seq1F1B, ZBSeq1F1B):
+    the warm-up plus one, ``min(M*K, pp - stage + K - 1)``.
+
+    By program order: the rank forwards ``W + 1`` units before its first backward, then
+    alternates one forward with one backward (ZBSeq1F1B's weight half, which frees the unit,
+    follows its input half at once). Stage 0 holds ``(p + K - 1) / K`` samples, stage
+    ``pp - 1`` ``K / K = 1``: a whole sample, as 1F1B's last stage.
+    """
+    return min(n_microbatches * seq_chunks, pp - stage + seq_chunks - 1)
 
 
 def backward_unit_order(units: Sequence[int], seq_chunks: int) -> list[int]:

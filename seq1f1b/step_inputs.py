@@ -127,9 +127,10 @@ class UnitCutter:
                 kwargs_seq_dims=seq_dims,
             )
             target_units = None if target is None else split_target(target, m, lengths, dim)
-        total = 0
+        total, counts = 0, []  # tokens per unit (before any CP sharding)
         if target_units is not None and self.scale_grads:
-            total = sum(count_tokens(t, self.ignore_index) for t in target_units)
+            counts = [count_tokens(t, self.ignore_index) for t in target_units]
+            total = sum(counts)
             if total == 0:
                 raise ValueError(
                     f"every target of this batch is ignore_index={self.ignore_index}: a mean "
@@ -147,8 +148,10 @@ class UnitCutter:
                 arg_units, kwarg_units, target_units, shards, dim, seq_dims
             )
         weights = [1.0] * (m * self.seq_chunks)
-        if total:
-            tokens = [count_tokens(t, self.ignore_index) for t in target_units]
+        if total:  # without CP the units are those counted above: reuse their counts
+            tokens = (
+                counts if cp is None else [count_tokens(t, self.ignore_index) for t in target_units]
+            )
             weights = token_weights(tokens, total, 1 if cp is None else cp.size)
         return StepInputs(lengths, arg_units, kwarg_units, target_units, weights)
 

@@ -11,6 +11,7 @@ query tensor, its keys likewise in block ``block`` of the key/value blocks.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -117,6 +118,25 @@ def _slices(entry: PlanEntry) -> tuple[slice, slice, slice]:
     return slice(t.r0, t.r1), slice(t.q0 + qsh, t.q1 + qsh), slice(t.k0 + ksh, t.k1 + ksh)
 
 
+def covers_queries(entry: PlanEntry, q: torch.Tensor) -> bool:
+    """Whether the tile spans every row and query position of ``q`` (its result is then the
+    whole accumulator, not a part to merge into one)."""
+    _, t, qsh, _ = entry
+    return t.r0 == 0 and t.r1 == q.shape[0] and t.q0 + qsh == 0 and t.q1 + qsh == q.shape[-2]
+
+
+def covers_keys(entry: PlanEntry, kb: torch.Tensor) -> bool:
+    """Whether the tile spans every row and key position of its block ``kb``."""
+    _, t, _, ksh = entry
+    return t.r0 == 0 and t.r1 == kb.shape[0] and t.k0 + ksh == 0 and t.k1 + ksh == kb.shape[-2]
+
+
+def new_accumulator(like: torch.Tensor, shape: Any, fill: float, dtype: torch.dtype):
+    """A filled accumulator (output 0, LSE -inf, gradient 0): one place that allocates them,
+    so the tests can count the ones the single-tile fast path avoids."""
+    return torch.full(shape, fill, dtype=dtype, device=like.device)
+
+
 def run_tiles_forward(
     q: torch.Tensor,
     blocks: Mapping[int, KV],
@@ -124,11 +144,22 @@ def run_tiles_forward(
     spec: MaskSpec,
     scale: float,
     kernels: tuple[str, Any, Any],
-    out_acc: torch.Tensor,
-    lse_acc: torch.Tensor,
-) -> None:
-    """Add the planned tiles' softmax results into ``out_acc`` / ``lse_acc`` (in place)."""
+    out_acc: torch.Tensor | None = None,
+    lse_acc: torch.Tensor | None = None,
+    *,
+    final: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The planned tiles' softmax results merged into ``out_acc`` / ``lse_acc`` (in place when
+    given) and returned.
+
+    Without accumulators, a first tile that spans all of ``q`` *is* the result (merging it
+    into 0 / -inf is the identity, bit for bit): no zero buffer, no merge. A segment with a
+    single tile (the first segment, K = 1) thus costs exactly one kernel call. ``final``: the
+    caller merges nothing more into the result, so a lone tile's output also keeps the
+    kernel's dtype (no round trip through the fp32 accumulator for bf16)."""
     fwd = kernels[1]
+    acc = accumulator_dtype(q)
+    lone = final and len(plan) == 1
     for entry in plan:
         kb, vb = blocks[entry[0]]
         t = entry[1]
@@ -140,9 +171,19 @@ def run_tiles_forward(
             o, lse = masked_forward(qt, kt, vt, tile_mask(t, spec, q.device), scale)
         else:
             o, lse = fwd(qt, kt, vt, t.kind == "causal", scale)
+        if out_acc is None and covers_queries(entry, q):
+            out_acc, lse_acc = (o if lone else o.to(acc)), lse.to(acc)
+            continue
+        if out_acc is None or lse_acc is None:
+            out_acc = new_accumulator(q, q.shape, 0.0, acc)
+            lse_acc = new_accumulator(q, q.shape[:-1], float("-inf"), acc)
         out_acc[rows, :, qs], lse_acc[rows, :, qs] = merge(
             out_acc[rows, :, qs], lse_acc[rows, :, qs], o, lse.to(lse_acc.dtype)
         )
+    if out_acc is None or lse_acc is None:  # nothing planned: no query sees a key
+        out_acc = new_accumulator(q, q.shape, 0.0, acc)
+        lse_acc = new_accumulator(q, q.shape[:-1], float("-inf"), acc)
+    return out_acc, lse_acc
 
 
 def run_tiles_backward(
@@ -155,12 +196,22 @@ def run_tiles_backward(
     spec: MaskSpec,
     scale: float,
     kernels: tuple[str, Any, Any],
-    dq: torch.Tensor,
+    dq: torch.Tensor | None,
     dkv: dict[int, list[torch.Tensor]],
-) -> None:
-    """Exact gradients of the planned tiles, given the merged ``out`` / ``lse``: into ``dq``
-    and ``dkv[block] = [dk, dv]`` (wide accumulators, created on first use)."""
+    *,
+    final: bool = False,
+) -> torch.Tensor:
+    """Exact gradients of the planned tiles, given the merged ``out`` / ``lse``: added into
+    ``dq`` (returned; created when None) and ``dkv[block] = [dk, dv]`` (wide accumulators).
+
+    A tile's gradient that spans the whole of ``q`` (or of its key block) and lands first is
+    taken as the accumulator itself instead of being added into a zero one. ``final``: nothing
+    is added to these gradients after this call, so a gradient made by one tile alone keeps
+    the kernel's dtype."""
     bwd = kernels[2]
+    wide = accumulator_dtype(q)
+    lone_q = final and len(plan) == 1
+    per_block = Counter(entry[0] for entry in plan) if final else Counter()
     for entry in plan:
         block, t = entry[0], entry[1]
         kb, vb = blocks[block]
@@ -173,12 +224,24 @@ def run_tiles_backward(
             dqt, dkt, dvt = masked_backward(*args, lse[rows, :, qs], visible, scale)
         else:
             dqt, dkt, dvt = bwd(*args, lse[rows, :, qs], t.kind == "causal", scale)
-        dq[rows, :, qs] += dqt
+        if dq is None and covers_queries(entry, q):
+            dq = dqt if lone_q else dqt.to(wide)
+        else:
+            if dq is None:
+                dq = new_accumulator(q, q.shape, 0.0, wide)
+            dq[rows, :, qs] += dqt
+        dkt, dvt = reduce_kv(dkt, n_rep), reduce_kv(dvt, n_rep)
+        if block not in dkv and covers_keys(entry, kb):
+            lone = per_block[block] == 1
+            dkv[block] = [dkt if lone else dkt.to(wide), dvt if lone else dvt.to(wide)]
+            continue
         if block not in dkv:
-            wide = dq.dtype
             dkv[block] = [
-                torch.zeros(kb.shape, dtype=wide, device=kb.device),
-                torch.zeros(vb.shape, dtype=wide, device=vb.device),
+                new_accumulator(kb, kb.shape, 0.0, wide),
+                new_accumulator(vb, vb.shape, 0.0, wide),
             ]
-        dkv[block][0][rows, :, ks] += reduce_kv(dkt, n_rep)
-        dkv[block][1][rows, :, ks] += reduce_kv(dvt, n_rep)
+        dkv[block][0][rows, :, ks] += dkt
+        dkv[block][1][rows, :, ks] += dvt
+    if dq is None:
+        dq = new_accumulator(q, q.shape, 0.0, wide)
+    return dq

@@ -71,12 +71,19 @@ class UnitActions:
             for s in stages
         }
         self.lengths: list[int] = []
+        self._starts: list[int] = []
+        self._seq_len = 0
+        self._bounds: tuple[int, ...] = ()
+        self._infos: dict[int, SegmentInfo] = {}
         self.documents: list | None = None  # per sample: document runs (packed documents)
         self.guard = False  # check for plain SDPA (first step, first step with documents)
 
     def begin_step(self, lengths: list[int], documents: list | None, guard: bool) -> None:
         self.lengths, self.documents, self.guard = lengths, documents, guard
         self._starts = segment_offsets(lengths)
+        self._seq_len = sum(lengths)
+        self._bounds = (*self._starts[: self.seq_chunks], self._seq_len)
+        self._infos = {}  # by unit: its forward and backward share one
         for state in self.kv_states.values():
             state.clear(reset_peak=True)
 
@@ -85,19 +92,23 @@ class UnitActions:
             state.clear()
 
     def segment_info(self, unit: int) -> SegmentInfo:
-        m, seg = divmod(unit, self.seq_chunks)
-        total = sum(self.lengths)
-        return SegmentInfo(
-            microbatch=m,
-            segment=seg,
-            num_segments=self.seq_chunks,
-            start=self._starts[seg],
-            length=self.lengths[seg],
-            seq_len=total,
-            bounds=(*self._starts[: self.seq_chunks], total),
-            documents=None if self.documents is None else self.documents[m],
-            cp=self.cp,
-        )
+        """The unit's place in its sample; built once per step (lengths and bounds are the
+        step's, computed in :meth:`begin_step`), then shared by its forward and backward."""
+        info = self._infos.get(unit)
+        if info is None:
+            m, seg = divmod(unit, self.seq_chunks)
+            info = self._infos[unit] = SegmentInfo(
+                microbatch=m,
+                segment=seg,
+                num_segments=self.seq_chunks,
+                start=self._starts[seg],
+                length=self.lengths[seg],
+                seq_len=self._seq_len,
+                bounds=self._bounds,
+                documents=None if self.documents is None else self.documents[m],
+                cp=self.cp,
+            )
+        return info
 
     def __call__(
         self, stage: PipelineStageBase, action: Action

@@ -28,6 +28,10 @@ FAST = (
     "test_order.py::test_zero_bubble_grid_passes_torch_validators[2]",
     "test_order.py::test_interleaved_when_k_does_not_divide_pp",
     "test_order.py::test_csv_round_trip",
+    # ZBV-Seq1F1B orders: a sampled grid, ZB-V itself at K = 1, placement errors
+    "test_order_v.py::test_grid_passes_torch_validators_and_comms_simulator[2]",
+    "test_order_v.py::test_k1_is_torchs_zbv_order",
+    "test_order_v.py::test_wrong_placement_is_refused_with_the_fix",
     # lowering: every rank equals torch's (sampled), FSDP pass, deadlock report
     "test_scale.py::test_every_rank_equals_torch_lowering[3]",
     "test_scale.py::test_torch_schedules_lower_identically",

@@ -167,3 +167,160 @@ def test_ring_tile_plans_are_built_once_per_segment() -> None:
     backward's hops and the checkpoint recomputation reuse it instead of placing the tiles
     again per hop (they did: forward, backward and recomputation each rebuilt every hop's)."""
     run_ranks(_ring_plans_are_built_once, 2)
+
+
+class _Counting:
+    """Counts calls of a tiles helper (the single-tile fast path must skip them)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def _unit_fwd_bwd(q, k, v, go, lengths, seg_counts, monkeypatch):
+    """Segments forward 0..K-1 and backward K-1..0 with merge / accumulator calls counted per
+    segment: ``seg_counts[seg] = (merges, accumulators)``."""
+    from seq1f1b import tiles
+
+    merge, acc = _Counting(tiles.merge), _Counting(tiles.new_accumulator)
+    monkeypatch.setattr(tiles, "merge", merge)
+    monkeypatch.setattr(tiles, "new_accumulator", acc)
+    state = StageKVState(0, len(lengths))
+    starts = segment_offsets(lengths)
+    infos = [
+        SegmentInfo(0, s, len(lengths), a, n, sum(lengths), (*starts, sum(lengths)))
+        for s, (a, n) in enumerate(zip(starts, lengths, strict=True))
+    ]
+    outs = []
+    for info in infos:
+        a, n = info.start, info.length
+        before = (merge.calls, acc.calls)
+        state.begin_forward(0, info.segment)
+        with activate(UnitContext(state, info, "forward", True)):
+            outs.append(
+                chunk_aware_attention(
+                    q[:, :, a : a + n], k[:, :, a : a + n], v[:, :, a : a + n], layer="attn"
+                )
+            )
+        state.end_forward(0, info.segment, keep=True)
+        seg_counts[info.segment] = (merge.calls - before[0], acc.calls - before[1])
+    for info in reversed(infos):
+        a, n = info.start, info.length
+        before = (merge.calls, acc.calls)
+        state.begin_backward(0, info.segment)
+        with activate(UnitContext(state, info, "backward", True)):
+            torch.autograd.backward(outs[info.segment], go[:, :, a : a + n])
+        state.end_backward(0, info.segment)
+        f_merge, f_acc = seg_counts[info.segment]
+        seg_counts[info.segment] = (
+            f_merge + merge.calls - before[0],
+            f_acc + acc.calls - before[1],
+        )
+    return torch.cat(outs, dim=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_tile_skips_merge_and_staging(dtype, monkeypatch) -> None:
+    """A segment whose attention is one tile (the first segment here) runs the kernel alone:
+    no LSE merge, no zero accumulator for the output, dQ, dK or dV. Later segments merge
+    every tile after the first into the first one's result (so the counter is live) and
+    still stage nothing, since every tile spans its whole key block."""
+    q, k, v = _qkv(dtype)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    go = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), go)
+    counts: dict[int, tuple[int, int]] = {}
+    out = _unit_fwd_bwd(q, k, v, go, [8, 7, 5], counts, monkeypatch)
+    assert counts[0] == (0, 0)
+    assert counts[1] == (1, 0) and counts[2] == (2, 0)  # one merge per tile after the first
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert ((out - ref).float().norm() / ref.float().norm()).item() <= tol
+    for t, r in zip((q, k, v), ref_grads, strict=True):
+        assert ((t.grad - r).float().norm() / r.float().norm()).item() <= tol
+
+
+def test_single_tile_segment_is_the_kernel_output_bitwise() -> None:
+    """The first segment's output and gradients are exactly the kernel's: what the fast path
+    returns equals merging the tile into 0 / -inf accumulators and adding its gradients into
+    zero buffers (the path it replaces), bit for bit."""
+    from seq1f1b import tiles
+
+    q, k, v = (t.detach() for t in _qkv(torch.float32, s=12))
+    plan = masks.plan_segment(0, 12, (), ((0, 2, ((0, 12),)),), masks.MaskSpec())
+    assert len(plan) == 1 and tiles.covers_queries(plan[0], q)
+    kernels = ("cpu_flash", _cpu_fwd, _cpu_bwd)
+    blocks = tiles.kv_blocks(k, v, [])
+    args = (plan, masks.MaskSpec(), 0.3, kernels)
+    fast = tiles.run_tiles_forward(q, blocks, *args)
+    zero, ninf = torch.zeros(q.shape), torch.full(q.shape[:-1], float("-inf"))
+    slow = tiles.run_tiles_forward(q, blocks, *args, zero, ninf)
+    assert slow[0] is zero  # the accumulators were given: merged into, in place
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+    g = torch.randn(q.shape)
+    dkv_fast: dict[int, list[torch.Tensor]] = {}
+    dq_fast = tiles.run_tiles_backward(g, q, fast[0], fast[1], blocks, *args, None, dkv_fast)
+    dkv_slow = {-1: [torch.zeros(k.shape), torch.zeros(v.shape)]}
+    dq_slow = tiles.run_tiles_backward(
+        g, q, fast[0], fast[1], blocks, *args, torch.zeros(q.shape), dkv_slow
+    )
+    assert torch.equal(dq_fast, dq_slow)
+    for a, b in zip(dkv_fast[-1], dkv_slow[-1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_single_tile_equals_the_same_rows_as_several_tiles() -> None:
+    """One tile over every row gives the result of the same queries planned as one tile per
+    row group (which merges into accumulators)."""
+    from seq1f1b import tiles
+
+    q, k, v = (t.detach() for t in _qkv(torch.float64, s=12))
+    kernels = ("cpu_flash", _cpu_fwd, _cpu_bwd)
+    blocks = tiles.kv_blocks(k, v, [])
+    one = masks.plan_segment(0, 12, (), ((0, 2, ((0, 12),)),), masks.MaskSpec())
+    two = masks.plan_segment(0, 12, (), ((0, 1, ((0, 12),)), (1, 2, ((0, 12),))), masks.MaskSpec())
+    assert len(one) == 1 and len(two) == 2
+    res = [
+        tiles.run_tiles_forward(q, blocks, p, masks.MaskSpec(), 0.3, kernels) for p in (one, two)
+    ]
+    torch.testing.assert_close(res[0], res[1], rtol=0, atol=1e-13)
+    g = torch.randn(q.shape, dtype=q.dtype)
+    grads = []
+    for p in (one, two):
+        dkv: dict[int, list[torch.Tensor]] = {}
+        dq = tiles.run_tiles_backward(
+            g, q, *res[0], blocks, p, masks.MaskSpec(), 0.3, kernels, None, dkv
+        )
+        grads.append((dq, *dkv[-1]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-12)
+
+
+def test_lone_tile_keeps_the_kernel_dtype_bitwise() -> None:
+    """bf16: a lone tile's output and gradients stay bf16 (no fp32 round trip) and equal the
+    accumulated path's, rounded back, bit for bit; a tile that is not alone is widened."""
+    from seq1f1b import tiles
+
+    q, k, v = (t.detach() for t in _qkv(torch.bfloat16, s=12))
+    spec = masks.MaskSpec()
+    plan = masks.plan_segment(0, 12, (), ((0, 2, ((0, 12),)),), spec)
+    kernels = ("cpu_flash", _cpu_fwd, _cpu_bwd)
+    blocks = tiles.kv_blocks(k, v, [])
+    lone = tiles.run_tiles_forward(q, blocks, plan, spec, 0.3, kernels, final=True)
+    wide = tiles.run_tiles_forward(q, blocks, plan, spec, 0.3, kernels)
+    assert lone[0].dtype == torch.bfloat16 and wide[0].dtype == torch.float32
+    assert torch.equal(lone[0], wide[0].to(torch.bfloat16)) and torch.equal(lone[1], wide[1])
+    g = torch.randn(q.shape).to(torch.bfloat16)
+    got = []
+    for final in (True, False):
+        dkv: dict[int, list[torch.Tensor]] = {}
+        dq = tiles.run_tiles_backward(
+            g, q, lone[0], lone[1], blocks, plan, spec, 0.3, kernels, None, dkv, final=final
+        )
+        got.append((dq, *dkv[-1]))
+    assert all(t.dtype == torch.bfloat16 for t in got[0])
+    assert all(t.dtype == torch.float32 for t in got[1])
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b.to(torch.bfloat16))

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,6 +74,9 @@ def test_results_json(smoke_out: Path) -> None:
     )
     assert res["budget"]["rows"] and all(r["longest_seq_len"] > 0 for r in res["budget"]["rows"])
     assert [t["name"] for t in res["targets"]]
+    bounds = [b for b in res["memory_bounds"] if b["label"].startswith("ZBVSeq1F1B")]
+    assert {b["stage"] for b in bounds} == {0, 1, 2, 3}
+    assert all(b["measured_units"] and b["measured_units"] > 0 for b in bounds)
     values = " ".join(t["value"] for t in res["targets"])
     assert "ZBVSeq1F1B K=8" in values and "of 1F1B's length" in values
     cp = {(r["label"], r["cp"]): r for r in res["context_parallel"]["measured"]["runs"]}
@@ -134,3 +138,43 @@ def test_budget_fit_and_step_down() -> None:
     verify_rows(rows, peaks, budget=8292.0, granule=64)
     assert rows[0]["verified_within_budget"] and rows[0]["verify_runs"] == 2
     assert rows[0]["longest_seq_len"] < 8192
+
+
+def test_meter_releases_saved_outputs_of_a_retained_graph() -> None:
+    """A saved *output* (ReLU saves its result) of a graph run with retain_graph=True, as a
+    split backward's input half does, is released with the graph: the meter must not hold the
+    tensor itself (tensor -> grad_fn -> saved -> holder -> tensor would be a cycle through C++
+    that no collector breaks, and the meter would report it as live until the step ended)."""
+    import gc
+
+    from benchmarks.probe import SavedTensorMeter
+
+    w = torch.randn(8, 8, requires_grad=True)
+    meter = SavedTensorMeter(exclude=[w])
+    meter.stage = 0
+    with meter.active():
+        x = torch.randn(4, 8, requires_grad=True)
+        y = torch.relu(x @ w)
+        loss = y.sum()
+        loss.backward(retain_graph=True)
+    assert meter.live_total > 0  # the retained graph still holds its saved tensors
+    del y, loss
+    gc.collect()
+    assert meter.live_total == 0 and meter.live[0] == 0
+
+
+def test_gap_measures_and_tabulates() -> None:
+    """``benchmarks.gap`` on tiny sizes: ratios vs 1F1B for each schedule, 1F1B's own 1.0, the
+    simulated ratio below 1 for Seq1F1B (the FLOPs model's bubble saving), and a table row per
+    tree and schedule."""
+    from benchmarks.gap import _table, measure_gap
+
+    res = measure_gap([2], steps=1, seq_len=128)
+    runs = res["runs"]
+    assert list(runs) == ["1F1B", "Seq1F1B K=2 compute"]
+    assert runs["1F1B"]["wall_vs_1f1b"] == 1.0 and runs["1F1B"]["replay_vs_1f1b"] == 1.0
+    seq = runs["Seq1F1B K=2 compute"]
+    assert 0 < seq["simulated_vs_1f1b"] < 1
+    assert seq["wall_vs_1f1b"] > 0 and seq["replay_vs_1f1b"] > 0
+    table = _table({"old": [res], "new": [res, res]})
+    assert table.count("| Seq1F1B K=2 compute |") == 2 and "load average" in table

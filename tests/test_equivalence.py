@@ -45,6 +45,7 @@ def _single_rank_zb_docs(rank: int, world: int) -> None:
     for case in (
         Case(1, 3, 2, docs=True, schedule="ZBSeq1F1B"),
         Case(4, 3, 2, docs=True, checkpointing=True, split=(10, 8, 6)),
+        Case(2, 4, 2, docs=True, checkpointing=True, schedule="ZBVSeq1F1B"),  # V of one rank
     ):
         run_case(rank, world, case)
 

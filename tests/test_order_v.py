@@ -149,3 +149,16 @@ def test_wrong_placement_is_refused_with_the_fix() -> None:
         OrderSpec(2, 3, 2, 2, True, "v")
     with pytest.raises(ValueError, match="placement must be"):
         OrderSpec(2, 1, 2, 2, placement="zigzag")
+
+
+def test_memory_bound_per_stage_with_one_stage_per_rank() -> None:
+    """Seq1F1B and ZBSeq1F1B (one stage per rank): every stage's program-order peak equals
+    ``min(M*K, p - s + K - 1)`` (the weight half frees a unit right after its input half)."""
+    from seq1f1b.order import build_orders
+    from seq1f1b.order import stage_peak_units as looped_peak
+
+    for pp, m, k in itertools.product(range(1, 7), range(1, 7), range(1, 7)):
+        for split in (False, True):
+            order = build_orders(OrderSpec(pp, 1, m, k, split))
+            for r, acts in order.items():
+                assert in_flight(acts, {r}) == looped_peak(pp, m, k, r), (pp, m, k, r, split)

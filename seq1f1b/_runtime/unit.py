@@ -59,16 +59,19 @@ def _entered(
 def _wrapped(
     stage: PipelineStageBase, name: str, factories: Sequence[ActionContextFactory]
 ) -> Callable[..., Any]:
+    """``stage.<name>`` run inside the factories' contexts. The action kind is settled here,
+    once per method and step, not per call (except FULL vs INPUT, an argument of the call);
+    one factory (the usual case) is entered directly, without an ExitStack."""
     run = getattr(stage, name)  # whatever is there: the class's method or an instance override
+    index = stage.stage_index
+    fixed = {"forward_one_chunk": FORWARD, "backward_weight_one_chunk": BACKWARD_WEIGHT}.get(name)
+    single = factories[0] if len(factories) == 1 else None
 
     def per_action(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        if name == "forward_one_chunk":
-            kind = FORWARD
-        elif name == "backward_weight_one_chunk":
-            kind = BACKWARD_WEIGHT
-        else:
-            kind = _backward_kind(args, kwargs)
-        with _entered(factories, stage, Action(stage.stage_index, kind, chunk_id)):
+        kind = fixed if fixed is not None else _backward_kind(args, kwargs)
+        action = Action(index, kind, chunk_id)
+        scope = single(stage, action) if single is not None else _entered(factories, stage, action)
+        with scope:
             return run(chunk_id, *args, **kwargs)
 
     return per_action
