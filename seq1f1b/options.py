@@ -10,10 +10,10 @@ folded into these objects by :func:`fold_flat_options`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-import warnings
 
 import torch.distributed as dist
 
@@ -80,13 +80,17 @@ class SequenceSplit:
                 )
             if self.mode in ("compute", "memory_capped") and self.model_shape is None:
                 raise ValueError(
-                    f"split={self.mode!r} needs the model shape: pass "
-                    "model_shape=ModelShape(...)"
+                    f"split={self.mode!r} needs the model shape: pass model_shape=ModelShape(...)"
                 )
             if self.mode == "memory_capped":
                 from .split_search import checked_cap
 
                 checked_cap(self.memory_cap)
+                if self.dtype_bytes not in (1, 2, 4, 8) or isinstance(self.dtype_bytes, bool):
+                    raise ValueError(
+                        f"dtype_bytes must be 1, 2, 4 or 8 (got {self.dtype_bytes!r}): pass 2 "
+                        "for bf16/fp16 activations, 4 for fp32"
+                    )
         elif len(self.mode) != seq_chunks:
             raise ValueError(
                 f"split has {len(self.mode)} lengths but seq_chunks={seq_chunks}: give exactly "

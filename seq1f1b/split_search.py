@@ -1,4 +1,4 @@
-"""The ``"memory_capped"`` split: the fastest segment lengths whose activation peak stays under a cap.
+"""The ``"memory_capped"`` split: the fastest segment lengths whose activation peak fits a cap.
 
 Why: the uniform split keeps the fewest tokens in flight but its later segments cost more under
 causal attention, so the pipeline waits on them; the compute-balanced split evens the cost out
@@ -36,10 +36,12 @@ __all__ = [
     "stage_token_bytes",
 ]
 
-#: simulator calls one search may make; each is milliseconds at pp <= 8, M*K <= 256
-MAX_EVALUATIONS = 3000
-#: coarsest step of the local search, in segments' worth of tokens: seq_len / (K * this)
-_STEPS_PER_SEGMENT = 16
+#: simulator calls one search may make: about 1 s at pp=2, M=2, K=8, about 20 s at pp=8,
+#: M=16, K=8 (a deterministic count, not a clock, so every rank finds the same lengths)
+MAX_EVALUATIONS = 800
+#: coarsest and finest step of the local search: seq_len / (K * this)
+_COARSEST = 16
+_FINEST = 128
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,10 @@ def search_capped_split(
     """Search segment lengths (multiples of ``multiple_of``) minimising the simulated step time
     of ``order``'s schedule subject to peak <= ``cap`` x the uniform split's peak.
 
-    Start: the best of the uniform split, the compute-balanced split and points between them
-    that meet the cap; then move tokens between pairs of segments (steps from
-    ``seq_len / (16 K)`` down to ``multiple_of``) while that lowers the time under the cap.
+    Start: the best of the uniform split, the compute-balanced split, points between them and
+    symmetric splits that meet the cap; then move tokens between segments (see
+    :func:`_moves`; steps from ``seq_len / (16 K)`` down to ``multiple_of``) while that lowers
+    the time under the cap.
     Deterministic, so every rank gets the same lengths.
     """
     if not isinstance(shape, ModelShape):
@@ -108,7 +111,10 @@ def search_capped_split(
         )
     cap = checked_cap(cap)
     if order.seq_chunks != k:
-        raise ValueError(f"order has seq_chunks={order.seq_chunks}, the split asks for {k}")
+        raise ValueError(
+            f"the order has seq_chunks={order.seq_chunks} but the split asks for {k} segments: "
+            f"build the OrderSpec with seq_chunks={k}"
+        )
     uniform = uniform_split(seq_len, k, multiple_of)
     weights = stage_token_bytes(shape, order.num_stages, dtype_bytes)
     orders = build_orders(order)
@@ -142,18 +148,18 @@ def search_capped_split(
 
     for start in _start_points(seq_len, k, shape, multiple_of, uniform):
         consider(start)
-    step = max(multiple_of, seq_len // (k * _STEPS_PER_SEGMENT) // multiple_of * multiple_of)
-    while step >= multiple_of and len(cache) < max_evaluations:
+    step = max(multiple_of, seq_len // (k * _COARSEST) // multiple_of * multiple_of)
+    finest = max(multiple_of, seq_len // (k * _FINEST))
+    while step >= finest and len(cache) < max_evaluations:
         improved = True
         while improved and len(cache) < max_evaluations:
             improved = False
-            for i in range(k):
-                for j in range(k):
-                    if i == j or best[j] - step < multiple_of:
-                        continue
-                    moved = list(best)
+            for moves in _moves(k):
+                moved = list(best)
+                for i, j in moves:
                     moved[i] += step
                     moved[j] -= step
+                if min(moved) >= multiple_of:
                     improved = consider(moved) or improved
         step = step // 2 // multiple_of * multiple_of
     fallback = None
@@ -165,12 +171,25 @@ def search_capped_split(
     return CappedSplit(best, b_time, b_peak, u_time, u_peak, cap, len(cache), fallback)
 
 
+def _moves(k: int) -> list[tuple[tuple[int, int], ...]]:
+    """Token moves (to ``i`` from ``j``) tried at each step: one pair; a pair with its mirror
+    image (keeps a symmetric split symmetric: with pp=2 the last stage's peak stays at one
+    sample only if every prefix of the split is no longer than the suffix of the same count);
+    two donors to one segment (K <= 4: there are K**3 of them)."""
+    pairs = [(i, j) for i in range(k) for j in range(k) if i != j]
+    mirrored = [((i, j), (k - 1 - i, k - 1 - j)) for i, j in pairs if i + j != k - 1]
+    donors = [((i, j), (i, h)) for i in range(k) for j in range(k) for h in range(j + 1, k)
+              if i not in (j, h) and k <= 4]  # fmt: skip
+    return [((i, j),) for i, j in pairs] + mirrored + donors
+
+
 def _start_points(
     seq_len: int, k: int, shape: ModelShape, multiple_of: int, uniform: list[int]
 ) -> list[list[int]]:
-    """The compute-balanced split and 9 splits between it and the uniform one."""
+    """The compute-balanced split, 9 splits between it and the uniform one, and symmetric
+    splits short at both ends (cheap first and last segments, the uniform one's peak)."""
     compute = compute_balanced_split(seq_len, k, shape, multiple_of)
-    out = [compute]
+    out = [compute, *_symmetric(seq_len, k, multiple_of)]
     for tenth in range(1, 10):
         mixed = [
             round((u + (c - u) * tenth / 10) / multiple_of) * multiple_of
@@ -179,6 +198,19 @@ def _start_points(
         mixed[0] += seq_len - sum(mixed)  # the first segment absorbs rounding
         if min(mixed) >= multiple_of:
             out.append(mixed)
+    return out
+
+
+def _symmetric(seq_len: int, k: int, multiple_of: int) -> list[list[int]]:
+    """Palindromic splits whose lengths grow linearly towards the middle, by 5% to 50%."""
+    out = []
+    for pct in range(5, 55, 5):
+        ramp = [1 + pct / 100 * min(i, k - 1 - i) / max(1, (k - 1) / 2) for i in range(k)]
+        total = sum(ramp)
+        lengths = [round(seq_len * r / total / multiple_of) * multiple_of for r in ramp]
+        lengths[k // 2] += seq_len - sum(lengths)  # the middle absorbs rounding
+        if min(lengths) >= multiple_of:
+            out.append(lengths)
     return out
 
 
