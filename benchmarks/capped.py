@@ -64,9 +64,13 @@ def _simulated_time(spec: RunSpec, preset: Preset, lengths: list[int]) -> float:
     return simulate(orders, costs.cost, activation=costs.activation).makespan
 
 
-def capped_comparison(preset: Preset, verify: bool = True) -> dict[str, Any]:
-    """Measure every split of :data:`SPECS` at ``preset.seq_lens[0]`` tokens; rows vs 1F1B."""
+def capped_comparison(
+    preset: Preset, verify: bool = True, steps: int | None = None
+) -> dict[str, Any]:
+    """Measure every split of :data:`SPECS` at ``preset.seq_lens[0]`` tokens; rows vs 1F1B
+    (median of ``steps`` timed steps, the preset's count by default)."""
     seq = preset.seq_lens[0]
+    steps = preset.timed_steps if steps is None else steps
     load_before = f"{os.getloadavg()[0]:.1f}"
     fit_specs = [
         replace(s, seq_len=int(seq * f), memory_only=True)
@@ -74,7 +78,7 @@ def capped_comparison(preset: Preset, verify: bool = True) -> dict[str, Any]:
         for f in preset.fit_fractions
     ]
     _log(f"measuring pp={PP}, M={M}, {seq} tokens and the fit points (load {load_before})")
-    runs = measure(Setting(PP, M, seq, preset.model, (*SPECS, *fit_specs), preset.timed_steps))
+    runs = measure(Setting(PP, M, seq, preset.model, (*SPECS, *fit_specs), steps))
     main = {r["label"]: r for r in runs if "@" not in r["label"]}
     base = main["1F1B"]
     budget = float(max(base["peak_activation_bytes"]))
@@ -122,7 +126,7 @@ def capped_comparison(preset: Preset, verify: bool = True) -> dict[str, Any]:
     # the last stage holds one whole sample under any split, as 1F1B's does
     ceiling = budget / base["peak_activation_bytes"][-1]
     return {
-        "setting": f"pp={PP}, M={M}, {seq} tokens, model {preset.model}",
+        "setting": f"pp={PP}, M={M}, {seq} tokens, median of {steps} steps, model {preset.model}",
         "budget_bytes": budget,
         "last_stage_ceiling": ceiling,
         "load_average": load,
@@ -171,10 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--full", action="store_true", help="REFERENCE's model (slow)")
     mode.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test")
     ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (median reported)")
     a = ap.parse_args(argv)
     preset = PRESETS["smoke" if a.smoke else "full" if a.full else "quick"]
     os.makedirs(a.out, exist_ok=True)
-    res = capped_comparison(preset, verify=not a.smoke)
+    res = capped_comparison(preset, verify=not a.smoke, steps=a.steps)
     res["command"] = "python -m benchmarks.capped " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
