@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from seq1f1b import ModelShape, ScheduleBitPipe
+from seq1f1b import ModelShape, ScheduleBitPipe, SequenceSplit
 from seq1f1b.bitpipe import BitPipeLayout, new_pair_group
 from seq1f1b.context_parallel import comm_stats
 from seq1f1b.registry import ScheduleEntry, lookup
@@ -43,7 +43,7 @@ from seq1f1b.testing import TinyConfig, build_stages
 from .probe import ActionRecord, ProbedBitPipeStage, ProbedStage, RankProbe, SavedTensorMeter
 from .replay import replay_step_time
 
-__all__ = ["RunSpec", "Setting", "measure", "model_shape", "packed_documents"]
+__all__ = ["RunSpec", "Setting", "measure", "model_shape", "packed_documents", "run_split"]
 
 TIMEOUT = timedelta(seconds=600)
 
@@ -60,6 +60,7 @@ class RunSpec:
     documents: int = 0  # packed documents of about this many tokens (0: one sequence)
     skip_invisible: bool = True  # False: the mask-alone baseline (see ScheduleSeq1F1B)
     cp_prefix: str = "auto"  # with Setting.cp > 1: how segments reach the cached prefix
+    memory_cap: float = 1.0  # split="memory_capped": peak allowed, x the uniform split's
 
     @property
     def entry(self) -> ScheduleEntry:
@@ -74,6 +75,8 @@ class RunSpec:
             name += f", documents ~{self.documents}" + ("" if self.skip_invisible else " mask only")
         if self.cp_prefix != "auto":
             name += f", {self.cp_prefix}"
+        if self.split == "memory_capped" and self.memory_cap != 1.0:
+            name += f" {self.memory_cap:g}"
         return name if self.seq_len is None else f"{name} @{self.seq_len}"
 
     @property
@@ -135,6 +138,17 @@ def model_shape(cfg: TinyConfig) -> ModelShape:
         n_layers=cfg.n_layers,
         vocab=cfg.vocab,
         ffn_hidden=3 * cfg.ffn // 2,
+    )
+
+
+def run_split(spec: RunSpec, cfg: TinyConfig, seq_len: int) -> SequenceSplit:
+    """The split a run uses; the memory-capped one weighs fp32 activations (what runs here)."""
+    return SequenceSplit(
+        spec.split,
+        model_shape=model_shape(cfg),
+        seq_len=seq_len,
+        memory_cap=spec.memory_cap,
+        dtype_bytes=4,
     )
 
 
@@ -209,9 +223,7 @@ class _Run:
                 m,
                 spec.seq_chunks,
                 _loss_fn,
-                split=spec.split,
-                model_shape=model_shape(setting.model),
-                seq_len=_seq_len(setting, spec),
+                split=run_split(spec, setting.model, _seq_len(setting, spec)),
                 skip_invisible=spec.skip_invisible,
                 cp_group=cp_group,
                 cp_prefix=spec.cp_prefix,

@@ -10,6 +10,7 @@ folded into these objects by :func:`fold_flat_options`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from .context_parallel import CP_PREFIX_MODES
 from .kv import ContextParallel
+from .order import OrderSpec
 from .partition import SPLIT_MODES, ModelShape, resolve_split, segment_multiple
 
 __all__ = ["ContextParallelConfig", "SequenceSplit", "fold_flat_options"]
@@ -38,19 +40,28 @@ class SequenceSplit:
     """How each sample's sequence is cut into ``seq_chunks`` segments.
 
     Args:
-        mode: "uniform", "compute" (equal FLOPs; needs ``model_shape``) or explicit lengths.
-        model_shape: transformer shape for ``mode="compute"``.
+        mode: "uniform", "compute" (equal FLOPs; needs ``model_shape``), "memory_capped" (the
+            fastest lengths in the simulator whose activation peak stays within ``memory_cap``
+            times the uniform split's; needs ``model_shape``; see :mod:`seq1f1b.split_search`)
+            or explicit lengths.
+        model_shape: transformer shape for ``mode="compute"`` and ``"memory_capped"``.
         multiple_of: every segment length (with context parallelism: each rank's share of it)
             is a multiple of this (e.g. the TP degree).
         seq_len: sequence length, if fixed up front (the split is checked at construction and
             a step of another length is an error). Without it every step may have its own.
+        memory_cap: ``"memory_capped"`` only: allowed per-stage activation peak as a multiple
+            of the uniform split's (1.0: the uniform split's memory, faster where possible).
+        dtype_bytes: ``"memory_capped"`` only: bytes of an activation element (2 for bf16, 4
+            for fp32); weighs the last stage's fp32 loss state against the layers'.
     """
 
     mode: str | tuple[int, ...] = "uniform"
     model_shape: ModelShape | None = None
     multiple_of: int = 1
     seq_len: int | None = None
-    _cache: dict[tuple[int, int], list[int]] = field(
+    memory_cap: float = 1.0
+    dtype_bytes: int = 2
+    _cache: dict[tuple[int, int, OrderSpec | None], list[int]] = field(
         default_factory=dict, compare=False, repr=False
     )
 
@@ -67,19 +78,33 @@ class SequenceSplit:
                     f"split={self.mode!r} is unknown: use one of {list(SPLIT_MODES)} or a list "
                     "of segment lengths"
                 )
-            if self.mode == "compute" and self.model_shape is None:
+            if self.mode in ("compute", "memory_capped") and self.model_shape is None:
                 raise ValueError(
-                    "split='compute' needs the model shape: pass model_shape=ModelShape(...)"
+                    f"split={self.mode!r} needs the model shape: pass model_shape=ModelShape(...)"
                 )
+            if self.mode == "memory_capped":
+                from .split_search import checked_cap
+
+                checked_cap(self.memory_cap)
+                if self.dtype_bytes not in (1, 2, 4, 8) or isinstance(self.dtype_bytes, bool):
+                    raise ValueError(
+                        f"dtype_bytes must be 1, 2, 4 or 8 (got {self.dtype_bytes!r}): pass 2 "
+                        "for bf16/fp16 activations, 4 for fp32"
+                    )
         elif len(self.mode) != seq_chunks:
             raise ValueError(
                 f"split has {len(self.mode)} lengths but seq_chunks={seq_chunks}: give exactly "
                 "seq_chunks lengths, or change seq_chunks"
             )
 
-    def lengths(self, seq_len: int, seq_chunks: int, cp_size: int = 1) -> list[int]:
-        """Segment lengths for a sequence of ``seq_len`` tokens (cached per length)."""
-        key = (seq_len, cp_size)
+    def lengths(
+        self, seq_len: int, seq_chunks: int, cp_size: int = 1, order: OrderSpec | None = None
+    ) -> list[int]:
+        """Segment lengths for a sequence of ``seq_len`` tokens (cached per length).
+
+        ``order``: the schedule's shape, which ``"memory_capped"`` simulates.
+        """
+        key = (seq_len, cp_size, order if self.mode == "memory_capped" else None)
         if key not in self._cache:
             multiple = segment_multiple(self.multiple_of, cp_size)
             if cp_size > 1 and (seq_len % multiple or seq_len < multiple * seq_chunks):
@@ -91,11 +116,38 @@ class SequenceSplit:
                     f"use a sequence length that is a multiple of {multiple} and at least "
                     f"{multiple * seq_chunks}, or fewer seq_chunks"
                 )
+            if self.mode == "memory_capped":
+                self._cache[key] = self._capped(seq_len, seq_chunks, multiple, order)
+                return self._cache[key]
             mode = self.mode if isinstance(self.mode, str) else list(self.mode)
             self._cache[key] = resolve_split(
                 mode, seq_len, seq_chunks, shape=self.model_shape, multiple_of=multiple
             )
         return self._cache[key]
+
+    def _capped(
+        self, seq_len: int, seq_chunks: int, multiple: int, order: OrderSpec | None
+    ) -> list[int]:
+        """The memory-capped search for the schedule's ``order`` (warns when it keeps uniform)."""
+        from .split_search import memory_capped_split
+
+        if order is None:
+            raise ValueError(
+                "split='memory_capped' simulates the schedule's order: resolve it through "
+                "ScheduleSeq1F1B(..., split=SequenceSplit('memory_capped', model_shape=...)), "
+                "or call seq1f1b.split_search.memory_capped_split with an OrderSpec"
+            )
+        assert self.model_shape is not None  # check() ran at construction
+        return memory_capped_split(
+            seq_len,
+            seq_chunks,
+            self.model_shape,
+            order,
+            multiple_of=multiple,
+            cap=self.memory_cap,
+            dtype_bytes=self.dtype_bytes,
+            warn=lambda msg: warnings.warn(msg, stacklevel=4),
+        )
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-SPLIT_MODES: tuple[str, ...] = ("uniform", "compute")
+SPLIT_MODES: tuple[str, ...] = ("uniform", "compute", "memory_capped")
 
 # A root within this distance below an integer is treated as that integer, so
 # floating-point noise (e.g. 6238.9999999 for an exact 6239) cannot flip the floor.
@@ -300,6 +300,12 @@ def resolve_split(
                     "split='compute' needs the model shape: pass model_shape=ModelShape(...)"
                 )
             return compute_balanced_split(seq_len, k, shape, multiple_of)
+        if split == "memory_capped":
+            raise ValueError(
+                "split='memory_capped' simulates the schedule's order, which resolve_split does "
+                "not know: pass it to ScheduleSeq1F1B(split=SequenceSplit('memory_capped', "
+                "model_shape=...)), or call seq1f1b.split_search.memory_capped_split"
+            )
         allowed = ", ".join(repr(m) for m in SPLIT_MODES)
         raise ValueError(
             f"unknown split={split!r}: use one of {allowed}, or a list of {k} segment lengths"

@@ -36,7 +36,7 @@ class ScheduleSeq1F1B(SequencePipelineSchedule):
         loss_fn: as in torch's schedules; with ``scale_grads=True`` it must be a mean over
             tokens (e.g. cross entropy), and each unit is weighted by its token share.
         split: how each sample is cut: a :class:`~seq1f1b.options.SequenceSplit`, or its
-            mode alone ("uniform", "compute" or explicit lengths).
+            mode alone ("uniform", "compute", "memory_capped" or explicit lengths).
         context_parallel: a :class:`~seq1f1b.options.ContextParallelConfig` to shard each
             segment over a CP group (ring attention, see :mod:`seq1f1b.context_parallel`).
         seq_dim: sequence dimension of inputs, targets, per-token kwargs and activations.

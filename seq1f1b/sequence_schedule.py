@@ -74,8 +74,6 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         self.sequence_split.check(k)
         self._cp = self.context_parallel.resolve()
         self.n_samples, self.seq_chunks, self.seq_dim = m, k, seq_dim
-        if self.sequence_split.seq_len is not None:
-            self.segment_lengths(self.sequence_split.seq_len)  # fail now, not at the first step
         super().__init__(stages=stage_list, n_microbatches=m * k, loss_fn=loss_fn,
                          scale_grads=scale_grads, **options)  # fmt: skip
         args_spec, kwargs_spec, _ = self.chunk_specs
@@ -92,6 +90,8 @@ class SequencePipelineSchedule(rt.UnitRuntime):
                                     self._split_backward, self._placement)  # fmt: skip
         ranks = range(self.pp_group_size)
         self._install_order({r: self._calculate_single_rank_operations(r) for r in ranks})
+        if self.sequence_split.seq_len is not None:
+            self.segment_lengths(self.sequence_split.seq_len)  # fail now, not at the first step
 
     #: whether the orders split each backward into BACKWARD_INPUT + BACKWARD_WEIGHT
     _split_backward = False
@@ -114,7 +114,7 @@ class SequencePipelineSchedule(rt.UnitRuntime):
 
     def segment_lengths(self, seq_len: int) -> list[int]:
         """Segment lengths for a sequence of ``seq_len`` tokens (cached per length)."""
-        return self.sequence_split.lengths(seq_len, self.seq_chunks, self.cp_size)
+        return self.sequence_split.lengths(seq_len, self.seq_chunks, self.cp_size, self.order_spec)
 
     def kv_state_bytes(self) -> int:
         """Bytes of K/V still cached (0 between steps; for tests and memory checks)."""

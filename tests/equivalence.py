@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
-from seq1f1b import ModelShape, ScheduleSeq1F1B, packed_documents
+from seq1f1b import ModelShape, ScheduleSeq1F1B, SequenceSplit, packed_documents
 from seq1f1b.kv import zigzag_runs
+from seq1f1b.order import OrderSpec
+from seq1f1b.partition import uniform_split
 from seq1f1b.registry import lookup
 from seq1f1b.testing import TinyConfig, build_stages, full_model
 
@@ -34,6 +36,7 @@ class Case:
     schedule: str = "Seq1F1B"  # a seq-chunked schedule of the registry
     cp: int = 1  # context-parallel degree (the world is pp x cp, pp outer)
     cp_prefix: str = "auto"
+    memory_cap: float = 1.0  # split="memory_capped" only
 
     @property
     def cfg(self) -> TinyConfig:
@@ -119,6 +122,11 @@ def run_case(rank: int, world: int, case: Case, tol: float = 1e-5) -> None:
     stages = [PipelineStage(mods[s], s, num_stages, dev, group=pp_group) for s in mine]
     split = case.split if isinstance(case.split, str) else list(case.split)
     shape = ModelShape(hidden=CFG.dim, n_heads=CFG.n_heads, n_layers=CFG.n_layers, vocab=CFG.vocab)
+    split_kwargs = (
+        {"split": capped_split(case)}
+        if case.split == "memory_capped"
+        else {"split": split, "model_shape": shape}
+    )
     cls = lookup(case.schedule).schedule_class()
     cp_kwargs = {} if cp_group is None else {"cp_group": cp_group, "cp_prefix": case.cp_prefix}
     sched = cls(
@@ -126,8 +134,7 @@ def run_case(rank: int, world: int, case: Case, tol: float = 1e-5) -> None:
         case.n_microbatches,
         case.seq_chunks,
         loss_fn,
-        split=split,
-        model_shape=shape,
+        **split_kwargs,
         **cp_kwargs,
     )
     x, y = data(case)
@@ -438,3 +445,44 @@ def run_with_instance_override(rank: int, world: int) -> None:
     if has_last:
         loss = torch.stack(losses).mean().item()
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+
+
+# The memory-capped split's cost model only picks lengths; an attention-heavy shape (wide heads
+# at 24 tokens) makes it pick uneven ones, which is what these cases must exercise.
+ATTENTION_HEAVY = ModelShape(hidden=32, n_heads=4, n_layers=8, vocab=64, head_dim=512)
+
+
+def capped_split(case: Case) -> SequenceSplit:
+    return SequenceSplit("memory_capped", model_shape=ATTENTION_HEAVY, memory_cap=case.memory_cap)
+
+
+def capped_grid() -> list[Case]:
+    """split="memory_capped": K in {1,2,4}, caps 1.0 and 1.3, checkpointing, documents +
+    window, ZBSeq1F1B, for one and two stages per rank."""
+    cases = []
+    for spr in (1, 2):
+        cases += [Case(spr, k, 2, split="memory_capped", memory_cap=1.3) for k in (1, 2, 4)]
+        cases += [
+            Case(spr, 4, 2, split="memory_capped"),
+            Case(spr, 4, 3, split="memory_capped", memory_cap=1.3, checkpointing=True),
+            Case(spr, 4, 2, split="memory_capped", memory_cap=1.3, docs=True, window=5),
+            Case(spr, 2, 2, split="memory_capped", memory_cap=1.3, schedule="ZBSeq1F1B"),
+        ]
+    return cases
+
+
+def capped_lengths(case: Case, pp: int) -> list[int]:
+    """The lengths the schedule will use (the same search, on its order)."""
+    spec = OrderSpec(pp, case.stages_per_rank, case.n_microbatches, case.seq_chunks,
+                     split_backward=case.schedule == "ZBSeq1F1B")  # fmt: skip
+    return capped_split(case).lengths(case.seq_len, case.seq_chunks, 1, spec)
+
+
+def run_capped_grid(rank: int, world: int, stages_per_rank: int) -> None:
+    """The capped cases with this many stages per rank; some must really be uneven."""
+    cases = [c for c in capped_grid() if c.stages_per_rank == stages_per_rank]
+    uneven = [
+        c for c in cases if capped_lengths(c, world) != uniform_split(c.seq_len, c.seq_chunks)
+    ]
+    assert len(uneven) >= 2, f"the search kept the uniform split in {cases}"
+    run_cases(rank, world, cases)

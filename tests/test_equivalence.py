@@ -6,6 +6,7 @@ import pytest
 from dist_utils import run_ranks
 from equivalence import (
     Case,
+    run_capped_grid,
     run_case,
     run_changing_lengths,
     run_cp_grid,
@@ -127,3 +128,11 @@ def test_context_parallel_ring_of_three_and_four(cp: int) -> None:
     # cp = 3, 4 (pp = 1): the hops where partial outputs (pass-Q) and gradient accumulators
     # travel with the blocks before returning to their owner
     run_ranks(run_wide_cp_grid, cp)
+
+
+@pytest.mark.parametrize("stages_per_rank", [1, 2])
+@pytest.mark.parametrize("world", [2, FOUR_RANKS])
+def test_memory_capped_split_matches_reference(world: int, stages_per_rank: int) -> None:
+    # split="memory_capped": the lengths the simulator picks under an activation cap (uneven in
+    # most cases here), K in {1,2,4}, checkpointing, documents + window, ZBSeq1F1B
+    run_ranks(run_capped_grid, world, stages_per_rank)
