@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from .costmodel import MemoryModel
 from .order import OrderSpec, build_orders
+from .order_v import build_v_orders
 from .partition import ModelShape, compute_balanced_split, uniform_split
 from .simulate import FlopsCosts, simulate
 
@@ -117,7 +118,7 @@ def search_capped_split(
         )
     uniform = uniform_split(seq_len, k, multiple_of)
     weights = stage_token_bytes(shape, order.num_stages, dtype_bytes)
-    orders = build_orders(order)
+    orders = build_v_orders(order) if order.placement == "v" else build_orders(order)
     cache: dict[tuple[int, ...], tuple[float, float]] = {}
 
     def evaluate(lengths: Sequence[int]) -> tuple[float, float]:

@@ -468,13 +468,15 @@ def capped_grid() -> list[Case]:
             Case(spr, 4, 2, split="memory_capped", memory_cap=1.3, docs=True, window=5),
             Case(spr, 2, 2, split="memory_capped", memory_cap=1.3, schedule="ZBSeq1F1B"),
         ]
+    cases.append(Case(2, 4, 2, split="memory_capped", memory_cap=1.3, schedule="ZBVSeq1F1B"))
     return cases
 
 
 def capped_lengths(case: Case, pp: int) -> list[int]:
     """The lengths the schedule will use (the same search, on its order)."""
+    entry = lookup(case.schedule)
     spec = OrderSpec(pp, case.stages_per_rank, case.n_microbatches, case.seq_chunks,
-                     split_backward=case.schedule == "ZBSeq1F1B")  # fmt: skip
+                     entry.split_backward, "v" if entry.placement == "v" else "looped")  # fmt: skip
     return capped_split(case).lengths(case.seq_len, case.seq_chunks, 1, spec)
 
 
