@@ -114,7 +114,7 @@ def _budget(preset: Preset, runs: list[dict[str, Any]], budget: float | None) ->
         "budget_bytes": budget,
         "rows": rows,
         "note": (
-            "pp=2, M=2. Budget: the largest per-stage peak of Schedule1F1B at "
+            "pp=2, M=2. Budget: the largest per-rank peak of Schedule1F1B at "
             f"{preset.seq_lens[0]} tokens. Peak = max over ranks of saved activations, fitted "
             "linearly over "
             f"{', '.join(str(int(preset.seq_lens[0] * f)) for f in preset.fit_fractions)} and "
