@@ -11,6 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# benchmark tooling: on the default release only (scripts/test_latest.sh skips it for time)
+pytestmark = pytest.mark.default_release_only
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -12,6 +12,9 @@ import torch
 
 from benchmarks import segment_overhead as so
 
+# benchmark tooling: on the default release only (scripts/test_latest.sh skips it for time)
+pytestmark = pytest.mark.default_release_only
+
 
 @pytest.mark.parametrize("lengths", [[48], [24, 24], [12, 12, 12, 12], [20, 16, 12]])
 def test_segmented_step_equals_unsegmented(lengths: list[int]) -> None:
