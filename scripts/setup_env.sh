@@ -4,7 +4,8 @@
 # only when pyproject.toml, the constraints or this script change, or a different torch or
 # torchtitan is asked for. Works offline once the venv is complete.
 #
-#   scripts/setup_env.sh [VENV] [TORCH_VERSION] [EXTRAS]     (defaults: .venv 2.13.0 titan,test,bench)
+#   scripts/setup_env.sh [VENV] [TORCH_VERSION] [EXTRAS]     (defaults: .venv, the venv's own
+#                                   torch, else 2.15.0 (2.13.0 with torchtitan 0.2.2), titan,test,bench)
 #   TORCHTITAN_VERSION=0.2.2 scripts/setup_env.sh ...          (only with extra titan; default: the
 #                                                            venv's own, 0.3.0 for a new venv)
 #
@@ -14,16 +15,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.venv}"
-TORCH="${2:-${TORCH_VERSION:-2.13.0}}"
 EXTRAS="${3:-titan,test,bench}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.seq1f1b-setup"
 TITAN="${TORCHTITAN_VERSION:-}"
-if [ -z "$TITAN" ] && [ -f "$STAMP" ]; then
-  # a venv keeps the torchtitan it was made with: SEQ1F1B_VENV=.venv-titan022 ./run_train.sh
-  TITAN="$(grep -o 'torchtitan==[^ ]*' "$STAMP" | cut -d= -f3 || true)"
+TORCH="${2:-${TORCH_VERSION:-}}"
+if [ -f "$STAMP" ]; then
+  # a venv keeps the torch and torchtitan it was made with (SEQ1F1B_VENV=.venv-titan022
+  # ./run_train.sh), unless another version is asked for
+  if [ -z "$TITAN" ]; then
+    TITAN="$(grep -o 'torchtitan==[^ ]*' "$STAMP" | cut -d= -f3 || true)"
+  fi
+  if [ -z "$TORCH" ]; then
+    TORCH="$(grep -o 'torch==[^ ]*' "$STAMP" | cut -d= -f3 || true)"
+  fi
 fi
 TITAN="${TITAN:-0.3.0}"   # the current release; TORCHTITAN_VERSION=0.2.2 for the previous one
+# the current torch with the current torchtitan (0.3's FSDP / TP need torch 2.15); 0.2.2 was
+# made for 2.13 (and runs on it from the local CPU wheel)
+if [ -z "$TORCH" ]; then
+  if [ "$TITAN" = 0.2.2 ]; then TORCH=2.13.0; else TORCH=2.15.0; fi
+fi
 WANT="$(cat pyproject.toml scripts/constraints.txt scripts/setup_env.sh | sha256sum | cut -c1-16)"
 WANT="$WANT torch==$TORCH extras=$EXTRAS"
 WITH_TITAN=0

@@ -1,6 +1,7 @@
 """seq1f1b: sequence-level pipeline parallelism (Seq1F1B) for torch.distributed.pipelining."""
 
 from .attention import ChunkAwareAttention, chunk_aware_attention
+from .attention_op import add_layer_key, segment_positions
 from .bitpipe import ScheduleBitPipe, build_bitpipe_stages
 from .kv import SegmentInfo, current_segment, packed_documents
 from .options import ContextParallelConfig, SequenceSplit
@@ -31,6 +32,7 @@ __all__ = [
     "ScheduleZBVSeq1F1B",
     "SegmentInfo",
     "SequenceSplit",
+    "add_layer_key",
     "build_bitpipe_stages",
     "chunk_aware_attention",
     "compute_balanced_split",
@@ -38,5 +40,6 @@ __all__ = [
     "packed_documents",
     "resolve_split",
     "segment_multiple",
+    "segment_positions",
     "uniform_split",
 ]

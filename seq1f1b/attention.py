@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _runtime as rt
+from .attention_op import add_layer_key, compiled_attention
 from .context_parallel import cp_attention
 from .kv import (
     CachedPrefix,
@@ -290,9 +291,15 @@ def chunk_aware_attention(
     ``mask_backend`` for masked attention: "tiles" (whole-tile flash kernels, thin masked
     strips), "flex" (one FlexAttention call per visible block for the forward; the backward
     runs the tiles), or "auto": flex on CUDA, tiles elsewhere.
+
+    Under ``torch.compile`` the call is the custom op of :mod:`seq1f1b.attention_op` (tiles,
+    no context parallelism yet); ``layer`` must then carry a key buffer (ChunkAwareAttention
+    does; :func:`seq1f1b.add_layer_key` gives one to any module).
     """
     if mask_backend not in ("auto", "tiles", "flex"):
         raise ValueError(f"mask_backend={mask_backend!r}: use 'auto', 'tiles' or 'flex'")
+    if torch.compiler.is_compiling():  # one opaque op: nothing of the unit is traced
+        return compiled_attention(q, k, v, layer, scale, window, sinks, documents)
     ctx = current_unit()
     n_rep = q.shape[1] // k.shape[1]
     if q.shape[1] % k.shape[1] != 0:
@@ -362,6 +369,7 @@ class ChunkAwareAttention(nn.Module):
         super().__init__()
         MaskSpec(window, sinks)  # validate now, not at the first step
         self.window, self.sinks, self.mask_backend = window, sinks, mask_backend
+        add_layer_key(self)  # names the layer under torch.compile
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None

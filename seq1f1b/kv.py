@@ -137,6 +137,17 @@ class StageKVState:
     _next_fwd: dict[int, int] = field(default_factory=dict)
     _next_bwd: dict[int, int] = field(default_factory=dict)
     _weights_done: dict[int, set[int]] = field(default_factory=dict)
+    # compiled attention's per-call records (seq1f1b.attention_op), by unit then call id
+    _records: dict[tuple[int, int], dict[int, Any]] = field(default_factory=dict)
+
+    def put_record(self, microbatch: int, segment: int, rid: int, record: Any) -> None:
+        self._records.setdefault((microbatch, segment), {})[rid] = record
+
+    def get_record(self, microbatch: int, segment: int, rid: int) -> Any:
+        return self._records.get((microbatch, segment), {}).get(rid)
+
+    def pop_record(self, microbatch: int, segment: int, rid: int) -> Any:
+        return self._records.get((microbatch, segment), {}).pop(rid, None)
 
     def layer_entries(self, microbatch: int, layer: Hashable) -> list[SegmentKV | None]:
         return self._cache.setdefault(microbatch, {}).setdefault(layer, [])
@@ -178,6 +189,7 @@ class StageKVState:
         self._next_bwd[microbatch] = segment - 1
         if not free:
             return
+        self._records.pop((microbatch, segment), None)  # a recomputed call's leftovers
         layers = self._cache.get(microbatch)
         if layers is None:
             return
@@ -190,6 +202,7 @@ class StageKVState:
 
     def end_weight(self, microbatch: int, segment: int) -> None:
         """The weight half of a split backward ran; after the sample's last, drop its K/V."""
+        self._records.pop((microbatch, segment), None)
         done = self._weights_done.setdefault(microbatch, set())
         done.add(segment)
         if len(done) == self.num_segments:
@@ -198,6 +211,7 @@ class StageKVState:
 
     def clear(self, reset_peak: bool = False) -> None:
         self._weights_done.clear()
+        self._records.clear()
         if reset_peak:
             self.peak_bytes = 0
         self._cache.clear()
@@ -271,7 +285,9 @@ class UnitContext:
 
     state: StageKVState
     info: SegmentInfo
-    phase: str  # "forward" or "backward" (checkpoint recomputation, also in a weight half)
+    # "forward"; "backward" (a full one), "backward_input" / "backward_weight" (the halves of
+    # a split one); checkpoint recomputation runs in any backward phase
+    phase: str
     keep_kv: bool  # a backward will follow: cache K/V as grad-accumulating leaves
 
 
@@ -283,13 +299,15 @@ def cache_entry(
     spec: MaskSpec,
     keep: bool,
     skip: bool = True,
+    copy: bool = False,
 ) -> SegmentKV | None:
     """What later segments will read of the running segment's K/V: nothing (no later segment
     has a tile on it), or its positions from the first one any later segment sees. A short
     tail is copied so the rest of the segment's K/V can be freed when nothing else holds it
     (checkpointing). A context-parallel shard (two runs of positions) is kept whole; the
     decision is per segment, so it is the same on every CP rank. ``skip=False`` (the mask-alone
-    baseline) keeps every segment but the last whole."""
+    baseline) keeps every segment but the last whole. ``copy=True`` always copies: the
+    compiled path's inputs are buffers the compiler may reuse once the attention returns."""
     bounds, seg = info.bounds, info.segment
     later = tuple((bounds[j], bounds[j + 1]) for j in range(seg + 1, info.num_segments))
     first = first_seen(info.start, info.end, later, groups, spec, skip)
@@ -297,7 +315,7 @@ def cache_entry(
         return None
     offset = 0 if info.cp is not None else first - info.start
     kd, vd = k.detach()[..., offset:, :], v.detach()[..., offset:, :]
-    if 2 * (info.length - offset) <= info.length:
+    if copy or 2 * (info.length - offset) <= info.length:
         kd, vd = kd.clone(), vd.clone()
     return SegmentKV(kd.requires_grad_(keep), vd.requires_grad_(keep), info.start + offset)
 
@@ -330,13 +348,16 @@ def attend_cache(
     groups: RowGroups,
     spec: MaskSpec,
     skip: bool = True,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, CachedPrefix]:
     """The cache side of one attention layer in the running unit.
 
     In a forward, cache what later segments see of ``k``, ``v`` (:func:`cache_entry`); in a
     recomputation (checkpointing), find that entry again. Returns the ``k``, ``v`` to attend
     with (wired so that the gradients later segments leave on the cache flow into them) and
-    the cache entries of the earlier segments the running one has tiles on."""
+    the cache entries of the earlier segments the running one has tiles on. ``compiled``
+    (the custom op's path, :mod:`seq1f1b.attention_op`): the cached copy is private and ``k``,
+    ``v`` come back unwired; the op's backward adds the cache's gradients itself."""
     info, state = ctx.info, ctx.state
     seg = info.segment
     entries = state.layer_entries(info.microbatch, layer)
@@ -347,7 +368,7 @@ def attend_cache(
                 f"{len(entries)} segments of sample {info.microbatch} but runs segment {seg}; "
                 "each attention layer must run exactly once per unit forward"
             )
-        entries.append(cache_entry(k, v, info, groups, spec, ctx.keep_kv, skip))
+        entries.append(cache_entry(k, v, info, groups, spec, ctx.keep_kv, skip, compiled))
     elif len(entries) <= seg:  # recomputation inside a backward (checkpointing)
         raise RuntimeError(
             f"Seq1F1B: recomputing segment {seg} of sample {info.microbatch} on stage "
@@ -361,7 +382,7 @@ def attend_cache(
         tuple(earlier[j][1] for j in used),
     )
     own = entries[seg]
-    if own is not None and ctx.keep_kv:
+    if own is not None and ctx.keep_kv and not compiled:
         k, v = InjectKVGrad.apply(k, v, own, own.start - info.start)
     return k, v, prefix
 

@@ -61,6 +61,21 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         **options: Any,
     ) -> None:
         stage_list = _check_stages(stages, self._placement)
+        if self._split_backward and rt.donated_buffers_enabled():
+            compiled = [
+                s.stage_index
+                for s in stage_list
+                if rt.has_compiled_module(getattr(s, "submod", None))
+            ]
+            if compiled:
+                raise ValueError(
+                    f"{type(self).__name__} splits each backward in two, which runs a compiled "
+                    f"block's backward twice, but stages {compiled} hold compiled modules and "
+                    "AOTAutograd's donated buffers are on (the first half would consume the "
+                    "saved tensors the second needs: wrong weight gradients). Set "
+                    "torch._functorch.config.donated_buffer = False before the first compiled "
+                    "forward (torchtitan_integration does), or use ScheduleSeq1F1B"
+                )
         m = positive_int("n_microbatches", n_microbatches, "pass the number of samples per step")
         k = positive_int("seq_chunks", seq_chunks, "pass 1 for plain 1F1B, or 2, 4, 8 ...")
         if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:

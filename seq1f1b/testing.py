@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .attention import ChunkAwareAttention
-from .kv import current_segment
+from .attention_op import segment_positions
 
 __all__ = ["TinyConfig", "TinyStage", "build_stages", "full_model", "rope_positions"]
 
@@ -33,14 +33,10 @@ class TinyConfig:
     sinks: int = 0
 
 
-def rope_positions(seq_len: int, device: torch.device) -> torch.Tensor:
-    """Absolute positions of the tokens in this forward: the running segment's, or 0..S-1."""
-    info = current_segment()
-    if info is None:
-        return torch.arange(seq_len, device=device)
-    if info.local_length != seq_len:
-        raise RuntimeError(f"segment length {info.local_length} != input length {seq_len}")
-    return info.positions(device)
+def rope_positions(x: torch.Tensor) -> torch.Tensor:
+    """Absolute positions of the tokens of ``x`` (batch, seq, ...): the running segment's, or
+    0..S-1 (an op, so compiled blocks are not specialised to one segment)."""
+    return segment_positions(x, dim=1)
 
 
 def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
@@ -76,7 +72,7 @@ class Block(nn.Module):
         q = self.wq(h).view(b, s, self.cfg.n_heads, hd).transpose(1, 2)
         k = self.wk(h).view(b, s, self.cfg.n_kv_heads, hd).transpose(1, 2)
         v = self.wv(h).view(b, s, self.cfg.n_kv_heads, hd).transpose(1, 2)
-        pos = rope_positions(s, x.device)
+        pos = rope_positions(x)
         q, k = _rope(q, pos, self.cfg.rope_theta), _rope(k, pos, self.cfg.rope_theta)
         a = self.attn(q, k, v).transpose(1, 2).reshape(b, s, -1)
         x = x + self.wo(a)

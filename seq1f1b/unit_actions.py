@@ -149,7 +149,8 @@ class UnitActions:
         """A full backward, the input half of a split one, or the first stage's whole one."""
         info, state = self.segment_info(unit), self.kv_states[stage.stage_index]
         state.begin_backward(info.microbatch, info.segment)
-        with activate(UnitContext(state, info, "backward", True)):
+        phase = "backward" if free else "backward_input"
+        with activate(UnitContext(state, info, phase, True)):
             yield
         state.end_backward(info.microbatch, info.segment, free=free)
 
@@ -158,6 +159,6 @@ class UnitActions:
         """Weight gradients from the intermediates BACKWARD_INPUT saved; checkpointing may
         recompute the layer (and its attention, from the kept K/V cache) once more here."""
         info, state = self.segment_info(unit), self.kv_states[stage.stage_index]
-        with activate(UnitContext(state, info, "backward", False)):
+        with activate(UnitContext(state, info, "backward_weight", False)):
             yield
         state.end_weight(info.microbatch, info.segment)

@@ -146,3 +146,28 @@ def test_planner_toml_is_accepted_on_0_3(argv: str, tmp_path: Path) -> None:
     assert config.training.seq_len == plan.seq_len
     assert model_shape(config.model_spec.model) == plan.shape
     validate_before_start(config)
+
+
+def test_spmd_parallelism_on_an_old_torch_is_refused_naming_both_versions(monkeypatch) -> None:
+    """TP / FSDP / CP need torch 2.15 on torchtitan 0.3: an older torch is refused at start-up
+    with both versions and the fix; PP alone is not."""
+    from types import SimpleNamespace
+
+    from torchtitan_integration.v03 import validate
+
+    par = SimpleNamespace(
+        pipeline_parallel_degree=2,
+        tensor_parallel_degree=2,
+        context_parallel_degree=1,
+        data_parallel_replicate_degree=1,
+        data_parallel_shard_degree=-1,
+    )
+    monkeypatch.setattr(validate, "_torch_release", lambda: (2, 13))
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree = 2 needs torch >= 2\.15"):
+        validate.check_torch_for_parallelism(par, world=4)
+    fsdp = SimpleNamespace(**{**vars(par), "tensor_parallel_degree": 1})
+    with pytest.raises(ValueError, match="data_parallel_shard_degree = 2"):
+        validate.check_torch_for_parallelism(fsdp, world=4)
+    validate.check_torch_for_parallelism(fsdp, world=2)  # PP alone: fine on 2.13
+    monkeypatch.setattr(validate, "_torch_release", lambda: (2, 15))
+    validate.check_torch_for_parallelism(par, world=4)

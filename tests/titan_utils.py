@@ -69,7 +69,7 @@ def _torch_at_least(major: int, minor: int) -> bool:
 needs_sharding = pytest.mark.skipif(
     TITAN == "0.3" and not _torch_at_least(2, 15),
     reason="torchtitan 0.3's FSDP/TP need torch >= 2.15 (2.13's fully_shard lacks dp_mesh_dims "
-    "on plain tensors); run on .venv-latest",
+    "on plain tensors); run on .venv (torch 2.15)",
 )
 
 

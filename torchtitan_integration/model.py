@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from seq1f1b import chunk_aware_attention, current_segment
+from seq1f1b import add_layer_key, chunk_aware_attention, current_segment
 
 
 class ChunkAwareSDPA(nn.Module):
@@ -30,6 +30,7 @@ class ChunkAwareSDPA(nn.Module):
     def __init__(self, documents: bool | None = None) -> None:
         super().__init__()
         self.documents = documents
+        add_layer_key(self)  # names the layer under torch.compile
 
     def forward(
         self,

@@ -2,7 +2,7 @@
 # upstream/check.sh: the patch series against torch 2.15.0's torch/distributed/pipelining,
 # checked end to end on a scratch venv (see upstream/README.md).
 #
-#   1. .venv-latest (torch 2.15.0 + torchtitan 0.3.0, scripts/setup_env.sh) is the base; the
+#   1. .venv (torch 2.15.0 + torchtitan 0.3.0, scripts/setup_env.sh) is the base; the
 #      series applies to ITS files, which must be 2.15.0's (series/BASE.sha256);
 #   2. upstream/.tree gets a copy of those files and upstream/.venv-check a torch whose
 #      pipelining is that copy (tools/mkvenv.sh: links, nothing else copied);
@@ -18,8 +18,8 @@ ROOT="$(pwd)"
 UP="$ROOT/upstream"
 export OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
 
-TORCHTITAN_VERSION=0.3.0 bash scripts/setup_env.sh .venv-latest 2.15.0 titan,test,bench >/dev/null
-SITE="$(.venv-latest/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+TORCHTITAN_VERSION=0.3.0 bash scripts/setup_env.sh .venv 2.15.0 titan,test,bench >/dev/null
+SITE="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 BASE="$SITE/torch/distributed/pipelining"
 (cd "$BASE" && sha256sum -c --quiet "$UP/series/BASE.sha256") || {
   echo "check.sh: $BASE is not torch 2.15.0's pipelining (series/BASE.sha256)" >&2

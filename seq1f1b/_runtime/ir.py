@@ -70,6 +70,36 @@ def device_type_reported_as(device_type: str) -> Iterator[None]:
         torch._utils._get_available_device_type = original
 
 
+def has_compiled_module(module: torch.nn.Module | None) -> bool:
+    """Whether ``module`` or a submodule is compiled (``module.compile()`` or an
+    ``OptimizedModule`` wrapper, as torchtitan's per-block compile makes); None: no module
+    (mock stages)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if not isinstance(module, torch.nn.Module):
+        return False
+    return any(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules()
+    )
+
+
+def donated_buffers_enabled() -> bool:
+    """AOTAutograd's donated buffers: a compiled backward may then reuse its saved tensors,
+    so it cannot run twice (a split backward runs it once per half)."""
+    import torch._functorch.config as functorch_config
+
+    return bool(getattr(functorch_config, "donated_buffer", False))
+
+
+def disable_donated_buffers() -> None:
+    """Turn AOTAutograd's donated buffers off for this process (zero-bubble orders on
+    compiled blocks; torchtitan's graph trainer does the same for its V schedules)."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
+
+
 def fsdp_replicate() -> Callable[..., Any]:
     """FSDP2's ``replicate`` (DP-replicate whose gradients the pipelining runtime reduces)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate

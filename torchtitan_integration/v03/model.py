@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from seq1f1b import chunk_aware_attention
+from seq1f1b import add_layer_key, chunk_aware_attention
 
 
 class ChunkAwareInnerAttention(nn.Module):
@@ -24,8 +24,12 @@ class ChunkAwareInnerAttention(nn.Module):
 
     ``attention_masks`` is ignored on purpose: the documents it would encode come from the
     step (or :func:`seq1f1b.packed_documents` outside one), where the schedule cut them per
-    segment.
+    segment. Its ``seq1f1b_layer_key`` buffer names the layer under torch.compile.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        add_layer_key(self)
 
     def forward(
         self,

@@ -2,9 +2,46 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import torch
+
 from ..pipeline import check_config, check_schedule_name
+
+#: torchtitan 0.3's FSDP and TP (its full-DTensor ``fully_shard(..., dp_mesh_dims=...)``) need
+#: torch 2.15: torch 2.13's fully_shard rejects the plain-tensor parameters 0.3 hands it
+SPMD_TORCH = (2, 15)
+
+
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_torch_for_parallelism(par: Any, world: int | None = None) -> None:
+    """Refuse TP / FSDP / CP on a torch older than 0.3 needs, naming both versions and the fix
+    (before torchtitan's own error from deep inside ``fully_shard``)."""
+    if _torch_release() >= SPMD_TORCH:
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    pp, tp = max(par.pipeline_parallel_degree, 1), max(par.tensor_parallel_degree, 1)
+    cp, rep = max(par.context_parallel_degree, 1), max(par.data_parallel_replicate_degree, 1)
+    shard = par.data_parallel_shard_degree
+    if shard == -1:
+        shard = max(world // (pp * tp * cp * rep), 1)
+    used = [f"{name} = {deg}" for name, deg in (
+        ("tensor_parallel_degree", tp), ("data_parallel_shard_degree", shard),
+        ("context_parallel_degree", cp)) if deg > 1]  # fmt: skip
+    if used:
+        need = ".".join(map(str, SPMD_TORCH))
+        raise ValueError(
+            f"{', '.join(used)} needs torch >= {need} with torchtitan 0.3 (its FSDP / TP shard "
+            f"full-DTensor models), but this environment has torch {torch.__version__}: run "
+            f"./run_train.sh from its default environment (torch {need}; bash "
+            "scripts/setup_env.sh .venv sets it up), or pip install 'torch>=2.15', or train "
+            "with pipeline parallelism alone"
+        )
 
 
 def validate_before_start(config: Any) -> None:
@@ -12,6 +49,7 @@ def validate_before_start(config: Any) -> None:
     from .pipeline import model_shape
 
     par = config.parallelism
+    check_torch_for_parallelism(par)
     entry = check_schedule_name(par.pipeline_parallel_schedule)
     if par.pipeline_parallel_degree <= 1:
         return

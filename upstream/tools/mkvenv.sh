@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# mkvenv.sh DEST PIPELINING_DIR: a scratch venv whose torch is the 2.15.0 of .venv-latest with
+# mkvenv.sh DEST PIPELINING_DIR: a scratch venv whose torch is the 2.15.0 of .venv with
 # torch/distributed/pipelining replaced by PIPELINING_DIR (a patched copy of its files).
 #
 # Nothing of torch is copied but those files: DEST's site-packages holds a "symlink farm" of the
 # installed torch (every entry a link) in which distributed/ is a real folder of links whose
-# pipelining entry points at PIPELINING_DIR. The rest of .venv-latest (numpy, torchtitan, this
+# pipelining entry points at PIPELINING_DIR. The rest of .venv (numpy, torchtitan, this
 # package in editable mode, pytest, ...) is reached through a .pth file after DEST's own
-# site-packages (then the system's, as .venv-latest has them), so DEST's torch wins.
+# site-packages (then the system's, as .venv has them), so DEST's torch wins.
 set -euo pipefail
 DEST="$1"
 PIPELINING="$(cd "$2" && pwd)"
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-BASE="$ROOT/.venv-latest"
+BASE="$ROOT/.venv"
 BASE_SITE="$("$BASE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 [ -d "$BASE_SITE/torch/distributed/pipelining" ] || {
-  echo "mkvenv.sh: $BASE has no torch (run: bash scripts/setup_env.sh .venv-latest 2.15.0)" >&2
+  echo "mkvenv.sh: $BASE has no torch (run: bash scripts/setup_env.sh .venv 2.15.0)" >&2
   exit 1
 }
 rm -rf "$DEST"

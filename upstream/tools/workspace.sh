@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # workspace.sh: (re)build upstream/.work, the git repository the series is written in: a first
-# commit (tag base) with torch 2.15.0's torch/distributed/pipelining from .venv-latest, then
+# commit (tag base) with torch 2.15.0's torch/distributed/pipelining from .venv, then
 # one commit per patch of series/ (git am), on branch series.
 set -euo pipefail
 UP="$(cd "$(dirname "$0")/.." && pwd)"
 ROOT="$(cd "$UP/.." && pwd)"
-SITE="$("$ROOT/.venv-latest/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+SITE="$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 BASE="$SITE/torch/distributed/pipelining"
 (cd "$BASE" && sha256sum -c --quiet "$UP/series/BASE.sha256")
 WORK="$UP/.work"

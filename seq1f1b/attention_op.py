@@ -1,0 +1,311 @@
+"""Chunk-aware attention as torch.compile sees it: opaque custom ops, state kept outside.
+
+A compiled block (torchtitan compiles each one with ``fullgraph=True``) must neither trace
+the K/V cache (Python dicts, detached leaves with ``requires_grad_``) nor guard on the running
+unit (a guard on the segment's start would recompile per segment). So under
+``torch.compile``, :func:`seq1f1b.chunk_aware_attention` calls two ``torch.library`` custom
+ops instead of its eager autograd function:
+
+* ``seq1f1b::segment_attention(q, k, v, layer_key, ...) -> (out, lse, handle)`` reads the unit
+  context when it runs (never while tracing), caches what later segments see of ``k``/``v``
+  and runs the planned tiles; ``handle`` carries what its backward needs (the plan, the cache
+  entries read), so nothing about the unit reaches the graph;
+* ``seq1f1b::segment_attention_backward(grad, q, k, v, out, lse, handle) -> (dq, dk, dv)``
+  runs the tiles' backward, leaves the prefix's gradients on the cache (as the eager path
+  does) and adds those later segments left on this segment's own K/V.
+
+Their fake kernels only give shapes, so one graph serves every unit, segment and step (with
+dynamic shapes where segment lengths vary). The layer is named by a tensor, the
+``seq1f1b_layer_key`` buffer of :class:`seq1f1b.ChunkAwareAttention` (or any module given one
+by :func:`add_layer_key`): a buffer is a graph input, so every block shares one graph where an
+integer id would be a guard (a recompilation per layer). The buffer's storage address is the
+key, its value is never read (meta-device init may leave it uninitialised).
+
+Compiled buffers can be reused by the compiler once an op returns, so the cache holds copies
+of what later segments see (the eager path shares storage instead): K/V of the visible
+positions, about ``2 * kv_heads / (n_layers' activations)`` of a block's saved bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _runtime as rt
+from .kv import (
+    SegmentKV,
+    _add_rows,
+    accumulate_cache_grads,
+    attend_cache,
+    current_documents,
+    current_unit,
+    inferring_metadata,
+)
+from .masks import MaskSpec, plan_segment
+from .tiles import accumulator_dtype, kv_blocks, run_tiles_backward, run_tiles_forward
+
+__all__ = [
+    "LAYER_KEY",
+    "add_layer_key",
+    "compiled_attention",
+    "layer_key_of",
+    "segment_positions",
+]
+
+LAYER_KEY = "seq1f1b_layer_key"
+_IDS = itertools.count(1)
+# Records of calls outside any Seq1F1B unit (unpipelined compiled runs, torch's schedules):
+# a plan and a few numbers each, no tensors; the oldest are dropped past the limit, so the
+# store stays bounded whether or not backwards run (a split backward reads a record twice).
+_ORPHANS: OrderedDict[int, Any] = OrderedDict()
+_ORPHAN_LIMIT = 1 << 16
+
+
+def add_layer_key(module: nn.Module) -> nn.Module:
+    """Give ``module`` the non-persistent buffer that names its attention layer under
+    torch.compile (idempotent; not saved in checkpoints)."""
+    if not hasattr(module, LAYER_KEY):
+        module.register_buffer(LAYER_KEY, torch.zeros(1), persistent=False)
+    return module
+
+
+def layer_key_of(layer: Hashable) -> torch.Tensor:
+    """The key buffer of ``layer`` (the ``layer=`` of chunk_aware_attention), or a clear error."""
+    key = getattr(layer, LAYER_KEY, None)
+    if not isinstance(key, torch.Tensor):
+        raise RuntimeError(
+            f"chunk_aware_attention under torch.compile needs layer= to be a module with a "
+            f"{LAYER_KEY!r} buffer (got {type(layer).__name__}): use seq1f1b.ChunkAwareAttention, "
+            "or call seq1f1b.add_layer_key(module) once when building the model"
+        )
+    return key
+
+
+@dataclass
+class _Record:
+    """What one call's backward needs and the graph must not see."""
+
+    plan: tuple
+    spec: MaskSpec
+    scale: float
+    kernels: tuple[str, Any, Any]
+    entries: tuple[SegmentKV, ...]
+    prefix: list[torch.Tensor]
+    own: SegmentKV | None
+    offset: int
+
+
+def _documents_arg(documents: int) -> bool | None:
+    return None if documents < 0 else bool(documents)
+
+
+def _out_shapes(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=accumulator_dtype(q), device=q.device)
+    return out, lse, torch.zeros(1, dtype=torch.int64)  # call 0: no record (shapes only)
+
+
+@torch.library.custom_op("seq1f1b::segment_attention", mutates_args=())
+def segment_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_key: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: int,
+    documents: int,
+    needs_grad: bool,
+    donated: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward of one chunk-aware attention call (see the module docstring); ``handle`` is a
+    CPU int64 naming the call's record, kept only when a backward will follow. ``donated``
+    (AOTAutograd's donated buffers at trace time) does nothing here: it makes graphs traced
+    with and without donated buffers differ, which inductor's FX graph cache does not
+    otherwise tell apart (torch 2.13-2.15), so a zero-bubble schedule can never be served a
+    backward that consumes its saved tensors."""
+    from .attention import block_attention_kernels  # the kernel table lives with the entry
+
+    spec = MaskSpec(window, sinks)
+    if q.device.type == "meta":
+        return _out_shapes(q)
+    ctx = current_unit()
+    if ctx is None and inferring_metadata():
+        return _out_shapes(q)
+    want_docs = _documents_arg(documents)
+    groups = None if want_docs is False else current_documents()
+    if want_docs and groups is None:
+        raise ValueError(
+            "a chunk-aware attention layer needs packed-document ids (documents=True) but the "
+            "batch has none: pass step(..., document_ids=ids), or wrap the call in "
+            "seq1f1b.packed_documents(ids) outside a pipeline step"
+        )
+    plain = groups is None and spec.window is None
+    alone = ctx is None or (ctx.info.cp is None and ctx.info.num_segments == 1)
+    unit = None if alone else ctx
+    if unit is not None and unit.info.cp is not None:
+        raise NotImplementedError(
+            "Seq1F1B with context parallelism does not run under torch.compile yet: set "
+            "[compile] enable = false, or context_parallel_degree = 1"
+        )
+    if unit is None:
+        start = 0 if ctx is None else ctx.info.start
+        end = seq_len = start + q.shape[-2]
+    else:
+        start, end, seq_len = unit.info.start, unit.info.end, unit.info.seq_len
+    groups = groups or ((0, q.shape[0], ((0, seq_len),)),)
+    entries: tuple[SegmentKV, ...] = ()
+    prefix: list[torch.Tensor] = []
+    own, offset, skip = None, 0, True
+    if unit is not None:
+        skip = unit.state.skip_invisible or plain
+        layer = ("compiled", layer_key.untyped_storage().data_ptr())
+        _, _, cached = attend_cache(unit, layer, k, v, groups, spec, skip, compiled=True)
+        entries, prefix = cached.entries, cached.tensors()
+        if unit.keep_kv or unit.phase == "backward_weight":  # a weight half recomputes too
+            own = unit.state.layer_entries(unit.info.microbatch, layer)[unit.info.segment]
+            offset = 0 if own is None else own.start - start
+        plan = plan_segment(start, end, cached.key_runs(), groups, spec, skip)
+    else:
+        plan = plan_segment(start, end, (), groups, spec, skip)
+    kernels = block_attention_kernels(q)
+    out, lse = run_tiles_forward(q, kv_blocks(k, v, prefix), plan, spec, scale, kernels, final=True)
+    out = out.to(q.dtype).contiguous()
+    rid = next(_IDS)
+    if needs_grad:
+        record = _Record(plan, spec, scale, kernels, entries, prefix, own, offset)
+        if ctx is not None:
+            ctx.state.put_record(ctx.info.microbatch, ctx.info.segment, rid, record)
+        else:
+            _ORPHANS[rid] = record
+            while len(_ORPHANS) > _ORPHAN_LIMIT:
+                _ORPHANS.popitem(last=False)
+    return out, lse.contiguous(), torch.tensor([rid], dtype=torch.int64)
+
+
+@segment_attention.register_fake
+def _(q, k, v, layer_key, scale, window, sinks, documents, needs_grad, donated):
+    return _out_shapes(q)
+
+
+@torch.library.custom_op("seq1f1b::segment_attention_backward", mutates_args=())
+def segment_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    handle: torch.Tensor,
+    donated: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`segment_attention`: input grads plus the cache's gradients
+    (``donated``: as in the forward, keys the compiled backward graph)."""
+    rid, ctx = int(handle.item()), current_unit()
+    if rid == 0 and inferring_metadata():  # the stage's backward shape inference
+        return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    if ctx is not None:  # a split backward's halves both run a compiled block's backward
+        m, seg = ctx.info.microbatch, ctx.info.segment
+        split = ctx.phase != "backward"
+        rec = ctx.state.get_record(m, seg, rid) if split else ctx.state.pop_record(m, seg, rid)
+    else:
+        rec = _ORPHANS.get(rid)  # a split backward reads it twice; eviction frees it
+    if rec is None:
+        raise RuntimeError(
+            f"seq1f1b: the backward of compiled attention call {rid} found no record of its "
+            "forward: a backward outside the unit that ran the forward, or more than "
+            f"{_ORPHAN_LIMIT} pending unpipelined forwards"
+        )
+    dkv: dict[int, list[torch.Tensor]] = {}
+    dq = run_tiles_backward(
+        grad_out, q, out, lse, kv_blocks(k, v, rec.prefix), rec.plan, rec.spec, rec.scale,
+        rec.kernels, None, dkv, final=True,
+    )  # fmt: skip
+    own = dkv.get(-1)
+    dk = torch.zeros_like(k) if own is None else own[0].to(k.dtype)
+    dv = torch.zeros_like(v) if own is None else own[1].to(v.dtype)
+    if ctx is None or ctx.phase != "backward_weight":  # the input half already left them
+        accumulate_cache_grads(rec.entries, dkv)
+    if rec.own is not None:  # what later segments left on this segment's cached K/V
+        dk = _add_rows(dk, rec.own.k.grad, rec.offset, k.shape)
+        dv = _add_rows(dv, rec.own.v.grad, rec.offset, v.shape)
+    return dq.to(q.dtype).contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@segment_attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, handle, donated):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v = inputs[:3]
+    out, lse, handle = output
+    ctx.save_for_backward(q, k, v, out, lse, handle)
+    ctx.donated = inputs[-1]
+
+
+def _backward(ctx: Any, grad_out: torch.Tensor, _grad_lse: Any, _grad_handle: Any) -> tuple:
+    q, k, v, out, lse, handle = ctx.saved_tensors
+    dq, dk, dv = segment_attention_backward(grad_out, q, k, v, out, lse, handle, ctx.donated)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+segment_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compiled_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: Hashable,
+    scale: float | None,
+    window: int | None,
+    sinks: int,
+    documents: bool | None,
+) -> torch.Tensor:
+    """The traced form of chunk_aware_attention: one custom-op call, nothing guarded."""
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    flag = -1 if documents is None else int(documents)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    key = layer_key_of(layer)
+    donated = rt.donated_buffers_enabled()
+    out, _, _ = segment_attention(q, k, v, key, scale, window, sinks, flag, grad, donated)
+    return out
+
+
+@torch.library.custom_op("seq1f1b::segment_positions", mutates_args=())
+def _segment_positions(x: torch.Tensor, dim: int) -> torch.Tensor:
+    from .kv import current_segment
+
+    length = x.shape[dim]
+    info = current_segment()
+    if info is None:
+        return torch.arange(length, device=x.device)
+    if info.local_length != length:
+        raise RuntimeError(
+            f"seq1f1b.segment_positions: the input has {length} positions on dim {dim} but the "
+            f"running segment has {info.local_length} on this rank: pass the sequence dim"
+        )
+    return info.positions(x.device)
+
+
+@_segment_positions.register_fake
+def _(x, dim):
+    return torch.empty(x.shape[dim], dtype=torch.int64, device=x.device)
+
+
+def segment_positions(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Absolute positions (int64) of the tokens of ``x`` along its sequence dim ``dim``: the
+    running segment's (this rank's shard of it under context parallelism), else ``0..S-1``.
+
+    The RoPE / learned-position input that works eager and compiled alike: it is read when the
+    op runs, so a compiled block is not specialised to one segment's start."""
+    return _segment_positions(x, dim % x.dim())

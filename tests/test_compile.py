@@ -1,0 +1,43 @@
+"""torch.compile under the Seq1F1B schedules: blocks compiled as torchtitan compiles them
+(``fullgraph=True``) are exact against the eager full-sequence run, with checkpointing and
+packed documents, over steps of different lengths and K, and compile a bounded number of
+graphs; CPU inductor (gcc). Few and small: compiling is slow on 2 cores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compile_worker import compiled_schedule_steps, refuses_split_backward_with_donated_buffers
+from dist_utils import run_ranks
+
+import seq1f1b
+from seq1f1b.attention_op import segment_positions
+
+
+@pytest.mark.parametrize(
+    "schedule,checkpointing,docs",
+    [("Seq1F1B", True, True), ("ZBVSeq1F1B", True, False), ("ZBSeq1F1B", False, True)],
+)
+def test_compiled_blocks_match_eager_reference(schedule: str, checkpointing: bool, docs: bool):
+    run_ranks(compiled_schedule_steps, 1, schedule, checkpointing, docs)
+
+
+def test_split_backward_refuses_donated_buffers() -> None:
+    run_ranks(refuses_split_backward_with_donated_buffers, 1)
+
+
+def test_compiled_attention_needs_a_layer_key() -> None:
+    q = torch.randn(1, 2, 4, 8)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def attend(q):
+        return seq1f1b.chunk_aware_attention(q, q, q, layer="layer-0")
+
+    with pytest.raises(Exception, match="add_layer_key"):
+        attend(q)
+
+
+def test_segment_positions_outside_a_unit() -> None:
+    x = torch.zeros(2, 5, 3)
+    assert torch.equal(segment_positions(x), torch.arange(5))
+    assert torch.equal(segment_positions(x, dim=-1), torch.arange(3))

@@ -1,0 +1,67 @@
+"""GPU-only paths (skip without CUDA; scripts/gpu_check.sh runs them on a lent GPU): the CUDA
+block kernels in bf16 against the float32 math reference, a compiled block, and Seq1F1B with
+several stages on one rank on CUDA tensors against the unpipelined model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from equivalence import Case, data, loss_fn, rel_err
+from torch.distributed.pipelining import PipelineStage
+
+import seq1f1b
+from seq1f1b.registry import lookup
+from seq1f1b.testing import build_stages, full_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+# bf16 has an 8-bit mantissa (relative step 2^-8 = 3.9e-3); flash kernels accumulate in fp32,
+# so a whole attention output stays within a few steps of the float32 result
+BF16_TOL = 2e-2
+
+
+def test_cuda_attention_bf16_matches_float32_math() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", generator=g) for _ in range(3))
+    layer = seq1f1b.ChunkAwareAttention().cuda()
+    ref = layer(q.double(), k.double(), v.double()).float()
+    qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
+    out = layer(qb, kb, vb)
+    assert rel_err(out.float(), ref) <= BF16_TOL
+    out.float().square().sum().backward()
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    layer(qr, kr, vr).square().sum().backward()
+    for got, want in ((qb, qr), (kb, kr), (vb, vr)):
+        assert rel_err(got.grad.float(), want.grad.float()) <= 5 * BF16_TOL
+
+
+def _seq1f1b_on_cuda(rank: int, world: int, compiled: bool) -> None:
+    case = Case(2, 4, 2, seq_len=64, batch=4, checkpointing=True)
+    dev = torch.device("cuda")
+    ref_mods = [m.to(dev) for m in build_stages(case.cfg, 2, checkpointing=True)]
+    x, y = (t.to(dev) for t in data(case))
+    ref_loss = loss_fn(full_model(ref_mods)(x), y)
+    ref_loss.backward()
+    mods = [m.to(dev) for m in build_stages(case.cfg, 2, checkpointing=True)]
+    if compiled:
+        for mod in mods:
+            for block in mod.layers:
+                block.compile(fullgraph=True)
+    stages = [PipelineStage(mods[s], s, 2, dev) for s in range(2)]
+    sched = lookup("Seq1F1B").schedule_class()(stages, 2, 4, loss_fn)
+    losses: list[torch.Tensor] = []
+    sched.step(x, target=y, losses=losses)
+    assert abs(torch.stack(losses).mean().item() - ref_loss.item()) <= 1e-4 * ref_loss.item()
+    for a, b in zip(mods, ref_mods, strict=True):
+        for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+            assert rel_err(p.grad, q.grad) <= 1e-4, name
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_seq1f1b_stages_on_one_cuda_rank(compiled: bool) -> None:
+    from dist_utils import run_ranks
+
+    run_ranks(_seq1f1b_on_cuda, 1, compiled)
