@@ -3,6 +3,7 @@
 from .attention import ChunkAwareAttention, chunk_aware_attention
 from .attention_op import add_layer_key, segment_positions
 from .bitpipe import ScheduleBitPipe, build_bitpipe_stages
+from .chunked_loss import ChunkedLoss
 from .kv import SegmentInfo, current_segment, packed_documents
 from .options import ContextParallelConfig, SequenceSplit
 from .partition import (
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ChunkAwareAttention",
+    "ChunkedLoss",
     "ContextParallelConfig",
     "ModelShape",
     "ScheduleBitPipe",

@@ -260,6 +260,10 @@ class MemoryModel:
     state_bytes_per_param: float = 16.0
     pipelined: bool = False  # pp > 1: FSDP keeps the stage unsharded for the whole step
     fsdp_wrapped: bool = False  # FSDP wraps the model at degree 1 too (torchtitan 0.3)
+    # head + loss in chunks of this many tokens with their backward inside (ChunkedLoss, what
+    # torchtitan 0.3's ChunkedLossWrapper becomes): the last stage keeps the hidden states'
+    # fp32 gradient per token instead of fp32 log-probabilities over the vocabulary
+    loss_chunk_tokens: int | None = None
 
     def _full_layer_bytes(self) -> float:
         s, b = self.shape, self.dtype_bytes
@@ -280,7 +284,9 @@ class MemoryModel:
         backward: the blocks' saved tensors, and on the last stage the loss's fp32
         log-probabilities."""
         saved = tokens * layers * self.layer_bytes_per_token(segmented)
-        if last:
+        if last and self.loss_chunk_tokens is not None:
+            saved += tokens * 4 * self.shape.hidden
+        elif last:
             saved += tokens * 4 * self.shape.vocab / self.tp
         return saved
 
@@ -291,7 +297,10 @@ class MemoryModel:
         if last:
             upcast = 4 if self.dtype_bytes < 4 else 0  # the loss's fp32 copy of the logits
             logits = (self.dtype_bytes + upcast) * self.shape.vocab / self.tp
-            transient = max(transient, unit_tokens * logits)
+            chunk = unit_tokens
+            if self.loss_chunk_tokens is not None:  # one chunk's logits, their gradient too
+                chunk = 2 * min(unit_tokens, self.loss_chunk_tokens)
+            transient = max(transient, chunk * logits)
         return transient
 
     def activation_bytes(

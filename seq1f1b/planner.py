@@ -52,6 +52,8 @@ Order = dict[int, list[Action | None]]
 #: What a trainer runs in bf16 and wraps in FSDP (:func:`runs_in_bf16`); the CLI's default is
 #: the first, the trainer this repository's TOML is for by default.
 PRECISIONS = ("torchtitan-0.3", "torchtitan-0.2", "bf16")
+#: ChunkedLossWrapper's default chunk count (torchtitan 0.3): the loss's chunk is seq / this
+TITAN_LOSS_CHUNKS = 8
 
 
 def runs_in_bf16(pp: int, tp: int, fsdp: int, precision: str) -> bool:
@@ -450,6 +452,9 @@ def _price(
         state_bytes_per_param,
         pipelined=p > 1,
         fsdp_wrapped=fsdp_at_degree_1,
+        # torchtitan 0.3's configs chunk the loss (ChunkedLossWrapper, 8 chunks a sequence),
+        # and under the Seq1F1B schedules the trainer keeps it chunked per segment
+        loss_chunk_tokens=-(-sum(lengths) // TITAN_LOSS_CHUNKS) if fsdp_at_degree_1 else None,
     )
     seconds = time.cost(lengths, n, seq_chunks=k)
     segmented = k > 1

@@ -271,9 +271,13 @@ class SequencePipelineSchedule(rt.UnitRuntime):
 
     # ------------------------------------------------------------------ runtime hooks
     def unit_loss(self, stage, output, target, mb_index, loss_kwargs):  # type: ignore[override]
-        """torch's per-unit loss, weighted by the unit's share of the batch's tokens."""
-        loss = super().unit_loss(stage, output, target, mb_index, loss_kwargs)
+        """torch's per-unit loss, weighted by the unit's share of the batch's tokens (a loss
+        that runs its own backward inside, :class:`seq1f1b.ChunkedLoss`, takes the weight)."""
         weight = self._inputs.weights[mb_index] if self._inputs is not None else 1.0
+        loss_fn = self.loss_fn
+        if loss_fn is not None and getattr(loss_fn, "takes_unit_weight", False):
+            return loss_fn(output, target, weight=weight, **(loss_kwargs or {}))
+        loss = super().unit_loss(stage, output, target, mb_index, loss_kwargs)
         if weight == 0.0:
             # no token counts (all ignore_index): a mean loss is 0/0 = NaN; the unit adds
             # nothing to the batch loss and its gradient is zero either way

@@ -98,6 +98,7 @@ class TinyStage(nn.Module):
         self.norm = nn.RMSNorm(cfg.dim) if last else None
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False) if last else None
         self.checkpointing = checkpointing
+        self.skip_head = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
@@ -105,7 +106,9 @@ class TinyStage(nn.Module):
         for layer in self.layers:
             x = checkpoint(layer, x, use_reentrant=False) if self.checkpointing else layer(x)
         if self.head is not None:
-            x = self.head(self.norm(x))
+            x = self.norm(x)
+            if not self.skip_head:  # (torchtitan's _skip_lm_head: a ChunkedLoss runs the head)
+                x = self.head(x)
         return x
 
 

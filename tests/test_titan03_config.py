@@ -171,3 +171,31 @@ def test_spmd_parallelism_on_an_old_torch_is_refused_naming_both_versions(monkey
     validate.check_torch_for_parallelism(fsdp, world=2)  # PP alone: fine on 2.13
     monkeypatch.setattr(validate, "_torch_release", lambda: (2, 15))
     validate.check_torch_for_parallelism(par, world=4)
+
+
+def test_chunked_loss_wrapper_becomes_a_per_segment_chunked_loss() -> None:
+    """0.3's ChunkedLossWrapper (torchtitan's llama3 configs, and ours) is kept under Seq1F1B:
+    the schedule's loss is seq1f1b.ChunkedLoss over the wrapper's lm_head and inner loss, with
+    its chunk length; any other loss is called as it is."""
+    import torch
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+    from seq1f1b import ChunkedLoss
+    from torchtitan_integration.v03.configs import seq1f1b_llama3
+    from torchtitan_integration.v03.pipeline import unit_loss
+
+    assert isinstance(seq1f1b_llama3().loss, ChunkedLossWrapper.Config)
+    wrapper = ChunkedLossWrapper(ChunkedLossWrapper.Config(num_chunks=8))
+    head = torch.nn.Linear(8, 16, bias=False)
+    wrapper.set_lm_head(head)
+    loss = unit_loss(wrapper, 512)
+    assert isinstance(loss, ChunkedLoss)
+    assert loss.chunk_tokens == 64 and loss.normalize == "none" and loss.head is head
+    hidden = torch.randn(2, 40, 8, requires_grad=True)
+    labels = torch.randint(0, 16, (2, 40))
+    gvt = torch.tensor(80.0)
+    want, _ = CrossEntropyLoss(CrossEntropyLoss.Config())(head(hidden), labels, gvt)
+    got = loss(hidden, labels, global_valid_tokens=gvt)
+    assert torch.allclose(got, want.float(), rtol=1e-6)
+    plain = unit_loss(CrossEntropyLoss(CrossEntropyLoss.Config()), 512)
+    assert not isinstance(plain, ChunkedLoss)

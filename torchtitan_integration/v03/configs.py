@@ -19,7 +19,7 @@ def seq1f1b_llama3(flavor: str = "debugmodel", attn_backend: str = "flex") -> An
     The attention backend only matters for torch's own schedules: Seq1F1B and unpipelined
     runs replace it with chunk-aware attention over the same packed documents.
     """
-    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
     from torchtitan.models.common.config_utils import decoder_vocab_size
@@ -28,8 +28,11 @@ def seq1f1b_llama3(flavor: str = "debugmodel", attn_backend: str = "flex") -> An
     spec = model_registry(flavor, attn_backend=attn_backend)
     config = Seq1F1BTrainer.Config(
         model_spec=spec,
-        # segments bound the logits already; the same loss for PP = 1 keeps runs comparable
-        loss=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec)),
+        # as torchtitan's llama3 configs: head + loss in chunks (under Seq1F1B per segment,
+        # seq1f1b.ChunkedLoss), so no [batch, seq, vocab] state is kept for backward
+        loss=ChunkedLossWrapper.Config(
+            loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))
+        ),
         optimizer=default_adamw(lr=8e-4),
         dataloader=HuggingFaceTextDataLoader.Config(),
     )

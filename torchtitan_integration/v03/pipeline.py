@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from seq1f1b import ModelShape
+from seq1f1b import ChunkedLoss, ModelShape
 from seq1f1b import _runtime as rt
 
 from ..pipeline import (
@@ -137,10 +137,34 @@ def pipeline_seq1f1b(
         if not stages[i].is_last:
             parts[i].register_forward_hook(_contiguous_output)
 
+    return pipelining_result(
+        entry, stages, parts, config, lengths, unit_loss(loss_fn, training.seq_len),
+        parallel_dims, shape, v,
+    )  # fmt: skip
+
+
+def unit_loss(loss_fn: Any, seq_len: int) -> Any:
+    """The schedule's per-unit loss from 0.3's: a ``ChunkedLossWrapper`` becomes
+    :class:`seq1f1b.ChunkedLoss` over the last stage's ``lm_head`` (which torchtitan sets on
+    the wrapper and skips in the model) with the wrapper's chunk length, ``seq_len /
+    num_chunks``, so a unit keeps hidden-wide state for backward, never vocabulary-wide; any
+    other loss is called as it is (0.3 losses return ``(loss, metrics)``)."""
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    if isinstance(loss_fn, ChunkedLossWrapper):
+        from torchtitan.tools.logging import logger
+
+        chunk = -(-seq_len // loss_fn.num_chunks)
+        logger.info("Seq1F1B: head + loss per segment in chunks of %d tokens (ChunkedLoss)", chunk)
+        return ChunkedLoss(
+            lambda: loss_fn.lm_head,
+            loss_fn.loss_fn,
+            chunk_tokens=chunk,
+            normalize="none",  # the inner loss divides by global_valid_tokens itself
+        )
+
     def scalar_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
-        loss, _ = loss_fn(*args, **kwargs)  # 0.3 losses return (loss, metrics)
+        loss, _ = loss_fn(*args, **kwargs)
         return loss
 
-    return pipelining_result(
-        entry, stages, parts, config, lengths, scalar_loss, parallel_dims, shape, v
-    )
+    return scalar_loss

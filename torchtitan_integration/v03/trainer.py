@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from seq1f1b import packed_documents
@@ -35,7 +34,7 @@ from ..pipeline import check_schedule_name, check_world_size
 from . import cpu
 from .model import default_positions, document_ids_from_positions, make_chunk_aware
 from .pipeline import pipeline_seq1f1b
-from .validate import validate_before_start
+from .validate import check_torch_for_parallelism, validate_before_start
 
 
 def _parallelize_chunk_aware(parallelize_fn: Any, convert: bool) -> Any:
@@ -56,18 +55,6 @@ def _parallelize_chunk_aware(parallelize_fn: Any, convert: bool) -> Any:
         return model
 
     return wrapped
-
-
-def _unchunked(loss: Any) -> Any:
-    """A ``ChunkedLossWrapper`` config replaced by its inner loss: Seq1F1B's segments already
-    bound the logits to one segment (1/K of the sequence), and segment lengths need not be
-    multiples of the wrapper's chunk count."""
-    from torchtitan.components.loss import ChunkedLossWrapper
-
-    if isinstance(loss, ChunkedLossWrapper.Config):
-        logger.info("Seq1F1B: the loss runs per segment (ChunkedLossWrapper not needed)")
-        return loss.loss_fn
-    return loss
 
 
 def _chunk_aware_validator(validator: Any) -> Any:
@@ -96,11 +83,10 @@ class Seq1F1BTrainer(Trainer):
         check_schedule_name(config.parallelism.pipeline_parallel_schedule)
         check_world_size(config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
         validate_before_start(config)
+        check_torch_for_parallelism(config.parallelism)  # this torch can run these degrees
         spec = config.model_spec
         ours = self._seq_chunked(config)
         pp = config.parallelism.pipeline_parallel_degree > 1
-        if pp and ours:
-            config.loss = _unchunked(config.loss)
         if ours or not pp:
             config.validator = _chunk_aware_validator(config.validator)
         base_pipelining = spec.pipelining_fn

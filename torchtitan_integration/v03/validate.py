@@ -49,7 +49,6 @@ def validate_before_start(config: Any) -> None:
     from .pipeline import model_shape
 
     par = config.parallelism
-    check_torch_for_parallelism(par)
     entry = check_schedule_name(par.pipeline_parallel_schedule)
     if par.pipeline_parallel_degree <= 1:
         return
