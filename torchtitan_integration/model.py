@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from seq1f1b import add_layer_key, chunk_aware_attention, current_segment
+from seq1f1b import add_layer_key, chunk_aware_attention, current_segment, segment_positions
 
 
 class ChunkAwareSDPA(nn.Module):
@@ -51,14 +51,17 @@ class ChunkAwareSDPA(nn.Module):
 def _shift_rope(_module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
     """Pre-hook on Attention(x, freqs_cis, attention_masks, positions=None): the RoPE rows of
     the segment's positions (with context parallelism, of this rank's two chunks of it)."""
-    info = current_segment()
-    if info is None or (info.start == 0 and info.cp is None):
-        return None
     positions = kwargs.get("positions", args[3] if len(args) > 3 else None)
     if positions is not None:
         return None  # the caller already gave absolute positions
     freqs = kwargs["freqs_cis"] if "freqs_cis" in kwargs else args[1]
-    freqs = freqs[info.start :] if info.cp is None else freqs[info.positions(freqs.device)]
+    if torch.compiler.is_compiling():  # an op: a compiled block is not specialised per segment
+        freqs = freqs.index_select(0, segment_positions(args[0], dim=1).to(freqs.device))
+    else:
+        info = current_segment()
+        if info is None or (info.start == 0 and info.cp is None):
+            return None
+        freqs = freqs[info.start :] if info.cp is None else freqs[info.positions(freqs.device)]
     if "freqs_cis" in kwargs:
         kwargs = {**kwargs, "freqs_cis": freqs}
     else:
