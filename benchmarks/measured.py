@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from seq1f1b import ModelShape, ScheduleBitPipe, SequenceSplit
+from seq1f1b import _runtime as rt
 from seq1f1b.bitpipe import BitPipeLayout, new_pair_group
 from seq1f1b.context_parallel import comm_stats
 from seq1f1b.registry import ScheduleEntry, lookup
@@ -61,6 +62,7 @@ class RunSpec:
     skip_invisible: bool = True  # False: the mask-alone baseline (see ScheduleSeq1F1B)
     cp_prefix: str = "auto"  # with Setting.cp > 1: how segments reach the cached prefix
     memory_cap: float = 1.0  # split="memory_capped": peak allowed, x the uniform split's
+    compiled: bool = False  # every block torch.compile'd (fullgraph), as torchtitan does
 
     @property
     def entry(self) -> ScheduleEntry:
@@ -77,6 +79,8 @@ class RunSpec:
             name += f", {self.cp_prefix}"
         if self.split == "memory_capped" and self.memory_cap != 1.0:
             name += f" {self.memory_cap:g}"
+        if self.compiled:
+            name += ", compiled"
         return name if self.seq_len is None else f"{name} @{self.seq_len}"
 
     @property
@@ -210,6 +214,12 @@ class _Run:
         pp_rank, pp, pp_group, cp_group = _mesh(rank, setting)
         n = pp * spec.stages_per_rank
         mods = build_stages(setting.model, n, seed=0)
+        if spec.compiled:
+            if entry.split_backward:  # see ScheduleZBSeq1F1B on compiled blocks
+                rt.disable_donated_buffers()
+            for mod in mods:
+                for block in mod.layers:
+                    block.compile(fullgraph=True)
         self.mine = entry.stages_of(pp, pp_rank, spec.stages_per_rank)
         cpu = torch.device("cpu")
         stages = [ProbedStage(mods[s], s, n, cpu, probe=probe, group=pp_group) for s in self.mine]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# benchmark tooling: on the default release only (scripts/test_latest.sh skips it for time)
+# benchmark tooling: on the default release only (scripts/test_oldest.sh skips it for time)
 pytestmark = pytest.mark.default_release_only
 
 ROOT = Path(__file__).resolve().parents[1]

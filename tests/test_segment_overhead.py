@@ -12,7 +12,7 @@ import torch
 
 from benchmarks import segment_overhead as so
 
-# benchmark tooling: on the default release only (scripts/test_latest.sh skips it for time)
+# benchmark tooling: on the default release only (scripts/test_oldest.sh skips it for time)
 pytestmark = pytest.mark.default_release_only
 
 

@@ -109,6 +109,8 @@ def test_override_parser_matches_tyro_spelling() -> None:
         (["--seq1f1b.seq_chunks", "0"], "[seq1f1b] seq_chunks = 0 must be >= 1"),
         (["--parallelism.pipeline_parallel_schedule", "Seq2F2B"], "is unknown: use one of"),
         (["--seq1f1b.split", "100,100"], "[training] seq_len = 512 cannot be split"),
+        (["--compile.enable", "--parallelism.context_parallel_degree", "2"],
+         "does not run under torch.compile yet"),
     ],
 )  # fmt: skip
 def test_bad_settings_are_refused_before_start(args: list[str], message: str) -> None:

@@ -65,7 +65,7 @@ def validate_before_start(config: Any) -> None:
         return
     shape = model_shape(config.model_spec.model)
     check_config(
-        config,
+        config,  # (the whole config: check_config also reads [compile])
         par.pipeline_parallel_degree,
         shape.n_layers,
         par.tensor_parallel_degree,

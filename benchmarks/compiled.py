@@ -1,0 +1,53 @@
+"""Compiled vs eager step time, side by side with torch's 1F1B in one run (CPU, gloo, pp=2).
+
+Every block is ``torch.compile``'d (``fullgraph=True``, as torchtitan compiles) for the
+compiled rows; the eager rows are the same schedules uncompiled. Ratios: each schedule's
+median step time to compiled (or eager) Schedule1F1B's, and compiled to eager per schedule.
+The first (memory) step of each run compiles; the timed steps that follow interleave the
+schedules, so machine noise falls on all alike.
+
+    python -m benchmarks.compiled [--preset quick|full] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .measured import RunSpec, Setting, measure
+from .presets import PRESETS
+
+SPECS = (
+    RunSpec("1F1B"),
+    RunSpec("Seq1F1B", 4, "compute"),
+    RunSpec("ZBVSeq1F1B", 4, "compute"),
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=tuple(PRESETS), default="quick")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per schedule")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    args = ap.parse_args(argv)
+    preset = PRESETS[args.preset]
+    specs = tuple(RunSpec(s.schedule, s.seq_chunks, s.split, compiled=c)
+                  for c in (False, True) for s in SPECS)  # fmt: skip
+    setting = Setting(2, 2, args.seq_len, preset.model, specs, timed_steps=args.steps,
+                      keep_trace=False)  # fmt: skip
+    rows = {r["label"]: r for r in measure(setting)}
+    print(f"preset {args.preset}: pp=2, M=2, {args.seq_len} tokens, {args.steps} timed steps")
+    print("| schedule | eager s | compiled s | compiled / eager | vs 1F1B eager | "
+          "vs 1F1B compiled |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    base = {c: rows[RunSpec("1F1B", compiled=c).label]["step_time_s"] for c in (False, True)}
+    for spec in SPECS:
+        eager = rows[spec.label]["step_time_s"]
+        comp = rows[RunSpec(spec.schedule, spec.seq_chunks, spec.split, compiled=True).label][
+            "step_time_s"
+        ]
+        print(f"| {spec.label} | {eager:.3f} | {comp:.3f} | {comp / eager:.3f} | "
+              f"{eager / base[False]:.3f} | {comp / base[True]:.3f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
