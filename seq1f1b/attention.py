@@ -42,7 +42,7 @@ from .kv import (
     CachedPrefix,
     accumulate_cache_grads,
     attend_cache,
-    current_documents,
+    attention_call,
     current_unit,
     inferring_metadata,
 )
@@ -311,30 +311,16 @@ def chunk_aware_attention(
     if q.device.type == "meta" or (ctx is None and inferring_metadata()):
         # the pipeline stage's shape inference: only shapes matter
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
-    groups = None if documents is False else current_documents()
-    if documents and groups is None:
-        raise ValueError(
-            f"attention layer {layer!r} needs packed-document ids (documents=True) but the batch "
-            "has none: pass step(..., document_ids=ids), or wrap the call in "
-            "seq1f1b.packed_documents(ids) outside a pipeline step"
-        )
+    call = attention_call(ctx, documents, spec, q.shape[0], q.shape[-2], layer)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    plain = groups is None and spec.window is None
+    unit, plain, groups = call.unit, call.plain, call.groups
+    if unit is None and plain:  # nothing cached, nothing to cache, no mask
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=n_rep > 1
+        )
     kernels = block_attention_kernels(q)
-    # the unit whose K/V cache this layer uses: none for a segment alone (unless CP-sharded)
-    alone = ctx is None or (ctx.info.cp is None and ctx.info.num_segments == 1)
-    unit = None if alone else ctx
-    if unit is None:  # nothing cached, nothing to cache
-        if plain:
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=n_rep > 1
-            )
-        start = 0 if ctx is None else ctx.info.start
-        end = seq_len = start + q.shape[-2]
-    else:
-        start, end, seq_len = unit.info.start, unit.info.end, unit.info.seq_len
-    groups = groups or ((0, q.shape[0], ((0, seq_len),)),)
+    start, end, seq_len = call.start, call.end, call.seq_len
     cp = unit is not None and unit.info.cp is not None
     docs = None if plain or cp else _flex_documents(mask_backend, q, groups, seq_len)
     prefix, skip = CachedPrefix(), True

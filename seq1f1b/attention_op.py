@@ -44,7 +44,7 @@ from .kv import (
     _add_rows,
     accumulate_cache_grads,
     attend_cache,
-    current_documents,
+    attention_call,
     current_unit,
     inferring_metadata,
 )
@@ -139,28 +139,14 @@ def segment_attention(
     ctx = current_unit()
     if ctx is None and inferring_metadata():
         return _out_shapes(q)
-    want_docs = _documents_arg(documents)
-    groups = None if want_docs is False else current_documents()
-    if want_docs and groups is None:
-        raise ValueError(
-            "a chunk-aware attention layer needs packed-document ids (documents=True) but the "
-            "batch has none: pass step(..., document_ids=ids), or wrap the call in "
-            "seq1f1b.packed_documents(ids) outside a pipeline step"
-        )
-    plain = groups is None and spec.window is None
-    alone = ctx is None or (ctx.info.cp is None and ctx.info.num_segments == 1)
-    unit = None if alone else ctx
+    call = attention_call(ctx, _documents_arg(documents), spec, q.shape[0], q.shape[-2], "compiled")
+    unit, plain, groups = call.unit, call.plain, call.groups
     if unit is not None and unit.info.cp is not None:
         raise NotImplementedError(
             "Seq1F1B with context parallelism does not run under torch.compile yet: set "
             "[compile] enable = false, or context_parallel_degree = 1"
         )
-    if unit is None:
-        start = 0 if ctx is None else ctx.info.start
-        end = seq_len = start + q.shape[-2]
-    else:
-        start, end, seq_len = unit.info.start, unit.info.end, unit.info.seq_len
-    groups = groups or ((0, q.shape[0], ((0, seq_len),)),)
+    start, end = call.start, call.end
     entries: tuple[SegmentKV, ...] = ()
     prefix: list[torch.Tensor] = []
     own, offset, skip = None, 0, True

@@ -23,6 +23,7 @@ import torch
 from .masks import MaskSpec, RowGroups, Runs, document_runs, first_seen, visible_blocks
 
 __all__ = [
+    "AttentionCall",
     "CachedPrefix",
     "ContextParallel",
     "SegmentInfo",
@@ -30,6 +31,7 @@ __all__ = [
     "StageKVState",
     "UnitContext",
     "attend_cache",
+    "attention_call",
     "cache_entry",
     "current_documents",
     "current_segment",
@@ -385,6 +387,48 @@ def attend_cache(
     if own is not None and ctx.keep_kv and not compiled:
         k, v = InjectKVGrad.apply(k, v, own, own.start - info.start)
     return k, v, prefix
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """Where one attention call sits: the unit whose K/V cache it uses (None: a segment
+    alone, nothing to cache), its masks and its absolute query positions ``[start, end)``."""
+
+    unit: UnitContext | None
+    plain: bool  # causal only: no documents, no window
+    groups: RowGroups  # the documents (the whole sequence as one when there are none)
+    start: int
+    end: int
+    seq_len: int
+
+
+def attention_call(
+    ctx: UnitContext | None,
+    documents: bool | None,
+    spec: MaskSpec,
+    batch: int,
+    length: int,
+    layer: Hashable,
+) -> AttentionCall:
+    """The part of an attention call that depends on the running unit (eager and compiled
+    paths alike); ``documents``: True requires the batch's, False ignores them."""
+    groups = None if documents is False else current_documents()
+    if documents and groups is None:
+        raise ValueError(
+            f"attention layer {layer!r} needs packed-document ids (documents=True) but the batch "
+            "has none: pass step(..., document_ids=ids), or wrap the call in "
+            "seq1f1b.packed_documents(ids) outside a pipeline step"
+        )
+    plain = groups is None and spec.window is None
+    alone = ctx is None or (ctx.info.cp is None and ctx.info.num_segments == 1)
+    unit = None if alone else ctx
+    if unit is None:
+        start = 0 if ctx is None else ctx.info.start
+        end = seq_len = start + length
+    else:
+        start, end, seq_len = unit.info.start, unit.info.end, unit.info.seq_len
+    groups = groups or ((0, batch, ((0, seq_len),)),)
+    return AttentionCall(unit, plain, groups, start, end, seq_len)
 
 
 def _cached_entry(ctx: UnitContext, entries: list[SegmentKV | None], j: int) -> SegmentKV:
