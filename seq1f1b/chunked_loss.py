@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _runtime as rt
 from .kv import inferring_metadata
 
 __all__ = ["ChunkedLoss", "sum_cross_entropy"]
@@ -39,6 +40,10 @@ def sum_cross_entropy(
     return F.cross_entropy(
         logits.flatten(0, -2).float(), target.flatten(), ignore_index=ignore_index, reduction="sum"
     )
+
+
+def _starts(lengths: list[int]) -> list[int]:
+    return [sum(lengths[:i]) for i in range(len(lengths))]
 
 
 class _HandBackHidden(torch.autograd.Function):
@@ -131,16 +136,15 @@ class ChunkedLoss:
         source = hidden.detach()
         grad = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        start = 0
-        for length, tgt in zip(lengths, targets, strict=True):
-            piece = source.narrow(dim, start, length).requires_grad_(training)
-            with torch.set_grad_enabled(training):
-                loss = self._chunk_loss(head(piece), tgt, loss_kwargs) * scale
-            if training:
-                loss.backward()
-                grad.narrow(dim, start, length).copy_(piece.grad)
-            total = total + loss.detach().float()
-            start += length
+        with rt.fsdp_gradient_sync_deferred(head):  # reduced once, with the stage's
+            for length, tgt, start in zip(lengths, targets, _starts(lengths), strict=True):
+                piece = source.narrow(dim, start, length).requires_grad_(training)
+                with torch.set_grad_enabled(training):
+                    loss = self._chunk_loss(head(piece), tgt, loss_kwargs) * scale
+                if training:
+                    loss.backward()
+                    grad.narrow(dim, start, length).copy_(piece.grad)
+                total = total + loss.detach().float()
         if not training:
             return total
         return _HandBackHidden.apply(hidden, grad, total)

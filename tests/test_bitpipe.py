@@ -15,7 +15,8 @@ from dist_utils import run_ranks
 from mockstages import MockStage
 from torch import nn
 
-from seq1f1b import ScheduleBitPipe, build_bitpipe_stages
+from seq1f1b import ChunkedLoss, ScheduleBitPipe, build_bitpipe_stages, packed_documents
+from seq1f1b import _runtime as rt
 from seq1f1b._runtime import Action, ComputationType
 from seq1f1b._runtime import reference as torch_ref
 from seq1f1b.bitpipe import BitPipeLayout, ReplicaBoundaries, build_bitpipe_orders
@@ -306,6 +307,53 @@ def _check_csv_round_trip(rank: int, pp: int) -> None:
     assert sched.pipeline_order_with_comms == lowered
 
 
+def _check_documents(rank: int, pp: int, m: int) -> None:
+    """Packed documents, different in every microbatch (whole-batch and per-microbatch
+    ``document_ids``), with ChunkedLoss on the last stages: loss and every gradient equal the
+    unpipelined model inside ``packed_documents``; without the documents they would not."""
+    x, y = _batch(m, seed=7)
+    docs = torch.zeros(m, SEQ, dtype=torch.long)
+    for i in range(m):  # a cut at a different place in every row (one row stays whole)
+        docs[i, 3 + 4 * i :] = 1 if i < m - 1 else 0
+    ref = _chunks(pp, tied=False)
+    with packed_documents(docs):
+        ref_loss = _loss_fn(full_model(ref)(x), y)
+        ref_loss.backward()
+    causal = _loss_fn(full_model(_chunks(pp, tied=False))(x), y)
+    assert abs(causal.item() - ref_loss.item()) > 1e-4  # the documents change the loss
+    ref_grads = {(c, n): p.grad for c, mod in enumerate(ref) for n, p in mod.named_parameters()}
+    chunks = _chunks(pp, tied=False)
+    chunks[-1].skip_head = True  # the loss runs the head in chunks of 5 positions
+    stages, pair = build_bitpipe_stages(chunks, torch.device("cpu"))
+    last = [s.submod for s in stages if s.is_last]  # this rank's replica's copy, if any
+    loss = ChunkedLoss(lambda: last[0].head, chunk_tokens=5)
+    sched = ScheduleBitPipe(stages, m, loss, pair_group=pair)
+    has_first = any(s.is_first for s in stages)
+    has_last = any(s.is_last for s in stages)
+    for split in (False, True):
+        for s in stages:
+            s.submod.zero_grad()
+        losses: list[torch.Tensor] = []
+        if split:  # torch 2.14+'s pre-split inputs, one document tensor per microbatch
+            if not rt.STEP_TAKES_MICROBATCHES:
+                continue
+            sched.step(arg_mbs=[(x[i : i + 1],) for i in range(m)] if has_first else None,
+                       kwarg_mbs=[{}] * m,
+                       target_mbs=[y[i : i + 1] for i in range(m)] if has_last else None,
+                       losses=losses, document_ids=[docs[i : i + 1] for i in range(m)])  # fmt: skip
+        else:
+            sched.step(*((x,) if has_first else ()), target=y if has_last else None,
+                       losses=losses, document_ids=docs)  # fmt: skip
+        if has_last:
+            mean = torch.stack(losses).mean().item()
+            assert abs(mean - ref_loss.item()) <= 1e-5 * ref_loss.item(), (split, rank)
+        for stage in stages:
+            c = stage.stage_index % (2 * pp)
+            for n, p in stage.submod.named_parameters():
+                err = _rel(p.grad, ref_grads[(c, n)])
+                assert err <= 1e-5, f"split={split} rank {rank} stage {c} {n}: {err:.2e}"
+
+
 def _four_ranks(rank: int, world: int) -> None:
     for tied, m in ((False, 4), (True, 8), (False, 6)):
         _check_step(rank, world, tied, m)
@@ -317,6 +365,7 @@ def _two_ranks(rank: int, world: int) -> None:
         _check_step(rank, world, tied, m)
     _check_training(rank, world, m=4)
     _check_csv_round_trip(rank, world)
+    _check_documents(rank, world, m=4)
 
 
 def test_equivalence_four_ranks() -> None:

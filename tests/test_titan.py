@@ -177,10 +177,6 @@ def test_bad_config_fails_at_startup(tmp_path: Path) -> None:
     assert not (tmp_path / "tb").exists(), sorted(p.name for p in tmp_path.rglob("*"))
 
 
-BITPIPE_WHY = "BitPipe's twin stages (0.3 refuses it at start-up: tests/test_titan03.py)"
-
-
-@only_titan("0.2", BITPIPE_WHY)
 def test_bitpipe_from_toml(seed, reference, tmp_path):
     # two V-shaped replicas over 2 ranks (4 stages each), M = 4 microbatches of 1 sample
     run = run_titan(
@@ -209,7 +205,7 @@ DP1 = ["--parallelism.data_parallel_shard_degree", "1"]
     ],
     ids=["fsdp2", "tp2", "dp_replicate2"],
 )
-@only_titan("0.2", BITPIPE_WHY)
+@needs_sharding
 def test_bitpipe_composes(seed, reference, reference_dp2, tmp_path, dims, dp2):
     run = run_titan(4, *PP2, *seed, *BITPIPE, *dims, dump=tmp_path)
     assert_same_curve(run, reference_dp2 if dp2 else reference)

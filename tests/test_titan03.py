@@ -68,7 +68,7 @@ def seed(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 
 @pytest.mark.titan_grid
-@pytest.mark.parametrize("schedule", ["Seq1F1B", "InterleavedSeq1F1B", "ZBVSeq1F1B"])
+@pytest.mark.parametrize("schedule", ["Seq1F1B", "InterleavedSeq1F1B", "ZBVSeq1F1B", "BitPipe"])
 def test_validation_through_eval_matches_unpipelined(seed, tmp_path, schedule) -> None:
     """0.3's validator on a Seq1F1B pipeline: ``eval()`` with the documents from positions,
     the loss on rank 0 too, equal to the unpipelined validation of the same weights."""
@@ -97,7 +97,7 @@ def compiled_reference(seed, tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 
 @pytest.mark.titan_grid
-@pytest.mark.parametrize("schedule", ["Seq1F1B", "ZBSeq1F1B", "ZBVSeq1F1B"])
+@pytest.mark.parametrize("schedule", ["Seq1F1B", "ZBSeq1F1B", "ZBVSeq1F1B", "BitPipe"])
 def test_compiled_blocks_match_compiled_unpipelined(seed, compiled_reference, tmp_path, schedule):
     """``--compile.enable`` under the Seq1F1B schedules (the chunk-aware attention is one
     opaque op in each compiled block): steps 1-5 equal compiled PP=1 from the same seed."""

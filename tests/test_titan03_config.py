@@ -105,7 +105,11 @@ def test_override_parser_matches_tyro_spelling() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--parallelism.pipeline_parallel_schedule", "BitPipe"], "not available with torchtitan"),
+        (["--parallelism.pipeline_parallel_schedule", "BitPipe",
+          "--parallelism.pipeline_parallel_degree", "3"], "BitPipe pairs rank r with rank"),
+        (["--parallelism.pipeline_parallel_schedule", "BitPipe",
+          "--parallelism.pipeline_parallel_microbatch_size", "4"],
+         "gives 1 microbatches: BitPipe runs half of them on each replica"),
         (["--seq1f1b.seq_chunks", "0"], "[seq1f1b] seq_chunks = 0 must be >= 1"),
         (["--parallelism.pipeline_parallel_schedule", "Seq2F2B"], "is unknown: use one of"),
         (["--seq1f1b.split", "100,100"], "[training] seq_len = 512 cannot be split"),
@@ -117,6 +121,11 @@ def test_bad_settings_are_refused_before_start(args: list[str], message: str) ->
     with pytest.raises(ValueError) as err:
         validate_before_start(build_config(DEBUG, args))
     assert message in str(err.value)
+
+
+def test_bitpipe_settings_that_can_run_are_accepted() -> None:
+    validate_before_start(build_config(DEBUG, ["--parallelism.pipeline_parallel_schedule",
+                                               "BitPipe"]))  # fmt: skip
 
 
 def test_model_shape_is_torchtitans_debug_model() -> None:

@@ -10,11 +10,13 @@ copies each chunk from its replica-A copy to its B copy once, before the first s
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from seq1f1b import ScheduleBitPipe
@@ -53,32 +55,62 @@ def pipeline_bitpipe(
     parallelize_fn: Any,
     loss_fn: Any,
 ) -> tuple[Any, list[nn.Module], bool, bool]:
-    """torchtitan pipelining_fn for BitPipe (two V-shaped replicas over the pp ranks)."""
+    """torchtitan 0.2.2's pipelining_fn for BitPipe (two V-shaped replicas over the pp ranks)."""
     from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
 
     check_bitpipe(parallel_dims)
-    pp = parallel_dims.pp
-    layout = BitPipeLayout(pp)
     par = job_config.parallelism
     names = generate_llm_fqn_per_model_part(
-        layout.replica_stages,
+        BitPipeLayout(parallel_dims.pp).replica_stages,
         model_args.n_layers,
         par.pipeline_parallel_first_stage_less_layers,
         par.pipeline_parallel_last_stage_less_layers,
     )
-    group = parallel_dims.get_mesh("pp").get_group()
-    rank = torch.distributed.get_rank(group)
-    stages: list[BitPipeStage] = []
-    parts: list[nn.Module] = []
-    for g in layout.stages_of(rank):
-        part = parallelize_fn(_prune(model, names[layout.chunk(g)]), parallel_dims, job_config)
-        parts.append(part)
-        stages.append(BitPipeStage(part, g, layout.num_stages, device, group=group))
-    pair_group = new_pair_group(group)
-    batch, mb = job_config.training.local_batch_size, par.pipeline_parallel_microbatch_size
-    schedule = ScheduleBitPipe(
-        stages, batch // mb, loss_fn, pair_group=pair_group, scale_grads=False
+    return build_bitpipe(
+        model,
+        names,
+        group=parallel_dims.get_mesh("pp").get_group(),
+        device=device,
+        split=_prune,
+        parallelize=lambda part: parallelize_fn(part, parallel_dims, job_config),
+        n_microbatches=job_config.training.local_batch_size
+        // par.pipeline_parallel_microbatch_size,
+        loss_fn=loss_fn,
     )
+
+
+def build_bitpipe(
+    model: nn.Module,
+    names: list[list[str]],
+    *,
+    group: Any,
+    device: torch.device,
+    split: Callable[[nn.Module, list[str]], nn.Module],
+    parallelize: Callable[[nn.Module], nn.Module],
+    n_microbatches: int,
+    loss_fn: Any,
+    stage_kwargs: dict[str, Any] | None = None,
+) -> tuple[ScheduleBitPipe, list[nn.Module], bool, bool]:
+    """What a pipelining_fn returns for BitPipe, on either torchtitan version.
+
+    ``names[c]`` are the module FQNs of layer chunk ``c`` (``2*pp`` chunks), ``split(model,
+    fqns)`` makes one chunk (torchtitan's own split where it has one), ``parallelize`` applies
+    TP / FSDP / AC / compile to it. The parts come back with the last stage's last (the rank
+    holds at most one): torchtitan hands ``model_parts[-1].lm_head`` to a chunked loss.
+    """
+    pp = dist.get_world_size(group)
+    layout = BitPipeLayout(pp)
+    rank = dist.get_rank(group)
+    stages: list[BitPipeStage] = []
+    for g in layout.stages_of(rank):
+        part = parallelize(split(model, names[layout.chunk(g)]))
+        kwargs = stage_kwargs or {}
+        stages.append(BitPipeStage(part, g, layout.num_stages, device, group=group, **kwargs))
+    pair_group = new_pair_group(group)
+    schedule = ScheduleBitPipe(
+        stages, n_microbatches, loss_fn, pair_group=pair_group, scale_grads=False
+    )
+    parts = [s.submod for s in sorted(stages, key=lambda s: s.is_last)]
     return schedule, parts, any(s.is_first for s in stages), any(s.is_last for s in stages)
 
 
@@ -97,17 +129,37 @@ def clip_counting_each_chunk_once(
     report and clip at sqrt(2) times the model's gradient norm.
     """
     layout = schedule.layout
-    a_params = {
-        id(p)
-        for s in schedule.local_stages
-        if layout.replica(s.stage_index) == 0
-        for p in s.submod.parameters()
-    }
 
     def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *args, **kwargs):
+        # replica A's parameters as registered now (FSDP2 registers sharded or unsharded ones)
+        a_params = {
+            id(p)
+            for s in schedule.local_stages
+            if layout.replica(s.stage_index) == 0
+            for p in s.submod.parameters()
+        }
         params = list(parameters)
         norm = clip([p for p in params if id(p) in a_params], float("inf"), *args, **kwargs)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=kwargs.get("foreach"))
         return norm
 
     return clip_grad_norm_
+
+
+@contextlib.contextmanager
+def clipping_each_chunk_once(schedule: ScheduleBitPipe) -> Iterator[None]:
+    """torchtitan's ``clip_grad_norm_`` (``torchtitan.distributed.utils``, which both versions'
+    trainers call through the module) counting each chunk once, for one train step.
+
+    Reassigns the module attribute while the step runs (patch 5 of ``cpu.py``'s list: neither
+    torchtitan version has a hook for it). Upstream hook that would remove it: a
+    ``clip_grad_norm_`` the trainer takes from its model spec or the pipelining function.
+    """
+    import torchtitan.distributed.utils as dist_utils
+
+    original = dist_utils.clip_grad_norm_
+    dist_utils.clip_grad_norm_ = clip_counting_each_chunk_once(original, schedule)
+    try:
+        yield
+    finally:
+        dist_utils.clip_grad_norm_ = original

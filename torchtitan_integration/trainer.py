@@ -6,12 +6,11 @@ import contextlib
 from typing import Any
 
 import torch
-import torchtitan.distributed.utils as dist_utils
 from torchtitan.train import Trainer
 
 from seq1f1b import ScheduleBitPipe, packed_documents
 
-from .bitpipe import clip_counting_each_chunk_once, sync_twins
+from .bitpipe import clipping_each_chunk_once, sync_twins
 from .common import last_stage_rank, loss_on_every_pp_rank, torchtitan_metrics_for_this_trainer
 from .model import block_causal, document_ids_from_eos
 from .pipeline import check_world_size
@@ -146,11 +145,5 @@ class Seq1F1BTrainer(Trainer):
         schedule = getattr(self, "pp_schedule", None)
         if not isinstance(schedule, ScheduleBitPipe):
             return super().train_step(data_iterator)
-        # BitPipe: clip by the norm of the model (each chunk once), for this step only
-        # (patch 5 in torchtitan_integration/cpu.py's list: torchtitan has no hook for it)
-        original = dist_utils.clip_grad_norm_
-        dist_utils.clip_grad_norm_ = clip_counting_each_chunk_once(original, schedule)
-        try:
+        with clipping_each_chunk_once(schedule):  # the model's norm, each chunk once
             return super().train_step(data_iterator)
-        finally:
-            dist_utils.clip_grad_norm_ = original

@@ -51,6 +51,8 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 |   _set_pg_timeout                             |                                                  |
 | torch._utils._get_available_device_type       | torchtitan picks "cpu" at import (cpu.py)        |
 | _composable.replicate_with_fsdp.replicate     | DP-replicate that the pipelining runtime reduces |
+| FSDPModule._get_fsdp_state()                  | ChunkedLoss restores the head's gradient-sync    |
+|   ._fsdp_param_groups[].reduce_grads          |   setting (FSDP2 has a setter, no getter)        |
 
 Hooks of the upstream series (``upstream/``), found by feature (``TORCH_HOOKS``); on a torch
 that has one, the workaround it retires is not used:
@@ -94,6 +96,7 @@ from .ir import (
     SEND_B,
     SEND_F,
     STEP_TAKES_FINALIZE,
+    STEP_TAKES_MICROBATCHES,
     TORCH_HOOKS,
     UNSHARD,
     UNSHARD_KEEPS_INSERTION_ORDER,
@@ -117,6 +120,7 @@ from .ir import (
     flash_cuda_backward,
     flash_cuda_forward,
     flatten_dense_tensors,
+    fsdp_gradient_sync_deferred,
     fsdp_replicate,
     has_compiled_module,
     meta_with_length,
@@ -154,6 +158,7 @@ __all__ = [
     "SEND_B",
     "SEND_F",
     "STEP_TAKES_FINALIZE",
+    "STEP_TAKES_MICROBATCHES",
     "TORCH_HOOKS",
     "UNSHARD",
     "UNSHARD_KEEPS_INSERTION_ORDER",
@@ -180,6 +185,7 @@ __all__ = [
     "flash_cuda_backward",
     "flash_cuda_forward",
     "flatten_dense_tensors",
+    "fsdp_gradient_sync_deferred",
     "fsdp_replicate",
     "has_compiled_module",
     "meta_with_length",
@@ -225,6 +231,7 @@ VOCABULARY = (
     "RECV_BUFFER_PER_RECEIVE",
     "RUNTIME_OPTIONS",
     "STEP_TAKES_FINALIZE",
+    "STEP_TAKES_MICROBATCHES",
     "UNSHARD_KEEPS_INSERTION_ORDER",
 )
 #: (b) the seam's own contract, what package modules need to do their job: the runtime, stage

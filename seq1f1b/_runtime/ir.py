@@ -100,6 +100,28 @@ def disable_donated_buffers() -> None:
     functorch_config.donated_buffer = False
 
 
+@contextlib.contextmanager
+def fsdp_gradient_sync_deferred(module: torch.nn.Module) -> Iterator[None]:
+    """For an FSDP2 module: no gradient reduction while the block runs (gradients accumulate
+    unsharded, as under ``no_sync``), then the module's own setting back. A loss that runs its
+    head's backward inside the forward (:class:`seq1f1b.ChunkedLoss`) would otherwise reduce
+    the head's group (torchtitan: ``[norm, lm_head]``) mid-step, before the rest of its
+    gradients exist; the stage's REDUCE_GRAD (or the caller's backward) reduces it once.
+    FSDP2 has a setter but no getter: the setting is read from its param groups."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    before = all(g.reduce_grads for g in groups)
+    module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(before, recurse=False)
+
+
 def fsdp_replicate() -> Callable[..., Any]:
     """FSDP2's ``replicate`` (DP-replicate whose gradients the pipelining runtime reduces)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -149,6 +171,7 @@ HAS_WARMUP_P2P = hasattr(ScheduleRuntime, "_warmup_p2p")
 #: 2.14.1+: ``step(arg_mbs=, kwarg_mbs=, target_mbs=)``; 2.15: ``finalize_gradients``.
 _STEP_PARAMS = inspect.signature(_schedules.PipelineScheduleMulti.step).parameters
 STEP_TAKES_FINALIZE = "finalize_gradients" in _STEP_PARAMS
+STEP_TAKES_MICROBATCHES = "arg_mbs" in _STEP_PARAMS
 #: runtime options of 2.15's ``_PipelineScheduleRuntime`` (none of them exist before).
 _NEWER_OPTIONS = (
     "max_active_stages",

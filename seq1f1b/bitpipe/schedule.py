@@ -14,6 +14,9 @@ torch's runtime does the rest, with these replica-aware pieces:
 * per-microbatch losses (kept by microbatch id by :class:`~seq1f1b._runtime.UnitRuntime`: a
   rank may hold the last stage of one replica, whose microbatches are not ``0..M/2-1``),
   exchanged between ranks ``0`` and ``pp-1`` so that both return all ``M`` losses;
+* packed documents (``step(..., document_ids=...)``): each microbatch's forward and backward
+  run inside :func:`seq1f1b.packed_documents` of its own rows, through an action context, so
+  the chunk-aware attention masks by document as an unpipelined run does;
 * REDUCE_GRAD as a custom function: torch's ``perform_reduce_grad`` (FSDP post-backward), then
   the chunk's gradients scaled by ``1/M`` and all-reduced (SUM) with the twin chunk. Each
   replica's stage accumulated ``M/2`` microbatch gradients of a mean loss, so the sum over the
@@ -22,16 +25,19 @@ torch's runtime does the rest, with these replica-aware pieces:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining.microbatch import TensorChunkSpec
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, split_args_kwargs_into_chunks
 
 from .. import _runtime as rt
 from .._runtime import Action, PipelineContext, PipelineStageBase
+from ..kv import metadata_inference, packed_documents
 from ..topology import StageTopology
 from .layout import BitPipeLayout
 from .order import build_bitpipe_orders
@@ -117,10 +123,69 @@ class ScheduleBitPipe(rt.UnitRuntime):
         self.pair_group = pair_group
         self._twins_checked = False
         self._grad_sync: PairGradSync | None = None
+        self._documents: list[torch.Tensor] | None = None  # this step's, per microbatch
         self._install_order(dict(build_bitpipe_orders(layout.pp, n_microbatches)))
+        self.register_action_context(self._documents_of_action)
         self.register_custom_function(rt.REDUCE_GRAD, _reduce_grad_action)
         if rt.WAIT_REDUCE_GRAD is not None:
             self.register_custom_function(rt.WAIT_REDUCE_GRAD, _wait_reduce_grad_action)
+
+    def step(
+        self,
+        *args: Any,
+        document_ids: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """torch's ``step()`` (and, through it, ``eval()``), plus packed documents.
+
+        ``document_ids`` (batch, seq_len) marks packed documents (one contiguous run of equal
+        ids each) for chunk-aware attention (:func:`seq1f1b.chunk_aware_attention` with
+        ``documents=True``): attention stays inside each document. It is split into
+        microbatches as the inputs are; with pre-split inputs (``arg_mbs``...) pass a list of
+        M tensors. Pass it on every rank (every stage attends); the model does not see it.
+        """
+        self._documents = self._split_documents(document_ids, kwargs)
+        try:
+            return super().step(*args, **kwargs)
+        finally:
+            self._documents = None
+
+    def _split_documents(
+        self, document_ids: torch.Tensor | Sequence[torch.Tensor] | None, kwargs: dict
+    ) -> list[torch.Tensor] | None:
+        m = self.n_units
+        if document_ids is None:
+            return None
+        if isinstance(document_ids, torch.Tensor):
+            if any(kwargs.get(k) is not None for k in ("arg_mbs", "kwarg_mbs", "target_mbs")):
+                raise ValueError(
+                    "document_ids: with pre-split inputs (arg_mbs/kwarg_mbs/target_mbs) pass "
+                    f"a list of {m} per-microbatch tensors, not one whole-batch tensor"
+                )
+            if document_ids.dim() != 2 or document_ids.shape[0] < m:
+                raise ValueError(
+                    f"document_ids has shape {tuple(document_ids.shape)}: expected (batch, "
+                    f"seq_len) with batch >= n_microbatches = {m}, split as the inputs are"
+                )
+            chunks, _ = split_args_kwargs_into_chunks((document_ids,), None, m)
+            return [c[0] for c in chunks]
+        docs = list(document_ids)
+        if len(docs) != m:
+            raise ValueError(
+                f"document_ids is a list of {len(docs)} tensors: pass one per microbatch "
+                f"(n_microbatches = {m})"
+            )
+        return docs
+
+    def _documents_of_action(
+        self, stage: PipelineStageBase, action: Action
+    ) -> contextlib.AbstractContextManager[None]:
+        """A microbatch's forward and backward (recomputation attends again) see its
+        documents."""
+        del stage
+        if self._documents is None or action.microbatch_index is None:
+            return contextlib.nullcontext()
+        return packed_documents(self._documents[action.microbatch_index])
 
     # ------------------------------------------------------------------ construction checks
     @staticmethod
@@ -237,15 +302,20 @@ class ScheduleBitPipe(rt.UnitRuntime):
         return {**super().lowering_options(), "defer_reduce_grad_wait": False}
 
     def _make_grad_sync(self, order: list[int]) -> PairGradSync:
+        assert self.pair_group is not None
+        return PairGradSync(self.pair_group, order, self._owned_parameters(order))
+
+    def _owned_parameters(self, order: list[int]) -> dict[int, list[torch.nn.Parameter]]:
+        """Each stage's parameters as registered now; a shared one belongs to the stage
+        reduced last."""
         by_index = {s.stage_index: s for s in self.local_stages}
         owned: dict[int, list[torch.nn.Parameter]] = {}
         taken: set[int] = set()
-        for g in reversed(order):  # a shared parameter belongs to the stage reduced last
+        for g in reversed(order):
             params = [p for p in dict.fromkeys(by_index[g].submod.parameters()) if p.requires_grad]
             owned[g] = [p for p in params if id(p) not in taken]
             taken.update(id(p) for p in params)
-        assert self.pair_group is not None
-        return PairGradSync(self.pair_group, order, owned)
+        return owned
 
     # ------------------------------------------------------------------ runtime hooks
     def stage_chain(self, stage: PipelineStageBase) -> int:
@@ -256,8 +326,13 @@ class ScheduleBitPipe(rt.UnitRuntime):
             return
         stage = next(s for s in self.local_stages if s.stage_index == stage_index)
         stage.perform_reduce_grad(1)  # FSDP post-backward; scaling is ours (once per param)
-        assert self._grad_sync is not None
-        self._grad_sync.start(stage_index, self.n_units if self.scale_grads else 1)
+        for module in stage.submod.modules():  # (torch's RESHARD follows; reshard is idempotent)
+            if isinstance(module, FSDPModule):  # the sharded parameters hold the reduced grads
+                module.reshard()  # (an unsharded group registers its unsharded ones)
+        sync = self._grad_sync
+        assert sync is not None
+        sync.owned[stage_index] = self._owned_parameters(sync.order)[stage_index]
+        sync.start(stage_index, self.n_units if self.scale_grads else 1)
 
     def unit_scope(self) -> Any:
         """Per step: re-read the parameters and check the twins once before any traffic."""
@@ -269,6 +344,11 @@ class ScheduleBitPipe(rt.UnitRuntime):
             self._grad_sync.check_twins(self.local_stages[0].device)
             self._twins_checked = True
         return super().unit_scope()
+
+    def stage_init_scope(self) -> contextlib.AbstractContextManager[None]:
+        """torch's shape-inference forward: plain attention, and a loss that runs its own
+        backward (:class:`seq1f1b.ChunkedLoss`) runs none (no gradients before the step)."""
+        return metadata_inference()
 
     def collect_losses(self, unit_losses: dict[int, torch.Tensor], losses: list) -> None:
         """All M losses on ranks 0 and pp-1 (each computed one replica's half)."""

@@ -92,7 +92,11 @@ def pipeline_seq1f1b(
         "ac_config": ac_config,
         "dump_folder": dump_folder,
     }
-    if not entry.seq_chunked or entry.replicas != 1:
+    if entry.replicas == 2:
+        return _pipeline_bitpipe(
+            model, spmd, device, model_config, parallelize_fn, unit_loss(loss_fn, training.seq_len)
+        )
+    if not entry.seq_chunked:
         return base_pipelining_fn(
             model,
             **spmd,
@@ -141,6 +145,51 @@ def pipeline_seq1f1b(
         entry, stages, parts, config, lengths, unit_loss(loss_fn, training.seq_len),
         parallel_dims, shape, v,
     )  # fmt: skip
+
+
+def _pipeline_bitpipe(
+    model: nn.Module,
+    spmd: dict[str, Any],
+    device: torch.device,
+    model_config: Any,
+    parallelize_fn: Any,
+    loss_fn: Any,
+) -> tuple[Any, list[nn.Module], bool, bool]:
+    """BitPipe through 0.3's contract: every model part this rank holds (both replicas'),
+    split by torchtitan's own ``_split_module``, chunk-aware, each parallelized by 0.3."""
+    from torchtitan.distributed.pipeline_parallel import (
+        _build_get_mesh_callback,
+        _generate_llm_fqn_per_model_part,
+        _split_module,
+    )
+
+    from ..bitpipe import BitPipeLayout, build_bitpipe, check_bitpipe
+
+    parallel_dims, parallelism = spmd["parallel_dims"], spmd["parallelism"]
+    check_bitpipe(parallel_dims)
+    names = parallelism.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(
+        BitPipeLayout(parallel_dims.pp).replica_stages,
+        len(model_config.layers),
+        parallelism.pipeline_parallel_first_stage_less_layers,
+        parallelism.pipeline_parallel_last_stage_less_layers,
+    )
+    make_chunk_aware(model)
+    training = spmd["training"]
+    schedule, parts, has_first, has_last = build_bitpipe(
+        model,
+        names,
+        group=parallel_dims.get_mesh("pp").get_group(),
+        device=device,
+        split=_split_module,
+        parallelize=lambda part: parallelize_fn(part, **spmd),
+        n_microbatches=training.local_batch_size // parallelism.pipeline_parallel_microbatch_size,
+        loss_fn=loss_fn,
+        stage_kwargs={"get_mesh": _build_get_mesh_callback(parallel_dims)},
+    )
+    for stage in schedule.local_stages:
+        if not stage.is_last:
+            stage.submod.register_forward_hook(_contiguous_output)
+    return schedule, parts, has_first, has_last
 
 
 def unit_loss(loss_fn: Any, seq_len: int) -> Any:

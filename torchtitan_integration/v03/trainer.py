@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torchtitan.trainer import Trainer
 
-from seq1f1b import packed_documents
+from seq1f1b import ScheduleBitPipe, packed_documents
 from seq1f1b.registry import lookup
 
 from .. import assets
+from ..bitpipe import clipping_each_chunk_once, sync_twins
 from ..common import (
     last_stage_rank,
     loss_on_every_pp_rank,
@@ -77,6 +78,8 @@ class Seq1F1BTrainer(Trainer):
         seq1f1b: Seq1F1B = field(default_factory=Seq1F1B)
         """Seq1F1B: segments per sample, how to split, stages per rank (interleaved)."""
 
+    _twins_synced = False
+
     def __init__(self, config: Config) -> None:
         if config.model_spec is None:
             raise ValueError("Seq1F1BTrainer.Config.model_spec must be set (a config function)")
@@ -85,7 +88,7 @@ class Seq1F1BTrainer(Trainer):
         validate_before_start(config)
         check_torch_for_parallelism(config.parallelism)  # this torch can run these degrees
         spec = config.model_spec
-        ours = self._seq_chunked(config)
+        ours = self._chunk_aware(config)
         pp = config.parallelism.pipeline_parallel_degree > 1
         if ours or not pp:
             config.validator = _chunk_aware_validator(config.validator)
@@ -115,13 +118,27 @@ class Seq1F1BTrainer(Trainer):
             raise
 
     @staticmethod
-    def _seq_chunked(config: Any) -> bool:
-        return lookup(config.parallelism.pipeline_parallel_schedule).seq_chunked
+    def _chunk_aware(config: Any) -> bool:
+        """Our schedule runs this PP: a Seq1F1B one, or BitPipe (whole samples)."""
+        entry = lookup(config.parallelism.pipeline_parallel_schedule)
+        return entry.seq_chunked or entry.replicas == 2
 
     @property
     def _ours(self) -> bool:
-        """The attention is chunk-aware: PP = 1, or PP with a Seq1F1B schedule."""
-        return not self.parallel_dims.pp_enabled or self._seq_chunked(self.config)
+        """The attention is chunk-aware: PP = 1, or PP with one of our schedules."""
+        return not self.parallel_dims.pp_enabled or self._chunk_aware(self.config)
+
+    def train_step(self, data_iterator: Any) -> None:
+        """torchtitan's; under BitPipe the twins start identical and clipping counts each
+        chunk once."""
+        schedule = getattr(self, "pp_schedule", None)
+        if not isinstance(schedule, ScheduleBitPipe):
+            return super().train_step(data_iterator)
+        if not self._twins_synced:
+            sync_twins(schedule)  # replicas identical after torchtitan's init/load
+            self._twins_synced = True
+        with clipping_each_chunk_once(schedule):
+            return super().train_step(data_iterator)
 
     def _undo_patches(self) -> None:
         patches, self._patches = getattr(self, "_patches", None), None

@@ -53,14 +53,8 @@ def validate_before_start(config: Any) -> None:
     if par.pipeline_parallel_degree <= 1:
         return
     if entry.replicas == 2:
-        raise ValueError(
-            f"pipeline_parallel_schedule = {par.pipeline_parallel_schedule!r} (BitPipe) is not "
-            "available with torchtitan 0.3: BitPipe holds every stage twice (a V-shaped and a "
-            "looped replica per rank), and 0.3's pipelining_fn contract returns one model part "
-            "per stage that its optimizer, checkpointer and gradient clipping each see once. "
-            "Use 'Seq1F1B', 'InterleavedSeq1F1B', 'ZBSeq1F1B' or 'ZBVSeq1F1B', or torchtitan "
-            "0.2.2 (TORCHTITAN_VERSION=0.2.2 scripts/setup_env.sh)"
-        )
+        check_bitpipe_settings(par, config.training)
+        return
     if not entry.seq_chunked:
         return
     shape = model_shape(config.model_spec.model)
@@ -72,3 +66,23 @@ def validate_before_start(config: Any) -> None:
         shape,
         par.context_parallel_degree,
     )
+
+
+def check_bitpipe_settings(par: Any, training: Any) -> None:
+    """BitPipe pairs rank r with pp-1-r and gives each of its two replicas half of the
+    microbatches: pp and M even, naming the keys."""
+    pp = par.pipeline_parallel_degree
+    if pp % 2:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_degree = {pp}: BitPipe pairs rank r with rank "
+            "pp-1-r (the two replicas' copies of the same layers), so it needs an even degree"
+        )
+    mb = par.pipeline_parallel_microbatch_size
+    m = training.local_batch_size // mb if mb > 0 else 0
+    if m < 2 or m % 2 or training.local_batch_size % mb:
+        raise ValueError(
+            f"training.local_batch_size = {training.local_batch_size} with "
+            f"parallelism.pipeline_parallel_microbatch_size = {mb} gives {m} microbatches: "
+            "BitPipe runs half of them on each replica, so it needs an even number >= 2 "
+            f"(a multiple of pp = {pp} gives the published bubble)"
+        )
