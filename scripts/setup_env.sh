@@ -68,7 +68,10 @@ if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0]
     2>/dev/null; then
   "$VPY" -m pip install --quiet "torch==$TORCH"
 fi
-"$VPY" -m pip install --quiet -c "$CONSTRAINT" -e ".[$EXTRAS]"
+# compat editable mode: the checkout goes on sys.path (a .pth), so a folder named seq1f1b in
+# the working directory cannot shadow the package (setuptools' default finder loses to it)
+"$VPY" -m pip install --quiet -c "$CONSTRAINT" -e ".[$EXTRAS]" \
+  --config-settings editable_mode=compat
 echo "$WANT" > "$STAMP"
 READY="torch $("$VPY" -c 'import torch; print(torch.__version__)')"
 if [ "$WITH_TITAN" = 1 ]; then

@@ -19,6 +19,7 @@ from .schedule import (
     ScheduleZBSeq1F1B,
     ScheduleZBVSeq1F1B,
 )
+from .verify import VerificationReport, verify_model
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,7 @@ __all__ = [
     "ScheduleZBVSeq1F1B",
     "SegmentInfo",
     "SequenceSplit",
+    "VerificationReport",
     "add_layer_key",
     "build_bitpipe_stages",
     "chunk_aware_attention",
@@ -44,4 +46,5 @@ __all__ = [
     "segment_multiple",
     "segment_positions",
     "uniform_split",
+    "verify_model",
 ]

@@ -136,7 +136,7 @@ class ChunkedLoss:
         source = hidden.detach()
         grad = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        with rt.fsdp_gradient_sync_deferred(head):  # reduced once, with the stage's
+        with rt.fsdp_held_unsharded(head):  # reduced once, with the stage's
             for length, tgt, start in zip(lengths, targets, _starts(lengths), strict=True):
                 piece = source.narrow(dim, start, length).requires_grad_(training)
                 with torch.set_grad_enabled(training):

@@ -135,6 +135,7 @@ class StageKVState:
     num_segments: int
     skip_invisible: bool = True  # see ScheduleSeq1F1B(skip_invisible=...)
     peak_bytes: int = 0  # most K/V bytes cached at once since clear(reset_peak=True)
+    attention_calls: int = 0  # chunk-aware attention calls (counted in guarded steps)
     _cache: dict[int, dict[Hashable, list[SegmentKV | None]]] = field(default_factory=dict)
     _next_fwd: dict[int, int] = field(default_factory=dict)
     _next_bwd: dict[int, int] = field(default_factory=dict)
@@ -412,6 +413,8 @@ def attention_call(
 ) -> AttentionCall:
     """The part of an attention call that depends on the running unit (eager and compiled
     paths alike); ``documents``: True requires the batch's, False ignores them."""
+    if ctx is not None:
+        ctx.state.attention_calls += 1
     groups = None if documents is False else current_documents()
     if documents and groups is None:
         raise ValueError(

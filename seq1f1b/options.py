@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .context_parallel import CP_PREFIX_MODES
 from .kv import ContextParallel
+from .mask_split import MaskSplitCache
 from .order import OrderSpec
 from .partition import SPLIT_MODES, ModelShape, resolve_split, segment_multiple
 
@@ -64,6 +66,7 @@ class SequenceSplit:
     _cache: dict[tuple[int, int, OrderSpec | None], list[int]] = field(
         default_factory=dict, compare=False, repr=False
     )
+    _mask_cache: MaskSplitCache = field(default_factory=MaskSplitCache, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str):
@@ -98,12 +101,35 @@ class SequenceSplit:
             )
 
     def lengths(
-        self, seq_len: int, seq_chunks: int, cp_size: int = 1, order: OrderSpec | None = None
+        self,
+        seq_len: int,
+        seq_chunks: int,
+        cp_size: int = 1,
+        order: OrderSpec | None = None,
+        documents: Any = None,
     ) -> list[int]:
         """Segment lengths for a sequence of ``seq_len`` tokens (cached per length).
 
-        ``order``: the schedule's shape, which ``"memory_capped"`` simulates.
+        ``order``: the schedule's shape, which ``"memory_capped"`` simulates. ``documents``:
+        the step's ``document_ids`` (a tensor, or one per sample); ``"compute"`` then balances
+        the FLOPs of that document mask (:mod:`seq1f1b.mask_split`, cached per layout).
         """
+        plain = self._plain_lengths(seq_len, seq_chunks, cp_size, order)
+        shape = self.model_shape
+        masked = documents is not None or (shape is not None and shape.window is not None)
+        if not (masked and self.mode == "compute" and seq_chunks > 1):
+            return plain
+        assert shape is not None  # check() ran at construction
+        if documents is None:  # windows alone: one document per sample
+            documents = torch.zeros(1, seq_len, dtype=torch.int64)
+        multiple = segment_multiple(self.multiple_of, cp_size)
+        balanced = self._mask_cache.lengths(documents, seq_chunks, shape, multiple_of=multiple)
+        return balanced if sum(balanced) == seq_len else plain
+
+    def _plain_lengths(
+        self, seq_len: int, seq_chunks: int, cp_size: int, order: OrderSpec | None
+    ) -> list[int]:
+        """The split of the mode without a mask (cached per length)."""
         key = (seq_len, cp_size, order if self.mode == "memory_capped" else None)
         if key not in self._cache:
             multiple = segment_multiple(self.multiple_of, cp_size)

@@ -42,6 +42,10 @@ class ModelShape:
     ``n_kv_heads`` to ``n_heads`` (grouped-query attention when fewer); all are resolved to ints
     at construction so readers never see ``None``. ``gated_ffn`` is a SwiGLU FFN (Llama: three
     ``H x F`` matrices instead of two).
+
+    ``window`` / ``sinks``: a sliding window of that many keys (plus the first ``sinks``
+    positions) on ``window_layers`` of the layers (None: all), as the model's
+    ``ChunkAwareAttention`` modules have them; the mask-aware compute split prices them.
     """
 
     hidden: int
@@ -52,6 +56,9 @@ class ModelShape:
     head_dim: int | None = None
     n_kv_heads: int | None = None
     gated_ffn: bool = False
+    window: int | None = None
+    sinks: int = 0
+    window_layers: int | None = None
 
     def __post_init__(self) -> None:
         """Validate eagerly so a bad shape fails at config time, not mid-solve."""
@@ -82,6 +89,20 @@ class ModelShape:
                     f"pass a positive int or leave it as None for the default"
                 )
             object.__setattr__(self, name, value)
+        if self.window is not None:
+            w = _as_int("ModelShape.window", self.window)
+            if w < 1:
+                raise ValueError(f"ModelShape.window must be >= 1 or None (got {w})")
+            layers = self.n_layers if self.window_layers is None else self.window_layers
+            layers = _as_int("ModelShape.window_layers", layers)
+            if not 1 <= layers <= self.n_layers:
+                raise ValueError(
+                    f"ModelShape.window_layers = {layers} must be in 1..n_layers = "
+                    f"{self.n_layers} (how many layers use the window)"
+                )
+            object.__setattr__(self, "window_layers", layers)
+        if _as_int("ModelShape.sinks", self.sinks) < 0:
+            raise ValueError(f"ModelShape.sinks must be >= 0 (got {self.sinks})")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"ModelShape.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
@@ -361,12 +382,20 @@ def attended_keys(
     return [t / len(rows) for t in total]
 
 
+def token_cost(shape: ModelShape) -> tuple[float, float]:
+    """``(base, per_key)``: the forward FLOPs of a position that attends to ``n`` keys are
+    ``base + per_key * n`` (its share of every matmul, plus attention per key; with ``p + 1``
+    keys at position ``p`` they sum to :func:`segment_flops`)."""
+    a, b0 = _coefficients(0, shape)  # b at end 0: the per-token cost without attention
+    attn = 2 * a  # = L * (4d + 3) * h
+    return b0 - 0.5 * attn, attn
+
+
 def profile_flops(keys: Sequence[float], shape: ModelShape) -> list[float]:
     """Forward FLOPs of each position: its share of every matmul plus attention over ``keys``
     (the per-token form of :func:`segment_flops`: with ``p + 1`` keys they sum to it)."""
-    a, b0 = _coefficients(0, shape)  # b at end 0: the per-token cost without attention
-    attn = 2 * a  # = L * (4d + 3) * h
-    return [b0 + attn * (x - 0.5) for x in keys]
+    base, per_key = token_cost(shape)
+    return [base + per_key * x for x in keys]
 
 
 def profile_balanced_split(flops: Sequence[float], k: int, multiple_of: int = 1) -> list[int]:
@@ -380,6 +409,12 @@ def profile_balanced_split(flops: Sequence[float], k: int, multiple_of: int = 1)
         if target < k and acc >= total * target / k:
             cuts.append(p + 1)
             target += 1
+    return cuts_to_lengths(cuts, seq_len, k, multiple_of)
+
+
+def cuts_to_lengths(cuts: Sequence[int], seq_len: int, k: int, multiple_of: int) -> list[int]:
+    """``k`` segment lengths from ``k - 1`` cut positions, each rounded to ``multiple_of``,
+    kept increasing and leaving every later segment at least ``multiple_of``."""
     bounds, last = [], 0
     for i, c in enumerate(cuts):
         c = max(last + multiple_of, round(c / multiple_of) * multiple_of)

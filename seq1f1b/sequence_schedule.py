@@ -18,6 +18,7 @@ pre-flight), :class:`~seq1f1b.receives.ReceiveSizer` (receives per unit) and
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +37,8 @@ from .preflight import agree_on_step
 from .receives import ReceiveSizer
 from .step_inputs import StepInputs, UnitCutter, check_presplit
 from .unit_actions import UnitActions
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["SequencePipelineSchedule"]
 
@@ -101,6 +104,7 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         self._presplit: tuple[list, list, list | None] | None = None
         self._guard_attention = check_attention and (k > 1 or self._cp is not None)
         self._guard_documents = check_attention
+        self._last_lengths: list[int] | None = None  # logged when a step's split changes
         self.order_spec = OrderSpec(self.pp_group_size, len(stage_list), m, k,
                                     self._split_backward, self._placement)  # fmt: skip
         ranks = range(self.pp_group_size)
@@ -127,9 +131,13 @@ class SequencePipelineSchedule(rt.UnitRuntime):
     def cp_size(self) -> int:
         return 1 if self._cp is None else self._cp.size
 
-    def segment_lengths(self, seq_len: int) -> list[int]:
-        """Segment lengths for a sequence of ``seq_len`` tokens (cached per length)."""
-        return self.sequence_split.lengths(seq_len, self.seq_chunks, self.cp_size, self.order_spec)
+    def segment_lengths(self, seq_len: int, document_ids: Any = None) -> list[int]:
+        """Segment lengths for a sequence of ``seq_len`` tokens (cached per length). With a
+        step's ``document_ids`` and ``split="compute"``, balanced for that document mask
+        (cached per layout; the same on every rank, which all hold the documents)."""
+        return self.sequence_split.lengths(
+            seq_len, self.seq_chunks, self.cp_size, self.order_spec, document_ids
+        )
 
     def kv_state_bytes(self) -> int:
         """Bytes of K/V still cached (0 between steps; for tests and memory checks)."""
@@ -229,17 +237,17 @@ class SequencePipelineSchedule(rt.UnitRuntime):
                     f"inputs have sequence length {local} but the schedule was built with "
                     f"seq_len={fixed}: pass matching inputs or rebuild it"
                 )
-            if fixed or local:
-                inputs = self._cut(fixed or local, args, kwargs, target)
             if document_ids is not None:
                 documents = self.cutter.documents(document_ids, fixed or local)
+            if fixed or local:
+                inputs = self._cut(fixed or local, args, kwargs, target, document_ids)
         except ValueError as exc:
             error = exc
         stage = self.local_stages[0]
         agreed = agree_on_step(stage.group, self.pp_group_size, stage.device, fixed or local,
                                error, document_ids is not None)  # fmt: skip
         if inputs is None:  # a rank without inputs learns the length from the others
-            inputs = self._cut(agreed, args, kwargs, target)
+            inputs = self._cut(agreed, args, kwargs, target, document_ids)
         elif sum(inputs.lengths) != agreed:
             raise ValueError(
                 f"this rank's inputs have sequence length {sum(inputs.lengths)} but another "
@@ -250,8 +258,16 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         self.unit_actions.begin_step(inputs.lengths, documents, guard)
         return inputs
 
-    def _cut(self, seq_len: int, args: tuple, kwargs: dict, target: Any) -> StepInputs:
-        lengths = self.segment_lengths(seq_len)
+    def _cut(
+        self, seq_len: int, args: tuple, kwargs: dict, target: Any, document_ids: Any = None
+    ) -> StepInputs:
+        lengths = self.segment_lengths(seq_len, document_ids)
+        if lengths != self._last_lengths:
+            mode = self.sequence_split.mode
+            masked = document_ids is not None and mode == "compute"
+            logger.info("Seq1F1B: segment lengths %s (split=%s%s)", lengths, mode,
+                        ", by document" if masked else "")  # fmt: skip
+            self._last_lengths = lengths
         return self.cutter.cut(lengths, args, kwargs, target, self._presplit, self._cp)
 
     def _average_cp_grads(self) -> None:

@@ -1,8 +1,9 @@
 """What runs around each compute action of a Seq1F1B step: the unit's place in its sample
 (:class:`~seq1f1b.kv.SegmentInfo`), its K/V cache bookkeeping, the received-length check and,
-on the first step, the guard against plain SDPA. Registered on the schedule as one per-action
-context (``UnitRuntime.register_action_context``), so it composes with other such contexts
-and never replaces a stage's methods itself.
+on the first step, the guards against plain SDPA and against a stage that mixes positions
+without the chunk-aware attention (:mod:`seq1f1b.mixing_probe`). Registered on the schedule
+as one per-action context (``UnitRuntime.register_action_context``), so it composes with
+other such contexts and never replaces a stage's methods itself.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from . import _runtime as rt
 from ._runtime import Action, PipelineStageBase
 from .kv import ContextParallel, SegmentInfo, StageKVState, UnitContext, activate
+from .mixing_probe import mixes_positions, mixing_error
 from .partition import segment_offsets
 from .receives import ReceiveSizer
 
@@ -134,6 +137,13 @@ class UnitActions:
         keep = stage.has_backward and torch.is_grad_enabled()
         state.begin_forward(info.microbatch, info.segment)
         mode = PlainAttentionGuard(info.documents is not None) if self.guard else None
+        seen: list[tuple] = []  # (args, kwargs, output) of a guarded later segment's forward
+        hook = None
+        if self.guard and info.segment > 0 and isinstance(stage.submod, nn.Module):
+            hook = stage.submod.register_forward_hook(
+                lambda _m, a, kw, out: seen.append((a, kw, out)), with_kwargs=True
+            )
+        state.attention_calls = 0
         try:
             with activate(UnitContext(state, info, "forward", keep)):
                 with mode or contextlib.nullcontext():
@@ -142,6 +152,13 @@ class UnitActions:
             if mode is not None and mode.error is not None:
                 raise mode.error from exc  # not torch's generic "failed to run forward"
             raise
+        finally:
+            if hook is not None:
+                hook.remove()
+        if seen and state.attention_calls == 0:
+            args, kwargs, out = seen[0]
+            if mixes_positions(stage.submod, args, kwargs, out, self.receives.seq_dim):
+                raise mixing_error(stage.stage_index, info.segment)
         state.end_forward(info.microbatch, info.segment, keep)
 
     @contextlib.contextmanager

@@ -488,3 +488,86 @@ def run_capped_grid(rank: int, world: int, stages_per_rank: int) -> None:
     ]
     assert len(uneven) >= 2, f"the search kept the uniform split in {cases}"
     run_cases(rank, world, cases)
+
+
+def packed_layout(batch: int, seq_len: int, seed: int, mean_doc: float) -> torch.Tensor:
+    """(batch, seq_len) document ids of documents with exponential lengths (mean
+    ``mean_doc``), packed one after another: a different layout for every seed."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(batch):
+        draws = torch.empty(seq_len).exponential_(1 / mean_doc, generator=g) + 1
+        lengths = draws.clamp(max=seq_len).long()
+        rows.append(torch.repeat_interleave(torch.arange(seq_len), lengths)[:seq_len])
+    return torch.stack(rows)
+
+
+def run_mask_split_steps(rank: int, world: int, schedule: str, stages_per_rank: int,
+                         checkpointing: bool = False, cp: int = 1,
+                         window: int | None = None) -> None:  # fmt: skip
+    """``split="compute"`` with documents that change every step: each step's lengths are
+    balanced for its own document mask (they change between steps and differ from the causal
+    split), and every step (and an ``eval()``) equals the full-sequence reference."""
+    from seq1f1b.mask_split import mask_balanced_split
+    from seq1f1b.partition import compute_balanced_split, segment_multiple
+
+    pp_rank, pp, pp_group, cp_group = _groups(rank, world, cp)
+    num_stages = pp * stages_per_rank
+    seq_len, batch, m, k = 48 * cp, 4, 2, 3
+    case = Case(stages_per_rank, k, m, seq_len=seq_len, batch=batch, schedule=schedule,
+                checkpointing=checkpointing, cp=cp)  # fmt: skip
+    cfg = replace(CFG, window=window, sinks=2 if window else 0)  # windows on even layers
+    mods = build_stages(cfg, num_stages, checkpointing=checkpointing)
+    mine = my_stages(case, pp_rank, pp)
+    stages = [PipelineStage(mods[s], s, num_stages, torch.device("cpu"), group=pp_group)
+              for s in mine]  # fmt: skip
+    shape = ModelShape(hidden=CFG.dim, n_heads=CFG.n_heads, n_layers=CFG.n_layers, vocab=CFG.vocab,
+                       window=window, sinks=cfg.sinks,
+                       window_layers=CFG.n_layers // 2 if window else None)  # fmt: skip
+    cp_kwargs = {} if cp_group is None else {"cp_group": cp_group}
+    sched = lookup(schedule).schedule_class()(
+        stages, m, k, loss_fn, split="compute", model_shape=shape, **cp_kwargs
+    )
+    has_first, has_last = 0 in mine, num_stages - 1 in mine
+    causal = compute_balanced_split(seq_len, k, shape, segment_multiple(1, cp))
+    seen = []
+    for step, mean_doc in enumerate((4.0, 1e9, 12.0)):  # short, one per row, mid
+        docs = packed_layout(batch, seq_len, seed=step, mean_doc=mean_doc)
+        ref = build_stages(cfg, num_stages, checkpointing=checkpointing)
+        for s in mine:  # the pipeline's weights start each step equal to the reference's
+            ref[s].load_state_dict(mods[s].state_dict())
+            mods[s].zero_grad(set_to_none=True)
+        g = torch.Generator().manual_seed(100 + step)
+        tokens = torch.randint(0, CFG.vocab, (batch, seq_len + 1), generator=g)
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        with packed_documents(docs):
+            ref_loss = loss_fn(full_model(ref)(x), y)
+            ref_loss.backward()
+        lengths = sched.segment_lengths(seq_len, docs)
+        want = mask_balanced_split(docs, k, shape, multiple_of=segment_multiple(1, cp))
+        assert lengths == want, (step, lengths, want)
+        seen.append(lengths)
+        losses: list[torch.Tensor] = []
+        sched.step(*((x,) if has_first else ()), target=y if has_last else None,
+                   losses=losses if has_last else None, document_ids=docs)  # fmt: skip
+        assert sched._inputs is not None and sched._inputs.lengths == lengths
+        if has_last:
+            loss_t = torch.stack(losses).mean()
+            if cp_group is not None:
+                torch.distributed.all_reduce(loss_t, group=cp_group)
+                loss_t /= cp
+            assert abs(loss_t.item() - ref_loss.item()) <= 1e-5 * ref_loss.item(), step
+        for s in mine:
+            for n, p in mods[s].named_parameters():
+                err = rel_err(p.grad, dict(ref[s].named_parameters())[n].grad)
+                assert err <= 1e-5, f"step {step} stage {s} {n}: rel err {err:.2e}"
+        if step == 2:  # forward-only, same documents
+            with torch.no_grad():
+                losses = []
+                sched.eval(*((x,) if has_first else ()), target=y if has_last else None,
+                           losses=losses if has_last else None, document_ids=docs)  # fmt: skip
+            if has_last and cp_group is None:
+                got = torch.stack(losses).mean().item()
+                assert abs(got - ref_loss.item()) <= 1e-5 * ref_loss.item(), (got, ref_loss)
+    assert len({tuple(s) for s in seen}) > 1, seen  # the split follows the documents
+    assert any(s != causal for s in seen), (seen, causal)

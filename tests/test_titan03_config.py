@@ -81,7 +81,7 @@ def test_overrides_on_top_of_the_toml() -> None:
     ("args", "message"),
     [
         (["--model.tokenizer_path", "x"], "[model] tokenizer_path has no equivalent in "
-         "torchtitan 0.3: use put tokenizer.json in hf_assets_path"),
+         "torchtitan 0.3; instead: put tokenizer.json in hf_assets_path"),
         (["--activation_checkpoint.selective_ac_option", "2"], "no every-n-layers option"),
         (["--training.no_such_key", "1"], "[training] no_such_key has no equivalent"),
         (["--optimizer.beta1", "0.9"], "[optimizer] beta1 has no equivalent"),

@@ -243,12 +243,18 @@ def build_schedule(
             f"pipeline_parallel_microbatch_size = {mb_size}"
         )
     cls = entry.schedule_class()
+    seq_len = config.training.seq_len
+    if config.seq1f1b.split == "compute":  # re-balanced per step for the batch's documents
+        tp = max(par.tensor_parallel_degree, 1)
+        split = SequenceSplit("compute", model_shape=shape, multiple_of=tp, seq_len=seq_len)
+    else:
+        split = SequenceSplit(tuple(lengths), seq_len=seq_len)
     schedule = cls(
         stages,
         batch // mb_size,
         config.seq1f1b.seq_chunks,
         loss_fn,
-        split=SequenceSplit(tuple(lengths), seq_len=config.training.seq_len),
+        split=split,
         # context parallelism: our ring attention shards each segment over the cp mesh;
         # FSDP over the fsdp mesh (dp_shard x cp) sums the gradients, as torchtitan's own CP
         context_parallel=ContextParallelConfig(cp_group, reduce_grads=False),

@@ -8,8 +8,9 @@ flavors and launcher are torchtitan's. Takes the planner's arguments plus where 
 what to train on; prints the ranked table, then the TOML (or writes it to ``--output``).
 
 The TOML states the precision the plan was priced in (``mixed_precision_param``): with
-``--precision torchtitan-0.2`` (the default) a plan without FSDP but with PP or TP says
-``"float32"``, which is what torchtitan 0.2.2 runs it in whatever the TOML says.
+``--precision torchtitan-0.2`` a plan without FSDP but with PP or TP says ``"float32"``,
+which is what torchtitan 0.2.2 runs it in whatever the TOML says (the default,
+``torchtitan-0.3``, wraps FSDP at every degree, so bf16 holds there).
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 | torch._utils._get_available_device_type       | torchtitan picks "cpu" at import (cpu.py)        |
 | _composable.replicate_with_fsdp.replicate     | DP-replicate that the pipelining runtime reduces |
 | FSDPModule._get_fsdp_state()                  | ChunkedLoss restores the head's gradient-sync    |
-|   ._fsdp_param_groups[].reduce_grads          |   setting (FSDP2 has a setter, no getter)        |
+|   ._fsdp_param_groups[].reduce_grads,         |   and reshard settings (FSDP2 has setters, no    |
+|   .reshard_after_backward                     |   getters)                                       |
 
 Hooks of the upstream series (``upstream/``), found by feature (``TORCH_HOOKS``); on a torch
 that has one, the workaround it retires is not used:
@@ -120,7 +121,7 @@ from .ir import (
     flash_cuda_backward,
     flash_cuda_forward,
     flatten_dense_tensors,
-    fsdp_gradient_sync_deferred,
+    fsdp_held_unsharded,
     fsdp_replicate,
     has_compiled_module,
     meta_with_length,
@@ -185,7 +186,7 @@ __all__ = [
     "flash_cuda_backward",
     "flash_cuda_forward",
     "flatten_dense_tensors",
-    "fsdp_gradient_sync_deferred",
+    "fsdp_held_unsharded",
     "fsdp_replicate",
     "has_compiled_module",
     "meta_with_length",

@@ -101,25 +101,30 @@ def disable_donated_buffers() -> None:
 
 
 @contextlib.contextmanager
-def fsdp_gradient_sync_deferred(module: torch.nn.Module) -> Iterator[None]:
-    """For an FSDP2 module: no gradient reduction while the block runs (gradients accumulate
-    unsharded, as under ``no_sync``), then the module's own setting back. A loss that runs its
-    head's backward inside the forward (:class:`seq1f1b.ChunkedLoss`) would otherwise reduce
-    the head's group (torchtitan: ``[norm, lm_head]``) mid-step, before the rest of its
-    gradients exist; the stage's REDUCE_GRAD (or the caller's backward) reduces it once.
-    FSDP2 has a setter but no getter: the setting is read from its param groups."""
+def fsdp_held_unsharded(module: torch.nn.Module) -> Iterator[None]:
+    """For an FSDP2 module: while the block runs, its parameters stay gathered and its
+    gradients accumulate unsharded (no reduction, no reshard after each backward); then the
+    module's own settings back. A loss that runs its head's backward inside the forward, once
+    per chunk (:class:`seq1f1b.ChunkedLoss`), then issues the same collectives whatever its
+    number of chunks (which follows the segment length, and so may differ between data-
+    parallel ranks), and the stage's REDUCE_GRAD (or the caller's backward) reduces the head's
+    group (torchtitan: ``[norm, lm_head]``) once. FSDP2 has setters but no getters: the
+    settings are read from its param groups."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(module, FSDPModule):
         yield
         return
     groups = module._get_fsdp_state()._fsdp_param_groups
-    before = all(g.reduce_grads for g in groups)
+    sync = all(g.reduce_grads for g in groups)
+    reshard = all(g.reshard_after_backward for g in groups)
     module.set_requires_gradient_sync(False, recurse=False)
+    module.set_reshard_after_backward(False, recurse=False)
     try:
         yield
     finally:
-        module.set_requires_gradient_sync(before, recurse=False)
+        module.set_requires_gradient_sync(sync, recurse=False)
+        module.set_reshard_after_backward(reshard, recurse=False)
 
 
 def fsdp_replicate() -> Callable[..., Any]:

@@ -152,7 +152,7 @@ def _no_home(key: str, path: str | None = None) -> str:
     hint = NO_HOME.get(key)
     where = f"[{section}] {name}"
     if hint:
-        return f"{where} has no equivalent in torchtitan 0.3: use {hint}"
+        return f"{where} has no equivalent in torchtitan 0.3; instead: {hint}"
     return (
         f"{where} has no equivalent in torchtitan 0.3's config"
         + (f" (no field {path})" if path and path != key else "")

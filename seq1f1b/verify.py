@@ -1,0 +1,215 @@
+"""``verify_model``: check a model adapted to Seq1F1B before training, on one process.
+
+The model's stage modules run once unpipelined (the reference: the whole sequence, one stage
+after the other) and once under ``ScheduleSeq1F1B`` with the sequence cut into segments (all
+stages on this one rank, in looped placement), from copies of the same weights. Loss, every
+stage's output and every gradient are compared; on a mismatch the report names the first stage
+whose output differs, the segment where it starts, and the likely cause:
+
+* no chunk-aware attention call in that stage (attention written by hand or a foreign kernel);
+* segment 0 equal, later ones not: positions taken from the segment instead of the sequence
+  (RoPE or learned position embeddings from ``arange(segment length)``), or a layer that mixes
+  positions besides attention (a convolution, a norm over the sequence).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .kv import packed_documents
+from .mixing_probe import PositionMixingError
+
+__all__ = ["VerificationReport", "verify_model"]
+
+
+@dataclass
+class VerificationReport:
+    """What :func:`verify_model` found. ``ok`` is True when loss and every gradient agree."""
+
+    ok: bool
+    loss_error: float
+    worst_gradient: tuple[str, float] | None = None  # ("stage.param", relative error)
+    stage: int | None = None  # the first stage whose output differs
+    segment: int | None = None  # the first segment where it differs
+    cause: str | None = None
+    lengths: list[int] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"Seq1F1B verify: OK (segments {self.lengths}, loss error {self.loss_error:.1e})"
+        where = "" if self.stage is None else f" at stage {self.stage}"
+        seg = "" if self.segment is None else f", from segment {self.segment}"
+        grad = (
+            ""
+            if self.worst_gradient is None
+            else (
+                f"; worst gradient {self.worst_gradient[0]} (relative error "
+                f"{self.worst_gradient[1]:.1e})"
+            )
+        )
+        return (f"Seq1F1B verify: MISMATCH{where}{seg} (segments {self.lengths}, loss error "
+                f"{self.loss_error:.1e}{grad}). Likely cause: {self.cause}")  # fmt: skip
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+@contextlib.contextmanager
+def _single_process_group() -> Iterator[None]:
+    """A one-rank gloo group for the pipelined run, when the caller has none."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _outputs(mods: Sequence[nn.Module]) -> tuple[list[list[torch.Tensor]], Callable[[], None]]:
+    """Every forward output of each module, in call order (and the hooks' remover)."""
+    seen: list[list[torch.Tensor]] = [[] for _ in mods]
+    handles = []
+    for i, m in enumerate(mods):
+
+        def hook(_m: nn.Module, _a: Any, out: Any, i: int = i) -> None:
+            t = out[0] if isinstance(out, tuple) else out
+            if isinstance(t, torch.Tensor):
+                seen[i].append(t.detach().clone())
+
+        handles.append(m.register_forward_hook(hook))
+    return seen, lambda: [h.remove() for h in handles]
+
+
+def verify_model(
+    stages: Sequence[nn.Module],
+    inputs: torch.Tensor,
+    target: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    seq_chunks: int = 3,
+    document_ids: torch.Tensor | None = None,
+    seq_dim: int = 1,
+    tol: float = 1e-4,
+) -> VerificationReport:
+    """Run ``stages`` (the model cut into pipeline stages, in order) unpipelined and under
+    Seq1F1B with ``seq_chunks`` uniform segments, on this process, and compare.
+
+    ``inputs``/``target``: one example batch (batch, seq_len); ``loss_fn(output, target)`` a
+    mean loss, as for the schedule. The modules are not changed (copies run). Use fp32 and a
+    short sequence (a few hundred tokens at most); ``tol`` bounds the relative errors. Returns
+    a :class:`VerificationReport` (``print`` it; ``report.ok``).
+    """
+    from .partition import uniform_split
+    from .schedule import ScheduleSeq1F1B
+
+    seq_len = inputs.shape[seq_dim]
+    if seq_len < seq_chunks:
+        raise ValueError(f"verify_model: {seq_len} positions cannot be cut into {seq_chunks}")
+    lengths = uniform_split(seq_len, seq_chunks)
+    ref = [copy.deepcopy(m) for m in stages]
+    mine = [copy.deepcopy(m) for m in stages]
+    ref_out, remove = _outputs(ref)
+    masked = (
+        packed_documents(document_ids) if document_ids is not None else contextlib.nullcontext()
+    )
+    with masked:
+        h: Any = inputs
+        for m in ref:
+            h = m(h)
+        ref_loss = loss_fn(h, target)
+        ref_loss.backward()
+    remove()
+    got_out, remove = _outputs(mine)
+    device = inputs.device
+    losses: list[torch.Tensor] = []
+    probe_error: PositionMixingError | None = None
+    with _single_process_group():
+        from torch.distributed.pipelining import PipelineStage
+
+        n = len(mine)
+        pipe = [PipelineStage(m, i, n, device) for i, m in enumerate(mine)]
+        schedule = ScheduleSeq1F1B(pipe, 1, seq_chunks, loss_fn, split=list(lengths),
+                                   seq_dim=seq_dim)  # fmt: skip
+        try:
+            schedule.step(inputs, target=target, losses=losses, document_ids=document_ids)
+        except PositionMixingError as exc:
+            probe_error = exc
+    remove()
+    if probe_error is not None:
+        return VerificationReport(False, float("inf"), stage=probe_error.stage_index,
+                                  segment=probe_error.segment, cause=str(probe_error),
+                                  lengths=lengths)  # fmt: skip
+    loss = torch.stack(losses).mean() if losses else torch.tensor(float("nan"))
+    loss_error = abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-30)
+    worst: tuple[str, float] | None = None
+    for i, (a, b) in enumerate(zip(mine, ref, strict=True)):
+        for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+            if q.grad is None:
+                continue
+            err = float("inf") if p.grad is None else _rel(p.grad, q.grad)
+            if worst is None or err > worst[1]:
+                worst = (f"{i}.{name}", err)
+    ok = loss_error <= tol and (worst is None or worst[1] <= tol)
+    report = VerificationReport(ok, loss_error, worst, lengths=lengths)
+    if not ok:
+        report.stage, report.segment, report.cause = _diagnose(ref_out, got_out, lengths, seq_dim)
+    return report
+
+
+def _diagnose(
+    ref_out: list[list[torch.Tensor]],
+    got_out: list[list[torch.Tensor]],
+    lengths: list[int],
+    seq_dim: int,
+) -> tuple[int | None, int | None, str]:
+    """The first stage whose output differs, the first segment that differs, and why."""
+    for i, (want, got) in enumerate(zip(ref_out, got_out, strict=True)):
+        if not want or len(got) < len(lengths):
+            continue
+        full, got = want[-1], got[-len(lengths) :]  # (torch's shape inference ran first)
+        start = 0
+        for j, length in enumerate(lengths):
+            part = full.narrow(seq_dim, start, length)
+            start += length
+            if _rel(got[j], part) > 1e-4:
+                if j == 0:
+                    return (
+                        i,
+                        j,
+                        (
+                            "the first segment already differs: the stage's output depends on "
+                            "something besides its own inputs and the earlier positions (state "
+                            "kept between calls, randomness such as dropout: verify with "
+                            "model.eval()'s determinism, or a per-batch statistic)"
+                        ),
+                    )
+                return (
+                    i,
+                    j,
+                    (
+                        f"segment 0 matches, segment {j} does not: positions are probably taken "
+                        "from the segment, not the sequence (RoPE or learned position embeddings "
+                        "from arange(segment length): use seq1f1b.current_segment().positions() "
+                        "or seq1f1b.segment_positions(x)), or a layer besides attention mixes "
+                        "positions (a convolution, a norm over the sequence)"
+                    ),
+                )
+    return (
+        None,
+        None,
+        (
+            "every stage's output matches but the gradients do not: a parameter used outside the "
+            "forward, or gradients changed by hooks"
+        ),
+    )

@@ -1,0 +1,175 @@
+"""A model adapted wrongly fails at the first step instead of training silently wrong: a stage
+that mixes sequence positions without the chunk-aware attention (attention written by hand, a
+convolution over the sequence) is caught; attention-free stages and correct models are not."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_ranks
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from seq1f1b import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B, verify_model
+from seq1f1b.mixing_probe import PositionMixingError
+from seq1f1b.testing import TinyConfig, TinyStage, build_stages, full_model
+
+CFG = TinyConfig(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=4, ffn=64)
+CPU = torch.device("cpu")
+
+
+class HandWrittenAttention(nn.Module):
+    """softmax(QK^T / sqrt(d)) V under a causal mask: right unpipelined, wrong per segment."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        n = q.shape[-2]
+        mask = torch.ones(n, n, dtype=torch.bool).triu(1)
+        return s.masked_fill(mask, float("-inf")).softmax(-1) @ v
+
+
+class SequenceConv(nn.Module):
+    """A causal depthwise convolution over the sequence (e.g. a Mamba-style mixer)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, 3, groups=dim, padding=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+
+
+def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _batch(seq_len: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(0, CFG.vocab, (2, seq_len + 1), generator=g)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def _single_stage(model: nn.Module, k: int = 2) -> ScheduleSeq1F1B:
+    return ScheduleSeq1F1B([PipelineStage(model, 0, 1, CPU)], 2, k, _loss)
+
+
+def _wrong_models(rank: int, world: int) -> None:
+    x, y = _batch()
+    hand = build_stages(CFG, 1)[0]
+    for block in hand.layers:
+        block.attn = HandWrittenAttention()
+    with pytest.raises(PositionMixingError, match="combines sequence positions in the forward "
+                       "of segment 1 without calling the chunk-aware attention"):  # fmt: skip
+        _single_stage(hand).step(x, target=y)
+    _single_stage(hand, k=1).step(x, target=y)  # K = 1: nothing is cut, nothing to catch
+    conv = TinyStage(CFG, True, True, 0)  # embedding, a convolution over the sequence, head
+    conv.layers.append(SequenceConv(CFG.dim))
+    with pytest.raises(PositionMixingError, match="a convolution, a norm over the sequence"):
+        _single_stage(conv).step(x, target=y)
+
+
+def test_hand_written_attention_and_sequence_mixers_fail_the_first_step() -> None:
+    run_ranks(_wrong_models, 1)
+
+
+def _attention_free_stages(rank: int, world: int) -> None:
+    """Embedding-only and head-only stages (no attention at all) raise nothing, and the step
+    equals the unpipelined model."""
+    torch.manual_seed(0)
+    layers = build_stages(CFG, 1)[0]
+    embed = TinyStage(CFG, True, False, 0)  # embedding only
+    middle = TinyStage(CFG, False, False, CFG.n_layers)
+    head = TinyStage(CFG, False, True, 0)  # norm + head only
+    middle.load_state_dict(
+        {k: v for k, v in layers.state_dict().items() if k.startswith("layers.")}
+    )
+    mods = [embed, middle, TinyStage(CFG, False, False, 0), head]
+    x, y = _batch(24)
+    ref = full_model(mods)
+    _loss(ref(x), y).backward()
+    want = {f"{i}.{n}": p.grad.clone() for i, m in enumerate(mods) for n, p in m.named_parameters()}
+    for m in mods:
+        m.zero_grad(set_to_none=True)
+    stages = [PipelineStage(m, i, 4, CPU) for i, m in enumerate(mods)]
+    ScheduleInterleavedSeq1F1B(stages, 2, 3, _loss).step(x, target=y)
+    for i, m in enumerate(mods):
+        for n, p in m.named_parameters():
+            err = ((p.grad - want[f"{i}.{n}"]).norm() / want[f"{i}.{n}"].norm()).item()
+            assert err <= 1e-5, (i, n, err)
+
+
+def test_attention_free_stages_raise_nothing() -> None:
+    run_ranks(_attention_free_stages, 1)
+
+
+class SegmentRope(nn.Module):
+    """A block whose RoPE positions come from ``arange(segment length)`` (the mistake)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import seq1f1b.testing as testing
+
+        real = testing.rope_positions
+        testing.rope_positions = lambda h: torch.arange(h.shape[1], device=h.device)
+        try:
+            return self.block(x)
+        finally:
+            testing.rope_positions = real
+
+
+class LearnedPositions(nn.Module):
+    """Learned absolute position embeddings, added after the token embedding: correct when
+    the positions come from the running segment (``current_segment().positions()``)."""
+
+    def __init__(self, n: int, dim: int, from_segment: bool = True) -> None:
+        super().__init__()
+        self.table = nn.Embedding(n, dim)
+        self.from_segment = from_segment
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from seq1f1b import current_segment
+
+        info = current_segment() if self.from_segment else None
+        pos = info.positions(x.device) if info else torch.arange(x.shape[1], device=x.device)
+        return x + self.table(pos)
+
+
+def _two_stages(layer_fix=None) -> list[nn.Module]:
+    mods = build_stages(CFG, 2)
+    if layer_fix is not None:
+        mods[1].layers[0] = layer_fix(mods[1].layers[0])
+    return mods
+
+
+def test_verify_model_passes_correct_models_and_names_the_mistakes() -> None:
+    x, y = _batch(24)
+    docs = torch.arange(24).div(10, rounding_mode="floor").expand(2, 24)
+    good = verify_model(_two_stages(), x, y, _loss, document_ids=docs)
+    assert good.ok, str(good)
+    assert "OK" in str(good) and good.lengths == [8, 8, 8]
+    learned = _two_stages()
+    learned[0].layers.insert(0, LearnedPositions(24, CFG.dim))
+    assert verify_model(learned, x, y, _loss).ok  # learned positions from the segment
+    wrong_learned = _two_stages()
+    wrong_learned[0].layers.insert(0, LearnedPositions(24, CFG.dim, from_segment=False))
+    report = verify_model(wrong_learned, x, y, _loss)
+    assert not report.ok and report.stage == 0 and report.segment == 1, str(report)
+    assert "positions are probably taken from the segment" in str(report)
+    rope = verify_model(_two_stages(SegmentRope), x, y, _loss)
+    assert not rope.ok and rope.stage == 1 and rope.segment == 1, str(rope)
+    assert "arange(segment length)" in str(rope)
+    hand = _two_stages()
+    for block in hand[1].layers:
+        block.attn = HandWrittenAttention()
+    report = verify_model(hand, x, y, _loss)
+    assert not report.ok and report.stage == 1, str(report)
+    assert "without calling the chunk-aware attention" in str(report)
+    assert not torch.distributed.is_initialized()  # its one-rank group is gone again
