@@ -21,6 +21,7 @@ token_weights`) as ``weight=``, since the head's backward runs inside the call.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -40,10 +41,6 @@ def sum_cross_entropy(
     return F.cross_entropy(
         logits.flatten(0, -2).float(), target.flatten(), ignore_index=ignore_index, reduction="sum"
     )
-
-
-def _starts(lengths: list[int]) -> list[int]:
-    return [sum(lengths[:i]) for i in range(len(lengths))]
 
 
 class _HandBackHidden(torch.autograd.Function):
@@ -136,8 +133,9 @@ class ChunkedLoss:
         source = hidden.detach()
         grad = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        starts = accumulate([0, *lengths[:-1]])
         with rt.fsdp_held_unsharded(head):  # reduced once, with the stage's
-            for length, tgt, start in zip(lengths, targets, _starts(lengths), strict=True):
+            for length, tgt, start in zip(lengths, targets, starts, strict=True):
                 piece = source.narrow(dim, start, length).requires_grad_(training)
                 with torch.set_grad_enabled(training):
                     loss = self._chunk_loss(head(piece), tgt, loss_kwargs) * scale
