@@ -34,8 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from seq1f1b import ModelShape, ScheduleBitPipe, SequenceSplit
-from seq1f1b import _runtime as rt
+from seq1f1b import ChunkedLoss, ModelShape, ScheduleBitPipe, SequenceSplit
 from seq1f1b.bitpipe import BitPipeLayout, new_pair_group
 from seq1f1b.context_parallel import comm_stats
 from seq1f1b.registry import ScheduleEntry, lookup
@@ -63,6 +62,7 @@ class RunSpec:
     cp_prefix: str = "auto"  # with Setting.cp > 1: how segments reach the cached prefix
     memory_cap: float = 1.0  # split="memory_capped": peak allowed, x the uniform split's
     compiled: bool = False  # every block torch.compile'd (fullgraph), as torchtitan does
+    loss_chunk_tokens: int = 0  # > 0: head + loss by seq1f1b.ChunkedLoss in chunks of this
 
     @property
     def entry(self) -> ScheduleEntry:
@@ -81,6 +81,8 @@ class RunSpec:
             name += f" {self.memory_cap:g}"
         if self.compiled:
             name += ", compiled"
+        if self.loss_chunk_tokens:
+            name += ", chunked loss"
         return name if self.seq_len is None else f"{name} @{self.seq_len}"
 
     @property
@@ -215,8 +217,6 @@ class _Run:
         n = pp * spec.stages_per_rank
         mods = build_stages(setting.model, n, seed=0)
         if spec.compiled:
-            if entry.split_backward:  # see ScheduleZBSeq1F1B on compiled blocks
-                rt.disable_donated_buffers()
             for mod in mods:
                 for block in mod.layers:
                     block.compile(fullgraph=True)
@@ -227,19 +227,23 @@ class _Run:
         self.first, self.last = 0 in self.mine, n - 1 in self.mine
         m = setting.microbatches
         cls = entry.schedule_class()
+        loss_fn: Any = _loss_fn
+        if spec.loss_chunk_tokens:  # the last stage outputs hidden states; the loss runs the head
+            mods[-1].skip_head = True
+            loss_fn = ChunkedLoss(mods[-1].head, chunk_tokens=spec.loss_chunk_tokens)
         if entry.seq_chunked:
             self.sched: Any = cls(
                 stages,
                 m,
                 spec.seq_chunks,
-                _loss_fn,
+                loss_fn,
                 split=run_split(spec, setting.model, _seq_len(setting, spec)),
                 skip_invisible=spec.skip_invisible,
                 cp_group=cp_group,
                 cp_prefix=spec.cp_prefix,
             )
         else:
-            self.sched = cls(stages[0] if entry.single_stage else stages, m, loss_fn=_loss_fn)
+            self.sched = cls(stages[0] if entry.single_stage else stages, m, loss_fn=loss_fn)
 
     @property
     def param_bytes(self) -> int:
@@ -248,6 +252,8 @@ class _Run:
     def _bitpipe(self, rank: int, world: int, setting: Setting, probe: RankProbe) -> None:
         """Both replicas from the same seeded chunks (so they start identical, as
         ``build_bitpipe_stages`` guarantees by broadcast), probed like the other schedules."""
+        if self.spec.loss_chunk_tokens:
+            raise ValueError("RunSpec.loss_chunk_tokens: not wired for BitPipe's two heads")
         layout = BitPipeLayout(world)
         chunks = build_stages(setting.model, layout.replica_stages, seed=0)
         self.mine = layout.stages_of(rank)

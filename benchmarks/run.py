@@ -85,15 +85,18 @@ def _measure_pp2(preset: Preset, seq_len: int, with_fits: bool) -> list[dict[str
     return measure(Setting(2, 2, seq_len, preset.model, tuple(specs), preset.timed_steps))
 
 
-def _budget(preset: Preset, runs: list[dict[str, Any]], budget: float | None) -> dict[str, Any]:
-    """Fit peak(S) per schedule, solve for the budget, verify at the answer."""
+def _budget(
+    preset: Preset, runs: list[dict[str, Any]], budget: float | None, baseline: str = "1F1B"
+) -> dict[str, Any]:
+    """Fit peak(S) per schedule, solve for the budget (``baseline``'s peak unless given),
+    verify at the answer."""
     main = {r["label"]: r for r in runs if not r["label"].count("@")}
     fits: dict[str, list[dict[str, Any]]] = {}
     for spec in preset.budget_specs:
         pts = [r for r in runs if r["label"].startswith(spec.label + " @")]
         fits[spec.label] = [*pts, main[spec.label]]
     if budget is None:  # per rank: V placements hold two stages on each
-        budget = float(max(main["1F1B"]["peak_activation_rank_bytes"]))
+        budget = float(max(main[baseline]["peak_activation_rank_bytes"]))
     rows = budget_rows(fits, budget, granule=64)
     by_label = {s.label: s for s in preset.budget_specs}
 
@@ -114,7 +117,7 @@ def _budget(preset: Preset, runs: list[dict[str, Any]], budget: float | None) ->
         "budget_bytes": budget,
         "rows": rows,
         "note": (
-            "pp=2, M=2. Budget: the largest per-rank peak of Schedule1F1B at "
+            f"pp=2, M=2. Budget: the largest per-rank peak of {baseline} at "
             f"{preset.seq_lens[0]} tokens. Peak = max over ranks of saved activations, fitted "
             "linearly over "
             f"{', '.join(str(int(preset.seq_lens[0] * f)) for f in preset.fit_fractions)} and "

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from . import _runtime as rt
 from .kv import inferring_metadata
@@ -41,6 +42,11 @@ def sum_cross_entropy(
     return F.cross_entropy(
         logits.flatten(0, -2).float(), target.flatten(), ignore_index=ignore_index, reduction="sum"
     )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as a plain tensor (a plain tensor as it is)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _HandBackHidden(torch.autograd.Function):
@@ -120,13 +126,42 @@ class ChunkedLoss:
     def __call__(
         self, hidden: torch.Tensor, target: torch.Tensor, weight: float = 1.0, **loss_kwargs: Any
     ) -> torch.Tensor:
+        if isinstance(hidden, DTensor):  # tensor parallel: chunk the whole sequence
+            return self._call_replicated(hidden, target, weight, loss_kwargs)
+        return self._call(hidden, target, weight, loss_kwargs, None)
+
+    def _call_replicated(
+        self, hidden: DTensor, target: torch.Tensor, weight: float, loss_kwargs: dict
+    ) -> torch.Tensor:
+        """A sequence-parallel (``Shard(1)``) or replicated hidden DTensor: every rank chunks
+        the full sequence and feeds each chunk to the head as ``Replicate()`` (the placement
+        a ``ColwiseParallel`` head expects, as torchtitan 0.3's norm emits it). The hidden
+        gradient, the same on every rank, goes back through ``full_tensor``'s backward, which
+        keeps each rank's share of it."""
+        mesh = hidden.device_mesh
+        replicate = [Replicate()] * mesh.ndim
+
+        def as_replicated(t: torch.Tensor) -> DTensor:
+            return DTensor.from_local(t, mesh, replicate, run_check=False)
+
+        return self._call(hidden.full_tensor(), target, weight, loss_kwargs, as_replicated)
+
+    def _call(
+        self,
+        hidden: torch.Tensor,
+        target: torch.Tensor,
+        weight: float,
+        loss_kwargs: dict,
+        as_replicated: Callable[[torch.Tensor], Any] | None,
+    ) -> torch.Tensor:
         head, dim = self.head, self.seq_dim
         scale = float(weight)
         if self.normalize == "mean":
             count = int((target != self.ignore_index).sum())
             scale = scale / count if count else 0.0
         if inferring_metadata():  # the stage's shape inference: plain graph, no backward here
-            return self._chunk_loss(head(hidden), target, loss_kwargs) * scale
+            whole = hidden if as_replicated is None else as_replicated(hidden)
+            return self._chunk_loss(head(whole), target, loss_kwargs) * scale
         lengths = self.chunk_lengths(hidden.shape[dim])
         targets = torch.split(target, lengths, dim=dim)
         training = hidden.requires_grad and torch.is_grad_enabled()
@@ -136,13 +171,16 @@ class ChunkedLoss:
         starts = accumulate([0, *lengths[:-1]])
         with rt.fsdp_held_unsharded(head):  # reduced once, with the stage's
             for length, tgt, start in zip(lengths, targets, starts, strict=True):
-                piece = source.narrow(dim, start, length).requires_grad_(training)
+                piece = source.narrow(dim, start, length)
+                if as_replicated is not None:
+                    piece = as_replicated(piece)
+                piece.requires_grad_(training)
                 with torch.set_grad_enabled(training):
                     loss = self._chunk_loss(head(piece), tgt, loss_kwargs) * scale
                 if training:
                     loss.backward()
-                    grad.narrow(dim, start, length).copy_(piece.grad)
-                total = total + loss.detach().float()
+                    grad.narrow(dim, start, length).copy_(_local(piece.grad))
+                total = total + _local(loss.detach()).float()
         if not training:
             return total
         return _HandBackHidden.apply(hidden, grad, total)

@@ -453,8 +453,11 @@ def _price(
         pipelined=p > 1,
         fsdp_wrapped=fsdp_at_degree_1,
         # torchtitan 0.3's configs chunk the loss (ChunkedLossWrapper, 8 chunks a sequence),
-        # and under the Seq1F1B schedules the trainer keeps it chunked per segment
-        loss_chunk_tokens=-(-sum(lengths) // TITAN_LOSS_CHUNKS) if fsdp_at_degree_1 else None,
+        # and under the Seq1F1B schedules the trainer keeps it chunked per segment; on 0.2.2
+        # the emitted [seq1f1b] loss_chunks = 8 does the same under the Seq1F1B schedules
+        loss_chunk_tokens=(
+            -(-sum(lengths) // TITAN_LOSS_CHUNKS) if fsdp_at_degree_1 or k > 1 else None
+        ),
     )
     seconds = time.cost(lengths, n, seq_chunks=k)
     segmented = k > 1

@@ -86,7 +86,9 @@ class ScheduleZBSeq1F1B(SequencePipelineSchedule):
 
     Same arguments as :class:`ScheduleSeq1F1B`, one or several stages per rank; the cached K/V
     gradients stay exact because the attention accumulates them itself. Activation
-    checkpointing must be non-reentrant (its recomputation then runs in BACKWARD_INPUT).
+    checkpointing must be non-reentrant (its recomputation then runs in BACKWARD_INPUT). On
+    compiled blocks each backward runs whole (torch cannot split a compiled backward; split,
+    it would run twice): the order is then Seq1F1B's.
     """
 
     _split_backward = True
@@ -106,7 +108,7 @@ class ScheduleZBVSeq1F1B(SequencePipelineSchedule):
     most ``min(M*K, 2*pp - 1 - s + K)`` units (:func:`seq1f1b.order_v.stage_peak_units`).
     Activation checkpointing must be non-reentrant (its recomputation then runs in
     BACKWARD_INPUT). Any ``n_microbatches`` works; ``M*K + K - 1 >= 2*pp - 1`` keeps ZB-V's
-    warm-up full.
+    warm-up full. On compiled blocks each backward runs whole, as in ZBSeq1F1B.
     """
 
     _split_backward = True

@@ -43,6 +43,19 @@ logger = logging.getLogger(__name__)
 __all__ = ["SequencePipelineSchedule"]
 
 
+def whole_backwards(order: Sequence[Action | None]) -> list[Action | None]:
+    """A compute order with each BACKWARD_INPUT run as a FULL_BACKWARD and no BACKWARD_WEIGHT
+    (the same gradient sends, at the same places)."""
+    out: list[Action | None] = []
+    for action in order:
+        if action is not None and action.computation_type == rt.BACKWARD_WEIGHT:
+            continue
+        if action is not None and action.computation_type == rt.BACKWARD_INPUT:
+            action = Action(action.stage_index, rt.FULL_BACKWARD, action.microbatch_index)
+        out.append(action)
+    return out
+
+
 class SequencePipelineSchedule(rt.UnitRuntime):
     """Base of the Seq1F1B schedules; see :class:`seq1f1b.ScheduleSeq1F1B` for the arguments."""
 
@@ -64,21 +77,12 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         **options: Any,
     ) -> None:
         stage_list = _check_stages(stages, self._placement)
-        if self._split_backward and rt.donated_buffers_enabled():
-            compiled = [
-                s.stage_index
-                for s in stage_list
-                if rt.has_compiled_module(getattr(s, "submod", None))
-            ]
-            if compiled:
-                raise ValueError(
-                    f"{type(self).__name__} splits each backward in two, which runs a compiled "
-                    f"block's backward twice, but stages {compiled} hold compiled modules and "
-                    "AOTAutograd's donated buffers are on (the first half would consume the "
-                    "saved tensors the second needs: wrong weight gradients). Set "
-                    "torch._functorch.config.donated_buffer = False before the first compiled "
-                    "forward (torchtitan_integration does), or use ScheduleSeq1F1B"
-                )
+        # torch cannot split a compiled backward into its input and weight halves: split, it
+        # would run twice (twice the time; with AOTAutograd's donated buffers, wrong weight
+        # gradients). Zero-bubble orders on compiled blocks run each backward whole instead.
+        self._whole_backward = self._split_backward and any(
+            rt.has_compiled_module(getattr(s, "submod", None)) for s in stage_list
+        )
         m = positive_int("n_microbatches", n_microbatches, "pass the number of samples per step")
         k = positive_int("seq_chunks", seq_chunks, "pass 1 for plain 1F1B, or 2, 4, 8 ...")
         if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:
@@ -108,7 +112,16 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         self.order_spec = OrderSpec(self.pp_group_size, len(stage_list), m, k,
                                     self._split_backward, self._placement)  # fmt: skip
         ranks = range(self.pp_group_size)
-        self._install_order({r: self._calculate_single_rank_operations(r) for r in ranks})
+        orders = {r: self._calculate_single_rank_operations(r) for r in ranks}
+        if self._whole_backward:
+            logger.info(
+                "%s: stages hold compiled modules, so each backward runs whole "
+                "(BACKWARD_INPUT as FULL_BACKWARD, no BACKWARD_WEIGHT): a compiled backward "
+                "cannot be split in two",
+                type(self).__name__,
+            )
+            orders = {r: whole_backwards(order) for r, order in orders.items()}
+        self._install_order(orders)
         if self.sequence_split.seq_len is not None:
             self.segment_lengths(self.sequence_split.seq_len)  # fail now, not at the first step
 
@@ -245,7 +258,8 @@ class SequencePipelineSchedule(rt.UnitRuntime):
             error = exc
         stage = self.local_stages[0]
         agreed = agree_on_step(stage.group, self.pp_group_size, stage.device, fixed or local,
-                               error, document_ids is not None)  # fmt: skip
+                               error, document_ids is not None,
+                               self._whole_backward)  # fmt: skip
         if inputs is None:  # a rank without inputs learns the length from the others
             inputs = self._cut(agreed, args, kwargs, target, document_ids)
         elif sum(inputs.lengths) != agreed:

@@ -7,6 +7,7 @@ import torch
 from equivalence import Case, data, documents, loss_fn, reference, rel_err
 from torch.distributed.pipelining import PipelineStage
 
+from seq1f1b import _runtime as rt
 from seq1f1b.registry import lookup
 from seq1f1b.testing import build_stages
 
@@ -24,8 +25,8 @@ def compiled_schedule_steps(
 
     torch._dynamo.reset()
     counters.clear()
-    if lookup(schedule).split_backward:  # a split backward runs a compiled backward twice
-        torch._functorch.config.donated_buffer = False
+    # on: zero-bubble orders run compiled backwards whole, so a donated buffer is used once
+    torch._functorch.config.donated_buffer = True
     num_stages = 2
     first = Case(2, 3, 2, seq_len=24, batch=4, checkpointing=checkpointing, docs=docs)
     mods = build_stages(first.cfg, num_stages, checkpointing=checkpointing)
@@ -36,6 +37,9 @@ def compiled_schedule_steps(
     stages = [PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in mine]
     cls = lookup(schedule).schedule_class()
     scheds = {k: cls(stages, first.n_microbatches, k, loss_fn) for k in {k for _, k in STEPS}}
+    kinds = {a.computation_type for a in scheds[3].pipeline_order[0] if a is not None}
+    if lookup(schedule).split_backward:  # a compiled backward is not split (it would run twice)
+        assert rt.BACKWARD_WEIGHT not in kinds and rt.FULL_BACKWARD in kinds, kinds
     for seq_len, k in STEPS:
         case = Case(2, k, 2, seq_len=seq_len, batch=4, checkpointing=checkpointing, docs=docs,
                     schedule=schedule)  # fmt: skip
@@ -56,16 +60,21 @@ def compiled_schedule_steps(
     assert 0 < graphs <= MAX_GRAPHS, f"{graphs} compiled graphs over {len(STEPS)} steps"
 
 
-def refuses_split_backward_with_donated_buffers(rank: int, world: int) -> None:
-    """ZBSeq1F1B on compiled blocks while donated buffers are on: a ValueError naming the
-    setting, at construction (``.compile()`` is lazy: nothing is compiled here)."""
-    torch._functorch.config.donated_buffer = True
-    mods = build_stages(Case(1, 2, 2).cfg, 1)
-    mods[0].layers[0].compile(fullgraph=True)
-    stage = PipelineStage(mods[0], 0, 1, torch.device("cpu"))
+def refuses_compiled_on_some_ranks_only(rank: int, world: int) -> None:
+    """ZBSeq1F1B with compiled blocks on rank 0 only: rank 0 would run whole backwards and
+    rank 1 split ones, a different order; every rank fails the step's pre-flight, naming the
+    fix, before any pipeline traffic (``.compile()`` is lazy: nothing is compiled here)."""
+    case = Case(1, 2, 2, schedule="ZBSeq1F1B")
+    mods = build_stages(case.cfg, world)
+    if rank == 0:
+        for block in mods[rank].layers:
+            block.compile(fullgraph=True)
+    stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
+    sched = lookup("ZBSeq1F1B").schedule_class()([stage], 2, 2, loss_fn)
+    x, y = data(case)
     try:
-        lookup("ZBSeq1F1B").schedule_class()([stage], 2, 2, loss_fn)
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
     except ValueError as exc:
-        assert "donated_buffer = False" in str(exc), exc
+        assert "Compile the blocks of every stage" in str(exc), exc
     else:
-        raise AssertionError("ZBSeq1F1B accepted compiled blocks with donated buffers on")
+        raise AssertionError("ZBSeq1F1B ran with compiled blocks on some ranks only")

@@ -1,13 +1,14 @@
 """torch.compile under the Seq1F1B schedules: blocks compiled as torchtitan compiles them
 (``fullgraph=True``) are exact against the eager full-sequence run, with checkpointing and
 packed documents, over steps of different lengths and K, and compile a bounded number of
-graphs; CPU inductor (gcc). Few and small: compiling is slow on 2 cores."""
+graphs; zero-bubble orders run compiled backwards whole (with donated buffers on); CPU
+inductor (gcc). Few and small: compiling is slow on 2 cores."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from compile_worker import compiled_schedule_steps, refuses_split_backward_with_donated_buffers
+from compile_worker import compiled_schedule_steps, refuses_compiled_on_some_ranks_only
 from dist_utils import run_ranks
 
 import seq1f1b
@@ -22,8 +23,8 @@ def test_compiled_blocks_match_eager_reference(schedule: str, checkpointing: boo
     run_ranks(compiled_schedule_steps, 1, schedule, checkpointing, docs)
 
 
-def test_split_backward_refuses_donated_buffers() -> None:
-    run_ranks(refuses_split_backward_with_donated_buffers, 1)
+def test_compiled_on_some_ranks_only_is_refused_on_every_rank() -> None:
+    run_ranks(refuses_compiled_on_some_ranks_only, 2)
 
 
 def test_compiled_attention_needs_a_layer_key() -> None:

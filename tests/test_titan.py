@@ -132,6 +132,19 @@ def test_pp2_x_tp2(seed, reference, tmp_path):
 
 
 @needs_sharding
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "pp2_x_tp2"])
+def test_chunked_loss_matches_unpipelined(seed, reference, tmp_path, tp):
+    """``[seq1f1b] loss_chunks = 4``: the output head and the loss per segment in chunks of 64
+    tokens (0.2.2: the last stage skips its head, seq1f1b.ChunkedLoss runs it; 0.3: the
+    ChunkedLossWrapper's num_chunks), equal to the unpipelined run, with TP's loss parallel."""
+    tp_args = ["--parallelism.tensor_parallel_degree", str(tp)]
+    run = run_titan(2 * tp, *PP2, *seed, "--seq1f1b.loss_chunks", "4", *tp_args,
+                    "--parallelism.data_parallel_shard_degree", "1", dump=tmp_path)  # fmt: skip
+    assert "in chunks of 64 tokens (ChunkedLoss)" in run.output
+    assert_same_curve(run, reference)
+
+
+@needs_sharding
 def test_pp2_x_fsdp2_on_gloo(seed, reference_dp2, tmp_path):
     # FSDP's reduce-scatter must not use PREMUL_SUM (gloo lacks it) and grads must not change
     run = run_titan(4, *PP2, *seed, "--parallelism.data_parallel_shard_degree", "2", dump=tmp_path)

@@ -16,6 +16,12 @@ class Seq1F1B:
     split: str = "compute"
     """'uniform', 'compute' (equal FLOPs under causal attention), or lengths like '96,80,80'."""
 
+    loss_chunks: int = 0
+    """Under the Seq1F1B schedules, run the last stage's output head and the loss in this many
+    chunks of the sequence, each chunk's backward at once (``seq1f1b.ChunkedLoss``), so the
+    last stage keeps hidden states for backward, not vocabulary-wide logits. torchtitan 0.3:
+    ``ChunkedLossWrapper``'s ``num_chunks`` (0 = its own setting); 0.2.2: 0 = the plain loss."""
+
     stages_per_rank: int = 2
     """Stages per rank for InterleavedSeq1F1B (ignored when
     parallelism.pipeline_parallel_layers_per_stage is set)."""

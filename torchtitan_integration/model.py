@@ -116,3 +116,22 @@ def document_ids_from_eos(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     ids = torch.zeros_like(tokens, dtype=torch.int64)
     ids[:, 1:] = torch.cumsum(tokens == eos_id, dim=1)[:, :-1]
     return ids
+
+
+def skip_output_head(part: nn.Module) -> nn.Module:
+    """The last stage's ``Transformer`` returns its normed hidden states: ``output`` stays a
+    registered submodule (initialised, checkpointed, sharded and optimised as before) but the
+    model's ``self.output(h) if self.output is not None else h`` reads ``None`` during the
+    part's forward, so a chunked loss runs the head itself. torchtitan 0.2.2's counterpart of
+    0.3's ``Decoder._skip_lm_head``; returns the head."""
+    head = part.output
+
+    def hide(module: nn.Module, _args: Any) -> None:
+        module.__dict__["output"] = None  # an instance attribute shadows the submodule
+
+    def show(module: nn.Module, _args: Any, _output: Any) -> None:
+        module.__dict__.pop("output", None)
+
+    part.register_forward_pre_hook(hide)
+    part.register_forward_hook(show, always_call=True)
+    return head

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from seq1f1b import (
+    ChunkedLoss,
     ContextParallelConfig,
     ModelShape,
     SequenceSplit,
@@ -23,7 +24,7 @@ from seq1f1b import (
 )
 from seq1f1b.registry import ScheduleEntry, lookup, schedule_names
 
-from .model import block_causal, make_chunk_aware
+from .model import block_causal, make_chunk_aware, skip_output_head
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,35 @@ def check_world_size(parallelism: Any, world_size: int) -> None:
         )
 
 
+def check_loss_chunks(loss_chunks: Any) -> None:
+    """``[seq1f1b] loss_chunks``: a whole number >= 0."""
+    if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int) or loss_chunks < 0:
+        raise ValueError(
+            f"[seq1f1b] loss_chunks = {loss_chunks!r} must be an integer >= 0: the chunks each "
+            "sequence's output head and loss run in (8 as torchtitan 0.3's ChunkedLossWrapper; "
+            "0 = the plain loss)"
+        )
+
+
+def chunked_head_loss(
+    job_config: Any, stages: list[Any], parts: list[nn.Module], loss_fn: Any
+) -> Any:
+    """torchtitan 0.2.2 with ``[seq1f1b] loss_chunks = N``: the last stage's ``output`` head
+    skipped in its forward and run by :class:`seq1f1b.ChunkedLoss` in chunks of
+    ``ceil(seq_len / N)`` tokens over each segment (the chunk length of 0.3's
+    ``ChunkedLossWrapper`` with ``num_chunks = N``). ``loss_fn`` as given otherwise."""
+    n = job_config.seq1f1b.loss_chunks
+    last = next((part for part, stage in zip(parts, stages, strict=True) if stage.is_last), None)
+    if n <= 0 or last is None:
+        return loss_fn
+    chunk = -(-job_config.training.seq_len // n)
+    logger.info(
+        "Seq1F1B: output head + loss per segment in chunks of %d tokens (ChunkedLoss)", chunk
+    )
+    # the loss divides its token sum by global_valid_tokens itself: no normalisation here
+    return ChunkedLoss(skip_output_head(last), loss_fn, chunk_tokens=chunk, normalize="none")
+
+
 def check_config(
     job_config: Any,
     pp: int,
@@ -181,6 +211,7 @@ def check_config(
             "attention does not run under torch.compile yet. Set [compile] enable = false, or "
             "context_parallel_degree = 1"
         )
+    check_loss_chunks(cfg.loss_chunks)
     if isinstance(cfg.seq_chunks, bool) or cfg.seq_chunks < 1:
         raise ValueError(
             f"[seq1f1b] seq_chunks = {cfg.seq_chunks} must be >= 1 (1 = plain 1F1B over samples)"
@@ -345,7 +376,7 @@ def pipeline_seq1f1b(
     for i, part in enumerate(parts):
         parts[i] = parallelize_fn(part, parallel_dims, job_config)
         stages[i].submod = parts[i]
-
+    loss_fn = chunked_head_loss(job_config, stages, parts, loss_fn)
     return pipelining_result(
         entry, stages, parts, job_config, lengths, loss_fn, parallel_dims, shape, v
     )
@@ -358,6 +389,16 @@ def validate_before_start(job_config: Any, parallel_dims: Any, model_args: Any) 
     the settings that cannot run.
     """
     entry = check_schedule_name(job_config.parallelism.pipeline_parallel_schedule)
+    check_loss_chunks(job_config.seq1f1b.loss_chunks)
+    if job_config.seq1f1b.loss_chunks and not (parallel_dims.pp_enabled and entry.seq_chunked):
+        logger.warning(
+            "[seq1f1b] loss_chunks = %d applies under the Seq1F1B schedules only: this run "
+            "(%s) computes the plain loss on torchtitan 0.2.2",
+            job_config.seq1f1b.loss_chunks,
+            job_config.parallelism.pipeline_parallel_schedule
+            if parallel_dims.pp_enabled
+            else "no pipeline parallelism",
+        )
     if not parallel_dims.pp_enabled:
         return
     if block_causal(model_args) and not entry.seq_chunked:

@@ -20,7 +20,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from seq1f1b.planner import Candidate, Plan, build_parser, describe, format_plan, problem_from_args
+from seq1f1b.planner import (
+    TITAN_LOSS_CHUNKS,
+    Candidate,
+    Plan,
+    build_parser,
+    describe,
+    format_plan,
+    problem_from_args,
+)
 
 __all__ = ["FLAVORS", "launch_lines", "main", "render_toml"]
 
@@ -161,6 +169,7 @@ def render_toml(
             "[seq1f1b]",
             f"seq_chunks = {s.seq_chunks}",
             f'split = "{s.split}"   # lengths {best.segment_lengths}',
+            f"loss_chunks = {TITAN_LOSS_CHUNKS}   # head + loss in chunks (the plan prices it)",
         ]
     lines += [
         "",
@@ -172,7 +181,14 @@ def render_toml(
         "interval = 500",
         "",
         "[compile]",
-        "enable = false",
+        *(
+            ["enable = false   # Seq1F1B's ring attention (context parallelism) is not compiled"]
+            if s.cp > 1
+            else [
+                "enable = true   # each block compiled, as torchtitan's 8B/70B configs",
+                'components = ["model", "loss"]',
+            ]
+        ),
         "",
     ]
     return "\n".join(lines)

@@ -43,9 +43,9 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 | stage._RecvInfo .buffer (2.13/2.14) or        | per-unit receive shape (segments differ in       |
 |   .tensor_meta (2.15)                         |   length)                                        |
 | torch._utils._flatten_dense_tensors           | BitPipe pair gradient buckets                    |
-| torch._dynamo.eval_frame.OptimizedModule,     | zero-bubble orders refuse compiled blocks while  |
-|   Module._compiled_call_impl,                 |   donated buffers are on (a split backward runs  |
-|   torch._functorch.config.donated_buffer      |   a compiled backward twice; pytorch#161904)     |
+| torch._dynamo.eval_frame.OptimizedModule,     | zero-bubble orders run compiled stages'          |
+|   Module._compiled_call_impl                  |   backwards whole (split, a compiled backward    |
+|                                               |   would run twice; pytorch#161904)               |
 | aten._scaled_dot_product_flash_attention_*    | flash kernels that return the LSE (attention.py) |
 | distributed_c10d._get_default_group,          | BitPipe pair check; torchtitan on gloo (CPU)     |
 |   _set_pg_timeout                             |                                                  |
@@ -114,7 +114,6 @@ from .ir import (
     default_process_group,
     defer_recv_ops,
     device_type_reported_as,
-    disable_donated_buffers,
     donated_buffers_enabled,
     flash_cpu_backward,
     flash_cpu_forward,
@@ -179,7 +178,6 @@ __all__ = [
     "default_process_group",
     "defer_recv_ops",
     "device_type_reported_as",
-    "disable_donated_buffers",
     "donated_buffers_enabled",
     "flash_cpu_backward",
     "flash_cpu_forward",

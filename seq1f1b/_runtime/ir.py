@@ -85,19 +85,10 @@ def has_compiled_module(module: torch.nn.Module | None) -> bool:
 
 
 def donated_buffers_enabled() -> bool:
-    """AOTAutograd's donated buffers: a compiled backward may then reuse its saved tensors,
-    so it cannot run twice (a split backward runs it once per half)."""
+    """AOTAutograd's donated buffers are on (the chunk-aware op keys its graphs by it)."""
     import torch._functorch.config as functorch_config
 
     return bool(getattr(functorch_config, "donated_buffer", False))
-
-
-def disable_donated_buffers() -> None:
-    """Turn AOTAutograd's donated buffers off for this process (zero-bubble orders on
-    compiled blocks; torchtitan's graph trainer does the same for its V schedules)."""
-    import torch._functorch.config as functorch_config
-
-    functorch_config.donated_buffer = False
 
 
 @contextlib.contextmanager

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from seq1f1b import ChunkedLoss, ModelShape
-from seq1f1b import _runtime as rt
 
 from ..pipeline import (
     check_config,
@@ -124,9 +123,6 @@ def pipeline_seq1f1b(
         parallelism.pipeline_parallel_last_stage_less_layers,
     )
     make_chunk_aware(model)
-    if compile_config.enable and entry.split_backward:
-        # a split backward runs each compiled block's backward twice (see ZBSeq1F1B)
-        rt.disable_donated_buffers()
     stages, parts = _pipeline_module_split(
         model,
         parallel_dims.get_mesh("pp"),

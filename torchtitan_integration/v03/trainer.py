@@ -35,7 +35,7 @@ from ..pipeline import check_schedule_name, check_world_size
 from . import cpu
 from .model import default_positions, document_ids_from_positions, make_chunk_aware
 from .pipeline import pipeline_seq1f1b
-from .validate import check_torch_for_parallelism, validate_before_start
+from .validate import check_torch_for_parallelism, loss_with_chunks, validate_before_start
 
 
 def _parallelize_chunk_aware(parallelize_fn: Any, convert: bool) -> Any:
@@ -86,6 +86,7 @@ class Seq1F1BTrainer(Trainer):
         check_schedule_name(config.parallelism.pipeline_parallel_schedule)
         check_world_size(config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
         validate_before_start(config)
+        config.loss = loss_with_chunks(config.loss, config.seq1f1b.loss_chunks)
         check_torch_for_parallelism(config.parallelism)  # this torch can run these degrees
         spec = config.model_spec
         ours = self._chunk_aware(config)

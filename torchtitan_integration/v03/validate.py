@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import torch
 
-from ..pipeline import check_config, check_schedule_name
+from ..pipeline import check_config, check_loss_chunks, check_schedule_name
 
 #: torchtitan 0.3's FSDP and TP (its full-DTensor ``fully_shard(..., dp_mesh_dims=...)``) need
 #: torch 2.15: torch 2.13's fully_shard rejects the plain-tensor parameters 0.3 hands it
@@ -66,6 +67,25 @@ def validate_before_start(config: Any) -> None:
         shape,
         par.context_parallel_degree,
     )
+
+
+def loss_with_chunks(loss: Any, chunks: Any) -> Any:
+    """The ``loss`` config with ``seq1f1b.loss_chunks`` applied: 0 keeps it; N > 0 sets the
+    ``num_chunks`` of 0.3's ``ChunkedLossWrapper`` (which Seq1F1B runs per segment as
+    :class:`seq1f1b.ChunkedLoss`), and is refused for any other loss."""
+    check_loss_chunks(chunks)
+    if chunks == 0:
+        return loss
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    if not isinstance(loss, ChunkedLossWrapper.Config):
+        raise ValueError(
+            f"seq1f1b.loss_chunks = {chunks} sets the chunks of torchtitan 0.3's "
+            f"ChunkedLossWrapper, but this config's loss is {type(loss).__qualname__}: wrap it "
+            "(loss=ChunkedLossWrapper.Config(loss_fn=...)) in the config function, or set "
+            "loss_chunks = 0"
+        )
+    return dataclasses.replace(loss, num_chunks=chunks)
 
 
 def check_bitpipe_settings(par: Any, training: Any) -> None:
