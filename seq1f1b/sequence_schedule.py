@@ -30,6 +30,7 @@ from . import _runtime as rt
 from ._runtime import Action, PipelineStageBase
 from .kv import metadata_inference
 from .microbatch import merge_unit_outputs
+from .mixing_probe import mixing_error
 from .options import ContextParallelConfig, SequenceSplit, fold_flat_options, positive_int
 from .order import OrderSpec
 from .order_rules import check_order_rules
@@ -325,10 +326,27 @@ class SequencePipelineSchedule(rt.UnitRuntime):
             raise RuntimeError("call step() or eval(): Seq1F1B splits the sequence itself")
         try:
             yield
+            if self.unit_actions.guard:
+                self._raise_if_positions_mix()
             self._guard_attention = False
             self._guard_documents = self._guard_documents and self.unit_actions.documents is None
         finally:
             self.unit_actions.end_step()
+
+    def _raise_if_positions_mix(self) -> None:
+        """After a guarded step: if any rank's stage combined the positions of a later segment
+        without a chunk-aware attention call, every rank raises the same named error (the
+        step's traffic completed; no optimizer step has run on its gradients)."""
+        mixing = self.unit_actions.mixing
+        code = 0 if mixing is None else (mixing[0] + 1) * (self.seq_chunks + 1) + mixing[1]
+        if self.pp_group_size > 1:
+            stage = self.local_stages[0]
+            t = torch.tensor([code], dtype=torch.int64, device=stage.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=stage.group)
+            code = int(t.item())
+        if code:
+            stage_index, segment = divmod(code, self.seq_chunks + 1)
+            raise mixing_error(stage_index - 1, segment)
 
     def unit_scope(self) -> contextlib.AbstractContextManager[None]:
         return self._run_units()

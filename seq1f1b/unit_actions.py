@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from . import _runtime as rt
 from ._runtime import Action, PipelineStageBase
 from .kv import ContextParallel, SegmentInfo, StageKVState, UnitContext, activate
-from .mixing_probe import mixes_positions, mixing_error
+from .mixing_probe import mixes_positions
 from .partition import segment_offsets
 from .receives import ReceiveSizer
 
@@ -80,9 +80,11 @@ class UnitActions:
         self._infos: dict[int, SegmentInfo] = {}
         self.documents: list | None = None  # per sample: document runs (packed documents)
         self.guard = False  # check for plain SDPA (first step, first step with documents)
+        self.mixing: tuple[int, int] | None = None
 
     def begin_step(self, lengths: list[int], documents: list | None, guard: bool) -> None:
         self.lengths, self.documents, self.guard = lengths, documents, guard
+        self.mixing: tuple[int, int] | None = None  # (stage, segment) that mixes positions
         self._starts = segment_offsets(lengths)
         self._seq_len = sum(lengths)
         self._bounds = (*self._starts[: self.seq_chunks], self._seq_len)
@@ -155,10 +157,11 @@ class UnitActions:
         finally:
             if hook is not None:
                 hook.remove()
-        if seen and state.attention_calls == 0:
+        if seen and state.attention_calls == 0 and self.mixing is None:
             args, kwargs, out = seen[0]
             if mixes_positions(stage.submod, args, kwargs, out, self.receives.seq_dim):
-                raise mixing_error(stage.stage_index, info.segment)
+                # raised after the step, on every rank at once (see SequencePipelineSchedule)
+                self.mixing = (stage.stage_index, info.segment)
         state.end_forward(info.microbatch, info.segment, keep)
 
     @contextlib.contextmanager

@@ -64,14 +64,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @contextlib.contextmanager
-def _single_process_group() -> Iterator[None]:
-    """A one-rank gloo group for the pipelined run, when the caller has none."""
+def _single_process_group() -> Iterator[dist.ProcessGroup | None]:
+    """A one-rank gloo group for the pipelined run: a new world when the caller has none; in
+    a launched job, one-rank subgroups, which every rank makes together (so every rank of the
+    job must be verifying, as torchtitan's start-up check does)."""
     if dist.is_initialized():
-        yield
+        if dist.get_world_size() == 1:
+            yield None
+            return
+        mine, groups = dist.new_subgroups(group_size=1, backend="gloo")
+        try:
+            yield mine
+        finally:
+            for group in groups:
+                dist.destroy_process_group(group)
         return
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        yield
+        yield None
     finally:
         dist.destroy_process_group()
 
@@ -107,7 +117,8 @@ def verify_model(
 
     ``inputs``/``target``: one example batch (batch, seq_len); ``loss_fn(output, target)`` a
     mean loss, as for the schedule. The modules are not changed (copies run). Use fp32 and a
-    short sequence (a few hundred tokens at most); ``tol`` bounds the relative errors. Returns
+    short sequence (a few hundred tokens at most); ``tol`` bounds the relative errors. In a
+    launched job (world size > 1) every rank must call it (it makes one-rank groups). Returns
     a :class:`VerificationReport` (``print`` it; ``report.ok``).
     """
     from .partition import uniform_split
@@ -134,11 +145,11 @@ def verify_model(
     device = inputs.device
     losses: list[torch.Tensor] = []
     probe_error: PositionMixingError | None = None
-    with _single_process_group():
+    with _single_process_group() as group:
         from torch.distributed.pipelining import PipelineStage
 
         n = len(mine)
-        pipe = [PipelineStage(m, i, n, device) for i, m in enumerate(mine)]
+        pipe = [PipelineStage(m, i, n, device, group=group) for i, m in enumerate(mine)]
         schedule = ScheduleSeq1F1B(pipe, 1, seq_chunks, loss_fn, split=list(lengths),
                                    seq_dim=seq_dim)  # fmt: skip
         try:

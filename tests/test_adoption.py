@@ -77,6 +77,25 @@ def test_hand_written_attention_and_sequence_mixers_fail_the_first_step() -> Non
     run_ranks(_wrong_models, 1)
 
 
+def _hand_attention_on_rank_1(rank: int, world: int) -> None:
+    """Rank 1's stage attends by hand: both ranks raise the named error after the first step
+    (rank 0 learns it by the step's closing all-reduce), neither waits for a timeout."""
+    x, y = _batch()
+    mods = build_stages(CFG, world)
+    for block in mods[1].layers:
+        block.attn = HandWrittenAttention()
+    stage = PipelineStage(mods[rank], rank, world, CPU)
+    named = "stage 1 combines sequence positions in the forward of segment 1 without calling"
+    with pytest.raises(PositionMixingError, match=named):
+        ScheduleSeq1F1B([stage], 2, 2, _loss).step(
+            x if rank == 0 else None, target=y if rank == world - 1 else None
+        )
+
+
+def test_hand_written_attention_fails_the_first_step_on_every_rank() -> None:
+    run_ranks(_hand_attention_on_rank_1, 2)
+
+
 def _attention_free_stages(rank: int, world: int) -> None:
     """Embedding-only and head-only stages (no attention at all) raise nothing, and the step
     equals the unpipelined model."""

@@ -64,8 +64,11 @@ def reference_dp2(seed: list[str], tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_pp2_seq1f1b_matches_unpipelined_and_logs_tensorboard(seed, reference, tmp_path):
-    run = run_titan(2, *PP2, *seed, dump=tmp_path)
+    run = run_titan(2, *PP2, *seed, "--seq1f1b.verify", dump=tmp_path)
     assert "Seq1F1B: pp=2 stages/rank=1 M=2 K=4" in run.output
+    # the start-up self-check ran on every rank; the short-segment warning once per rank
+    assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, run.output[-3000:]
+    assert run.output.count("segments as short as") == 2, run.output[-3000:]
     assert_same_curve(run, reference)
     if titan_generation() == "0.3":  # packed documents: the compute split follows each batch
         splits = re.findall(r"segment lengths (\[[\d, ]+\]) \(split=compute, by document\)",

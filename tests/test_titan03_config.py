@@ -210,3 +210,33 @@ def test_chunked_loss_wrapper_becomes_a_per_segment_chunked_loss() -> None:
     assert torch.allclose(got, want.float(), rtol=1e-6)
     plain = unit_loss(CrossEntropyLoss(CrossEntropyLoss.Config()), 512)
     assert not isinstance(plain, ChunkedLoss)
+
+
+def test_start_check_names_positions_taken_from_the_segment() -> None:
+    """``[seq1f1b] verify``'s check on 0.3's Llama3 passes as adapted, and fails naming the
+    positions when each stage's RoPE restarts at every segment (no positions passed)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from torchtitan_integration.config import Seq1F1B
+    from torchtitan_integration.verify import check_titan03, run_start_check
+
+    check_titan03(SimpleNamespace(seq1f1b=Seq1F1B(seq_chunks=4)), 2)
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
+    from torchtitan.models.llama3 import model_registry
+
+    from torchtitan_integration.v03.model import make_chunk_aware
+
+    spec = model_registry("debugmodel")
+
+    def build() -> torch.nn.Module:
+        model = spec.model.build()
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        make_chunk_aware(model)
+        return model
+
+    names = _generate_llm_fqn_per_model_part(2, 6)
+    with pytest.raises(ValueError, match="positions are probably taken from the segment"):
+        run_start_check(build, names, 4, True, positions_kwarg=False)

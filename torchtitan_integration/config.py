@@ -22,6 +22,11 @@ class Seq1F1B:
     last stage keeps hidden states for backward, not vocabulary-wide logits. torchtitan 0.3:
     ``ChunkedLossWrapper``'s ``num_chunks`` (0 = its own setting); 0.2.2: 0 = the plain loss."""
 
+    verify: bool = False
+    """At start-up, every rank checks torchtitan's Llama3 code as adapted here against the
+    unpipelined model (seq1f1b.verify_model on the debug size, this run's stages and K);
+    start-up fails, naming the cause, if it would not train exactly. A few seconds."""
+
     stages_per_rank: int = 2
     """Stages per rank for InterleavedSeq1F1B (ignored when
     parallelism.pipeline_parallel_layers_per_stage is set)."""

@@ -200,8 +200,10 @@ def check_config(
     tp: int,
     shape: ModelShape | None = None,
     cp: int = 1,
+    warn: bool = True,
 ) -> list[int]:
-    """Validate the Seq1F1B settings at start-up; returns the segment lengths."""
+    """Validate the Seq1F1B settings at start-up; returns the segment lengths. ``warn``: log
+    what runs but runs slowly (the start-up check does; the build, which checks again, not)."""
     cfg = job_config.seq1f1b
     entry = check_schedule_name(job_config.parallelism.pipeline_parallel_schedule)
     compile_config = getattr(job_config, "compile", None)
@@ -249,7 +251,8 @@ def check_config(
             )
             + f": {exc}"
         ) from None
-    warn_short_segments(lengths, cfg)
+    if warn:
+        warn_short_segments(lengths, cfg)
     return lengths
 
 
@@ -360,7 +363,7 @@ def pipeline_seq1f1b(
     pp, tp, cp = parallel_dims.pp, parallel_dims.tp, parallel_dims.cp
     n_layers = model_args.n_layers
     shape = model_shape(model_args, model)
-    lengths = check_config(job_config, pp, n_layers, tp, shape, cp)
+    lengths = check_config(job_config, pp, n_layers, tp, shape, cp, warn=False)
     v = stages_per_rank(job_config, n_layers, pp)
     par = job_config.parallelism
     names = par.module_fqns_per_model_part or generate_llm_fqn_per_model_part(
@@ -426,3 +429,8 @@ def validate_before_start(job_config: Any, parallel_dims: Any, model_args: Any) 
         shape = model_shape(model_args)
         pd = parallel_dims
         check_config(job_config, pd.pp, model_args.n_layers, pd.tp, shape, pd.cp)
+        if job_config.seq1f1b.verify:
+            from .verify import check_titan022
+
+            v = stages_per_rank(job_config, model_args.n_layers, pd.pp)
+            check_titan022(job_config, pd.pp * v, block_causal(model_args))

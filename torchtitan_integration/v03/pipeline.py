@@ -114,7 +114,7 @@ def pipeline_seq1f1b(
     pp, tp, cp = parallel_dims.pp, parallel_dims.tp, parallel_dims.cp
     n_layers = len(model_config.layers)
     shape = model_shape(model_config)
-    lengths = check_config(config, pp, n_layers, tp, shape, cp)
+    lengths = check_config(config, pp, n_layers, tp, shape, cp, warn=False)
     v = stages_per_rank(config, n_layers, pp)
     names = parallelism.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(
         pp * v,

@@ -67,6 +67,12 @@ def validate_before_start(config: Any) -> None:
         shape,
         par.context_parallel_degree,
     )
+    if config.seq1f1b.verify:
+        from ..pipeline import stages_per_rank
+        from ..verify import check_titan03
+
+        pp = par.pipeline_parallel_degree
+        check_titan03(config, pp * stages_per_rank(config, shape.n_layers, pp))
 
 
 def loss_with_chunks(loss: Any, chunks: Any) -> Any:
