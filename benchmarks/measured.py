@@ -63,6 +63,8 @@ class RunSpec:
     memory_cap: float = 1.0  # split="memory_capped": peak allowed, x the uniform split's
     compiled: bool = False  # every block torch.compile'd (fullgraph), as torchtitan does
     loss_chunk_tokens: int = 0  # > 0: head + loss by seq1f1b.ChunkedLoss in chunks of this
+    document_ids: tuple[tuple[int, ...], ...] = ()  # given packed documents, one row a sample
+    tag: str = ""  # appended to the label (runs that differ only in document_ids or lengths)
 
     @property
     def entry(self) -> ScheduleEntry:
@@ -83,6 +85,8 @@ class RunSpec:
             name += ", compiled"
         if self.loss_chunk_tokens:
             name += ", chunked loss"
+        if self.tag:
+            name += f", {self.tag}"
         return name if self.seq_len is None else f"{name} @{self.seq_len}"
 
     @property
@@ -149,6 +153,8 @@ def model_shape(cfg: TinyConfig) -> ModelShape:
 
 def run_split(spec: RunSpec, cfg: TinyConfig, seq_len: int) -> SequenceSplit:
     """The split a run uses; the memory-capped one weighs fp32 activations (what runs here)."""
+    if "," in spec.split:  # explicit lengths
+        return SequenceSplit(tuple(int(x) for x in spec.split.split(",")), seq_len=seq_len)
     return SequenceSplit(
         spec.split,
         model_shape=model_shape(cfg),
@@ -207,7 +213,7 @@ class _Run:
         self.docs = (
             packed_documents(setting.microbatches, _seq_len(setting, spec), spec.documents)
             if spec.documents
-            else None
+            else (torch.tensor(spec.document_ids) if spec.document_ids else None)
         )
         entry = spec.entry
         if entry.replicas == 2:

@@ -11,6 +11,12 @@ the mask-aware split (``split="compute"`` with the step's ``document_ids``,
 long-tailed (log-normal) distribution, and the split's own cost per step at 128k tokens.
 
     python -m benchmarks.packed [--quick]
+    python -m benchmarks.packed --measured quick|full
+
+``--measured``: the corpus packed into 4096-token rows, run for real (CPU, gloo, pp=2, M=2,
+K=4): the three splits' step times against torch's Schedule1F1B (which cannot take the
+documents: it attends causally over the whole row), and the mask-aware / uniform ratio
+measured against the simulator's at the measured model's shape.
 """
 
 from __future__ import annotations
@@ -146,11 +152,55 @@ def run(quick: bool = False) -> dict[str, Any]:
     return out
 
 
+def measured(preset_name: str, steps: int = 3) -> None:
+    """Measured step times of the three splits on packed rows, vs simulated: the corpus, and
+    documents of ~512 tokens (at 4096 tokens the corpus gives a row one to three documents)."""
+    from .measured import RunSpec, Setting, measure, model_shape, packed_documents
+    from .presets import PRESETS
+
+    preset = PRESETS[preset_name]
+    shape = model_shape(preset.model)
+    seq_len, m, k = 4096, 2, 4
+    layouts = {
+        "corpus": pack(corpus_document_lengths(), m, seq_len, seed=7),
+        "~512-token documents": packed_documents(m, seq_len, 512),
+    }
+    causal = ",".join(map(str, compute_balanced_split(seq_len, k, shape)))
+    specs: list[RunSpec] = [RunSpec("1F1B")]
+    for name, docs in layouts.items():
+        rows = tuple(tuple(r) for r in docs.tolist())
+        specs += [RunSpec("Seq1F1B", k, split, document_ids=rows, tag=f"{name}, {what}")
+                  for split, what in (("uniform", "uniform"), (causal, "causal"),
+                                      ("compute", "mask_aware"))]  # fmt: skip
+    setting = Setting(2, m, seq_len, preset.model, tuple(specs), steps, keep_trace=False)
+    runs = {r["label"]: r for r in measure(setting)}
+    base = runs["1F1B"]["step_time_s"]
+    print(f"preset {preset_name}: pp=2, M={m}, K={k}, {seq_len} tokens, {steps} timed steps")
+    print("| documents | split | lengths | vs 1F1B | vs uniform, measured | "
+          "vs uniform, simulated |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for name, docs in layouts.items():
+        sim = simulate_splits(docs, shape, 2, m, k)
+        n_docs = int((docs[:, 1:] != docs[:, :-1]).sum()) + m
+        uni = runs[f"Seq1F1B K={k} uniform, {name}, uniform"]["step_time_s"]
+        for what in ("uniform", "causal", "mask_aware"):
+            split = {"uniform": "uniform", "causal": causal, "mask_aware": "compute"}[what]
+            t = runs[f"Seq1F1B K={k} {split}, {name}, {what}"]["step_time_s"]
+            simulated = 1.0 if what == "uniform" else sim[f"{what}_vs_uniform"]
+            print(f"| {name} ({n_docs}) | {what} | {sim['lengths'][what]} | {t / base:.3f}x | "
+                  f"{t / uni:.3f} | {simulated:.3f} |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="32k and pp=4 only")
+    parser.add_argument("--measured", choices=("smoke", "quick", "full"),
+                        help="run the three splits for real at pp=2 instead")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
+    if args.measured:
+        measured(args.measured)
+        return
     out = run(args.quick)
     for name, d in out["distributions"].items():
         print(f"{name}: {d}")

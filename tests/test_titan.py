@@ -135,13 +135,13 @@ def test_pp2_x_tp2(seed, reference, tmp_path):
 
 
 @needs_sharding
-@pytest.mark.parametrize("tp", [1, 2], ids=["pp2", "pp2_x_tp2"])
-def test_chunked_loss_matches_unpipelined(seed, reference, tmp_path, tp):
-    """``[seq1f1b] loss_chunks = 4``: the output head and the loss per segment in chunks of 64
-    tokens (0.2.2: the last stage skips its head, seq1f1b.ChunkedLoss runs it; 0.3: the
-    ChunkedLossWrapper's num_chunks), equal to the unpipelined run, with TP's loss parallel."""
-    tp_args = ["--parallelism.tensor_parallel_degree", str(tp)]
-    run = run_titan(2 * tp, *PP2, *seed, "--seq1f1b.loss_chunks", "4", *tp_args,
+def test_chunked_loss_with_tp_loss_parallel_matches_unpipelined(seed, reference, tmp_path):
+    """``[seq1f1b] loss_chunks = 4`` at PP=2 x TP=2: the output head and the loss per segment in
+    chunks of 64 tokens (0.2.2: the last stage skips its head, seq1f1b.ChunkedLoss runs it on
+    the sequence-parallel hidden states; 0.3: the ChunkedLossWrapper's num_chunks), equal to
+    the unpipelined run. (The debug TOML's loss_chunks = 8 runs under the rest of the grid.)"""
+    run = run_titan(4, *PP2, *seed, "--seq1f1b.loss_chunks", "4",
+                    "--parallelism.tensor_parallel_degree", "2",
                     "--parallelism.data_parallel_shard_degree", "1", dump=tmp_path)  # fmt: skip
     assert "in chunks of 64 tokens (ChunkedLoss)" in run.output
     assert_same_curve(run, reference)
