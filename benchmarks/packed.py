@@ -12,7 +12,10 @@ long-tailed (log-normal) distribution, and the split's own cost per step at 128k
 
     python -m benchmarks.packed [--quick]
     python -m benchmarks.packed --measured quick|full
+    python -m benchmarks.packed --snap
 
+``--snap``: what moving each mask-aware cut, within 2% of a segment, to a document boundary
+would save (K/V tokens that later segments see across the cut) and cost (simulated step time).
 ``--measured``: the corpus packed into 4096-token rows, run for real (CPU, gloo, pp=2, M=2,
 K=4): the three splits' step times against torch's Schedule1F1B (which cannot take the
 documents: it attends causally over the whole row), and the mask-aware / uniform ratio
@@ -118,6 +121,58 @@ def simulate_splits(
     }  # fmt: skip
 
 
+def cross_cut_tokens(docs: torch.Tensor, cut: int) -> int:
+    """K/V tokens before ``cut`` that positions after it can see (one layer, every row): the
+    earlier part of the document each row has straddling the cut."""
+    if cut <= 0 or cut >= docs.shape[-1]:
+        return 0
+    total = 0
+    for row in docs:
+        doc = row[cut]
+        if row[cut - 1] != doc:
+            continue
+        start = int((row[:cut] != doc).nonzero().max()) + 1 if (row[:cut] != doc).any() else 0
+        total += cut - start
+    return total
+
+
+def snapped_cuts(docs: torch.Tensor, cuts: list[int], reach: int) -> list[int]:
+    """Each cut moved, within ``reach`` tokens, to the position that leaves the fewest
+    cross-cut K/V tokens (a document start in as many rows as possible)."""
+    starts = sorted({int(p) for row in docs for p in (row[1:] != row[:-1]).nonzero().flatten() + 1})
+    out = []
+    for cut in cuts:
+        near = [p for p in starts if abs(p - cut) <= reach] + [cut]
+        out.append(min(near, key=lambda p: (cross_cut_tokens(docs, p), abs(p - cut))))
+    return out
+
+
+def snap_savings(
+    docs: torch.Tensor, shape: ModelShape, pp: int, k: int, reach_fraction: float = 0.02
+) -> dict[str, Any]:
+    """What snapping the mask-aware cuts to document boundaries saves (cross-segment K/V,
+    summed over cuts and rows, one layer) and costs (simulated step time), at a reach of
+    ``reach_fraction`` of a segment."""
+    seq_len = docs.shape[-1]
+    lengths = mask_balanced_split(docs, k, shape)
+    cuts = [sum(lengths[:j]) for j in range(1, k)]
+    snapped = snapped_cuts(docs, cuts, int(reach_fraction * seq_len / k))
+    snapped_lengths = [b - a for a, b in zip([0, *snapped], [*snapped, seq_len], strict=True)]
+    keys = attended_keys_per_position(docs)
+    base, per_key = token_cost(shape)
+    flops = tuple((base + per_key * keys).tolist())
+    order = build_orders(OrderSpec(pp, 1, docs.shape[0], k))
+    times = {}
+    for name, ls in (("balanced", lengths), ("snapped", snapped_lengths)):
+        costs = FlopsCosts(shape, tuple(ls), pp, pp, position_flops=flops)
+        times[name] = simulate(order, costs.cost).makespan
+    before = sum(cross_cut_tokens(docs, c) for c in cuts)
+    after = sum(cross_cut_tokens(docs, c) for c in snapped)
+    return {"seq_len": seq_len, "K": k, "rows": docs.shape[0], "cross_kv_before": before,
+            "cross_kv_after": after,
+            "time_snapped_vs_balanced": times["snapped"] / times["balanced"]}  # fmt: skip
+
+
 def split_cost(docs: torch.Tensor, k: int, shape: ModelShape) -> dict[str, float]:
     """Seconds to compute the mask-aware split once (a new layout) and from the cache."""
     cache = MaskSplitCache()
@@ -196,10 +251,27 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="32k and pp=4 only")
     parser.add_argument("--measured", choices=("smoke", "quick", "full"),
                         help="run the three splits for real at pp=2 instead")  # fmt: skip
+    parser.add_argument("--snap", action="store_true",
+                        help="what snapping cuts to document boundaries would save")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
     if args.measured:
         measured(args.measured)
+        return
+    if args.snap:
+        sources = {"corpus": corpus_document_lengths(), "synthetic ~2k": synthetic("2k"),
+                   "long tail": synthetic("long_tail")}  # fmt: skip
+        print("| documents | seq_len | K | cross-segment K/V tokens, balanced | snapped | "
+              "snapped step time / balanced |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
+        for name, lengths in sources.items():
+            for seq_len in (32768, 131072):
+                docs = pack(lengths, 8, seq_len, seed=seq_len + 4)
+                for k in (4, 8):
+                    r = snap_savings(docs, SHAPE_8B, 4, k)
+                    print(f"| {name} | {seq_len} | {k} | {r['cross_kv_before']} | "
+                          f"{r['cross_kv_after']} | "
+                          f"{r['time_snapped_vs_balanced']:.4f} |")  # fmt: skip
         return
     out = run(args.quick)
     for name, d in out["distributions"].items():
