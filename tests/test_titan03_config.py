@@ -217,26 +217,13 @@ def test_start_check_names_positions_taken_from_the_segment() -> None:
     positions when each stage's RoPE restarts at every segment (no positions passed)."""
     from types import SimpleNamespace
 
-    import torch
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
 
     from torchtitan_integration.config import Seq1F1B
-    from torchtitan_integration.verify import check_titan03, run_start_check
+    from torchtitan_integration.verify import check_titan03, run_start_check, titan03_debug_model
 
     check_titan03(SimpleNamespace(seq1f1b=Seq1F1B(seq_chunks=4)), 2)
-    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
-    from torchtitan.models.llama3 import model_registry
-
-    from torchtitan_integration.v03.model import make_chunk_aware
-
-    spec = model_registry("debugmodel")
-
-    def build() -> torch.nn.Module:
-        model = spec.model.build()
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
-        make_chunk_aware(model)
-        return model
-
-    names = _generate_llm_fqn_per_model_part(2, 6)
+    build, n_layers = titan03_debug_model()
+    names = _generate_llm_fqn_per_model_part(2, n_layers)
     with pytest.raises(ValueError, match="positions are probably taken from the segment"):
         run_start_check(build, names, 4, True, positions_kwarg=False)

@@ -118,9 +118,8 @@ def check_titan022(job_config: Any, num_stages: int, documents: bool) -> None:
     run_start_check(build, names, job_config.seq1f1b.seq_chunks, documents, positions_kwarg=False)
 
 
-def check_titan03(config: Any, num_stages: int) -> None:
-    """The start-up check on torchtitan 0.3's Llama3 (``Decoder``; packed documents always)."""
-    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
+def titan03_debug_model() -> tuple[Callable[[], nn.Module], int]:
+    """0.3's Llama3 debug flavor, chunk-aware: a builder and its number of layers."""
     from torchtitan.models.llama3 import model_registry
 
     from .v03.model import make_chunk_aware
@@ -134,6 +133,13 @@ def check_titan03(config: Any, num_stages: int) -> None:
         make_chunk_aware(model)
         return model
 
-    n_layers = len(spec.model.layers)
+    return build, len(spec.model.layers)
+
+
+def check_titan03(config: Any, num_stages: int) -> None:
+    """The start-up check on torchtitan 0.3's Llama3 (``Decoder``; packed documents always)."""
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
+
+    build, n_layers = titan03_debug_model()
     names = _generate_llm_fqn_per_model_part(min(num_stages, n_layers), n_layers)
     run_start_check(build, names, config.seq1f1b.seq_chunks, True, positions_kwarg=True)
