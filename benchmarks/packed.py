@@ -4,22 +4,25 @@ The shipped corpus (Python standard library files, ``torchtitan_integration.asse
 tokenized with the shipped tokenizer, its documents shuffled and packed end to end into rows
 of the sequence length (as torchtitan's text datasets pack: a document that does not fit
 continues on the next row, where it counts as a document of its own). For each packing the
-pipeline is simulated (FLOPs costs of the real mask, :class:`seq1f1b.simulate.FlopsCosts`)
+pipeline is simulated with each unit costing what its own row's mask costs (one row per sample)
 with the uniform split, the causal compute split (``split="compute"`` without documents) and
 the mask-aware split (``split="compute"`` with the step's ``document_ids``,
 :func:`seq1f1b.mask_split.mask_balanced_split`). Also: synthetic documents of ~2k tokens and a
 long-tailed (log-normal) distribution, and the split's own cost per step at 128k tokens.
 
     python -m benchmarks.packed [--quick]
-    python -m benchmarks.packed --measured quick|full
+    python -m benchmarks.packed --measured quick|full [--steps 10]
     python -m benchmarks.packed --snap
 
 ``--snap``: what moving each mask-aware cut, within 2% of a segment, to a document boundary
 would save (K/V tokens that later segments see across the cut) and cost (simulated step time).
 ``--measured``: the corpus packed into 4096-token rows, run for real (CPU, gloo, pp=2, M=2,
 K=4): the three splits' step times against torch's Schedule1F1B (which cannot take the
-documents: it attends causally over the whole row), and the mask-aware / uniform ratio
-measured against the simulator's at the measured model's shape.
+documents: it attends causally over the whole row), and each split's ratio to uniform
+measured against the simulator's at the measured model's shape, with FLOPs costs and with
+this CPU's per-action costs fitted on the uniform runs (the others held out).
+With CP (simulated): each CP rank's work under the causal head-tail layout and under the
+document-balanced one (:func:`seq1f1b.kv.document_cp_layout`).
 """
 
 from __future__ import annotations
@@ -29,15 +32,18 @@ import json
 import random
 import statistics
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from seq1f1b.kv import CP_CHUNKS_PER_RANK, document_cp_layout, zigzag_runs
 from seq1f1b.mask_split import MaskSplitCache, attended_keys_per_position, mask_balanced_split
+from seq1f1b.masks import document_runs
 from seq1f1b.order import OrderSpec, build_orders
 from seq1f1b.partition import ModelShape, compute_balanced_split, token_cost, uniform_split
-from seq1f1b.simulate import FlopsCosts, simulate
+from seq1f1b.simulate import simulate
 
 __all__ = ["corpus_document_lengths", "pack", "simulate_splits"]
 
@@ -94,31 +100,114 @@ def synthetic(kind: str, n: int = 4000, seed: int = 0) -> list[int]:
     return [max(16, int(rng.lognormvariate(6.9, 1.6))) for _ in range(n)]
 
 
+def row_prefix_flops(docs: torch.Tensor, shape: ModelShape) -> list[list[float]]:
+    """Per row (one sample each): prefix sums of the per-position FLOPs under its own mask."""
+    base, per_key = token_cost(shape)
+    out = []
+    for row in range(docs.shape[0]):
+        flops = base + per_key * attended_keys_per_position(docs[row : row + 1])
+        out.append([0.0, *torch.cumsum(flops, 0).tolist()])
+    return out
+
+
+def step_time(
+    order: Any, prefixes: list[list[float]], lengths: list[list[int]], stages: int
+) -> float:
+    """Simulated makespan when sample ``m`` (row ``m``) is cut into ``lengths[m]``: every unit
+    costs what its own positions cost under its own row's mask (backward = 2 forwards)."""
+    costs = []
+    for prefix, ls in zip(prefixes, lengths, strict=True):
+        bounds = [sum(ls[:j]) for j in range(len(ls) + 1)]
+        costs += [(prefix[b] - prefix[a]) / stages for a, b in pairwise(bounds)]
+
+    def cost(action: Any) -> float:
+        f = costs[action.microbatch_index or 0]
+        return f if str(action.computation_type) == "F" else 2 * f
+
+    return simulate(order, cost).makespan
+
+
 def simulate_splits(
     docs: torch.Tensor, shape: ModelShape, pp: int, microbatches: int, k: int
 ) -> dict[str, Any]:
-    """Step time (FLOPs, simulated) of the three splits under ``docs``' mask."""
-    seq_len = docs.shape[-1]
-    keys = attended_keys_per_position(docs)
-    base, per_key = token_cost(shape)
-    flops = tuple((base + per_key * keys).tolist())
+    """Step time (FLOPs, simulated) of the splits under ``docs``' mask, one row per sample:
+    uniform, causal compute, the mask-aware split of the whole step (one cut for every sample,
+    balancing their average) and per sample (what ``split="compute"`` does with documents)."""
+    rows, seq_len = docs.shape
+    assert rows == microbatches, "one row per sample"
     order = build_orders(OrderSpec(pp, 1, microbatches, k))
+    prefixes = row_prefix_flops(docs, shape)
     splits = {
-        "uniform": uniform_split(seq_len, k),
-        "causal": compute_balanced_split(seq_len, k, shape),
-        "mask_aware": mask_balanced_split(docs, k, shape),
+        "uniform": [uniform_split(seq_len, k)] * rows,
+        "causal": [compute_balanced_split(seq_len, k, shape)] * rows,
+        "mask_step": [mask_balanced_split(docs, k, shape)] * rows,
+        "mask_aware": [mask_balanced_split(docs[r : r + 1], k, shape) for r in range(rows)],
     }
-    times = {}
-    for name, lengths in splits.items():
-        costs = FlopsCosts(shape, tuple(lengths), pp, pp, position_flops=flops)
-        times[name] = simulate(order, costs.cost).makespan
+    times = {name: step_time(order, prefixes, ls, pp) for name, ls in splits.items()}
     return {
         "pp": pp, "M": microbatches, "K": k, "seq_len": seq_len,
-        "lengths": splits,
+        "lengths": {name: ls[0] for name, ls in splits.items()},
         "causal_vs_uniform": times["causal"] / times["uniform"],
+        "mask_step_vs_uniform": times["mask_step"] / times["uniform"],
         "mask_aware_vs_uniform": times["mask_aware"] / times["uniform"],
         "mask_aware_vs_causal": times["mask_aware"] / times["causal"],
     }  # fmt: skip
+
+
+def _rank_flops(prefix: list[float], layout: tuple) -> list[float]:
+    return [sum(prefix[b] - prefix[a] for a, b in runs) for runs in layout]
+
+
+def simulate_cp(
+    docs: torch.Tensor, shape: ModelShape, pp: int, k: int, cp: int = 2
+) -> dict[str, Any]:
+    """Context parallelism over ``cp`` ranks with each split: a unit takes as long as its
+    costliest CP rank. Per layout (the causal head-tail one, the document-balanced one): the
+    max/mean attention work over the CP ranks (worst unit and mean over units) and the
+    simulated step time (one row per sample)."""
+    rows, seq_len = docs.shape
+    base, per_key = token_cost(shape)
+    multiple = 2 * cp * max(CP_CHUNKS_PER_RANK)
+    splits = {
+        "uniform": [uniform_split(seq_len, k, multiple)] * rows,
+        "causal": [compute_balanced_split(seq_len, k, shape, multiple)] * rows,
+        "mask_aware": [
+            mask_balanced_split(docs[r : r + 1], k, shape, multiple_of=multiple)
+            for r in range(rows)
+        ],
+    }
+    samples = []
+    for row in range(rows):
+        keys = attended_keys_per_position(docs[row : row + 1])
+        attn = [0.0, *torch.cumsum(per_key * keys, 0).tolist()]
+        samples.append((document_runs(docs[row : row + 1]), attn))
+    order = build_orders(OrderSpec(pp, 1, rows, k))
+    out: dict[str, Any] = {"pp": pp, "K": k, "cp": cp, "seq_len": seq_len}
+    for split, per_row in splits.items():
+        for name in ("head_tail", "documents"):
+            costs, ratios = [], []
+            for (groups, attn), lengths in zip(samples, per_row, strict=True):
+                bounds = [sum(lengths[:j]) for j in range(k + 1)]
+                for a, b in pairwise(bounds):
+                    layout = (
+                        tuple(zigzag_runs(a, b, r, cp) for r in range(cp))
+                        if name == "head_tail"
+                        else document_cp_layout(a, b, cp, groups)
+                    )
+                    work = _rank_flops(attn, layout)
+                    ratios.append(max(work) / (sum(work) / cp))
+                    costs.append((base * (b - a) / cp + max(work)) / pp)
+
+            def cost(action, costs=costs) -> float:
+                f = costs[action.microbatch_index or 0]
+                return f if str(action.computation_type) == "F" else 2 * f
+
+            out[f"{split}/{name}"] = {
+                "max_over_mean_worst": max(ratios),
+                "max_over_mean_mean": statistics.fmean(ratios),
+                "step": simulate(order, cost).makespan,
+            }
+    return out
 
 
 def cross_cut_tokens(docs: torch.Tensor, cut: int) -> int:
@@ -153,35 +242,42 @@ def snap_savings(
     """What snapping the mask-aware cuts to document boundaries saves (cross-segment K/V,
     summed over cuts and rows, one layer) and costs (simulated step time), at a reach of
     ``reach_fraction`` of a segment."""
-    seq_len = docs.shape[-1]
-    lengths = mask_balanced_split(docs, k, shape)
-    cuts = [sum(lengths[:j]) for j in range(1, k)]
-    snapped = snapped_cuts(docs, cuts, int(reach_fraction * seq_len / k))
-    snapped_lengths = [b - a for a, b in zip([0, *snapped], [*snapped, seq_len], strict=True)]
-    keys = attended_keys_per_position(docs)
-    base, per_key = token_cost(shape)
-    flops = tuple((base + per_key * keys).tolist())
-    order = build_orders(OrderSpec(pp, 1, docs.shape[0], k))
-    times = {}
-    for name, ls in (("balanced", lengths), ("snapped", snapped_lengths)):
-        costs = FlopsCosts(shape, tuple(ls), pp, pp, position_flops=flops)
-        times[name] = simulate(order, costs.cost).makespan
-    before = sum(cross_cut_tokens(docs, c) for c in cuts)
-    after = sum(cross_cut_tokens(docs, c) for c in snapped)
-    return {"seq_len": seq_len, "K": k, "rows": docs.shape[0], "cross_kv_before": before,
-            "cross_kv_after": after,
-            "time_snapped_vs_balanced": times["snapped"] / times["balanced"]}  # fmt: skip
+    rows, seq_len = docs.shape
+    reach = int(reach_fraction * seq_len / k)
+    balanced, snapped, before, after = [], [], 0, 0
+    for r in range(rows):  # each sample its own cuts, as split="compute" cuts them
+        row = docs[r : r + 1]
+        lengths = mask_balanced_split(row, k, shape)
+        cuts = [sum(lengths[:j]) for j in range(1, k)]
+        moved = snapped_cuts(row, cuts, reach)
+        balanced.append(lengths)
+        snapped.append([b - a for a, b in zip([0, *moved], [*moved, seq_len], strict=True)])
+        before += sum(cross_cut_tokens(row, c) for c in cuts)
+        after += sum(cross_cut_tokens(row, c) for c in moved)
+    order = build_orders(OrderSpec(pp, 1, rows, k))
+    prefixes = row_prefix_flops(docs, shape)
+    ratio = step_time(order, prefixes, snapped, pp) / step_time(order, prefixes, balanced, pp)
+    return {"seq_len": seq_len, "K": k, "rows": rows, "cross_kv_before": before,
+            "cross_kv_after": after, "time_snapped_vs_balanced": ratio}  # fmt: skip
 
 
-def split_cost(docs: torch.Tensor, k: int, shape: ModelShape) -> dict[str, float]:
-    """Seconds to compute the mask-aware split once (a new layout) and from the cache."""
-    cache = MaskSplitCache()
+def split_cost(docs: torch.Tensor, k: int, shape: ModelShape, cp: int = 2) -> dict[str, float]:
+    """Seconds to compute every sample's mask-aware split (one row per sample, as
+    ``split="compute"`` does per step) for a new layout and from the cache, and the
+    document-balanced CP layouts of those segments (``cp`` ranks)."""
+    cache, rows = MaskSplitCache(), [docs[r : r + 1] for r in range(docs.shape[0])]
     t0 = time.perf_counter()
-    cache.lengths(docs, k, shape)
+    lengths = [cache.lengths(row, k, shape, multiple_of=2 * cp) for row in rows]
     t1 = time.perf_counter()
-    cache.lengths(docs, k, shape)
+    for row in rows:
+        cache.lengths(row, k, shape, multiple_of=2 * cp)
     t2 = time.perf_counter()
-    return {"new_layout_s": t1 - t0, "cached_s": t2 - t1,
+    for row, ls in zip(rows, lengths, strict=True):
+        groups = document_runs(row)
+        for a, b in pairwise([sum(ls[:j]) for j in range(k + 1)]):
+            document_cp_layout(a, b, cp, groups)
+    t3 = time.perf_counter()
+    return {"new_layout_s": t1 - t0, "cached_s": t2 - t1, "cp_layouts_s": t3 - t2,
             "documents": int((docs[:, 1:] != docs[:, :-1]).sum()) + docs.shape[0]}  # fmt: skip
 
 
@@ -201,49 +297,135 @@ def run(quick: bool = False) -> dict[str, Any]:
                 for k in (4, 8):
                     rows.append({"documents": name, **simulate_splits(docs, SHAPE_8B, pp, m, k)})
     out["simulated"] = rows
+    out["cp"] = [
+        {"documents": name, **simulate_cp(pack(lengths, 2 * pp, seq_len, seed=seq_len), SHAPE_8B,
+                                          pp, k)}
+        for name, lengths in sources.items()
+        for seq_len in seq_lens
+        for pp in pps[:1]
+        for k in (4, 8)
+    ]  # fmt: skip
     docs = pack(synthetic("2k"), 8, 131072, seed=1)  # thousands of documents per step
     split_cost(docs[:1, :1024], 4, SHAPE_8B)  # warm up torch
     out["split_cost_128k"] = split_cost(docs, 4, SHAPE_8B)
     return out
 
 
+def unit_works(
+    docs: torch.Tensor, lengths: list[list[int]], cfg: Any, pp: int
+) -> dict[tuple[int, int], Any]:
+    """Forward work of every (stage, unit) of a Seq1F1B run (one row per sample, ``pp``
+    stages), its attention counted under the row's document mask."""
+    from seq1f1b.costmodel import Work, action_work
+
+    from .measured import model_shape
+
+    shape = model_shape(cfg)
+    layers = cfg.n_layers // pp
+    d, h = shape.head_dim, shape.n_heads
+    assert d is not None
+    out = {}
+    for m, ls in enumerate(lengths):
+        keys = [0.0, *attended_keys_per_position(docs[m : m + 1]).cumsum(0).tolist()]
+        bounds = [sum(ls[:j]) for j in range(len(ls) + 1)]
+        for seg, (a, b) in enumerate(pairwise(bounds)):
+            for stage in range(pp):
+                w = action_work(shape, layers, stage == pp - 1, b - a, b)
+                attention = layers * (keys[b] - keys[a]) * (4 * d + 3) * h
+                out[stage, m * len(ls) + seg] = Work(w.linear, attention, w.elements, w.modules)
+    return out
+
+
+def calibrated_ratios(
+    runs: dict[str, dict[str, Any]],
+    works: dict[str, dict],
+    fit_on: list[str],
+    pp: int,
+    m: int,
+    k: int,
+) -> dict[str, float]:
+    """Each run's step time predicted by the simulator with this machine's per-action costs,
+    fitted (:func:`seq1f1b.calibration.fit_action_costs`) on the ``fit_on`` runs' fastest
+    actions only: the other runs are held out."""
+    from seq1f1b.calibration import Sample, fit_action_costs
+
+    from .calibration import fastest_trace
+
+    samples = [
+        Sample(ev["kind"], works[label][ev["stage"], ev["mb"]], ev["cpu"])
+        for label in fit_on
+        for ev in fastest_trace(runs[label])
+        if ev["cpu"] > 0
+    ]
+    costs = fit_action_costs(samples, "this CPU, fitted on the uniform runs")
+    order = build_orders(OrderSpec(pp, 1, m, k))
+    return {
+        label: simulate(
+            order,
+            lambda a, w=w: costs.of(a.computation_type).seconds(
+                w[a.stage_index, a.microbatch_index or 0]
+            ),
+        ).makespan
+        for label, w in works.items()
+    }  # fmt: skip
+
+
 def measured(preset_name: str, steps: int = 3) -> None:
-    """Measured step times of the three splits on packed rows, vs simulated: the corpus, and
-    documents of ~512 tokens (at 4096 tokens the corpus gives a row one to three documents)."""
+    """Measured step times of the three splits on packed rows, vs simulated (FLOPs, and this
+    CPU's fitted action costs): the corpus, and documents of ~512 tokens (at 4096 tokens the
+    corpus gives a row one to three documents)."""
+    from .calibration import replay_fastest
     from .measured import RunSpec, Setting, measure, model_shape, packed_documents
     from .presets import PRESETS
 
     preset = PRESETS[preset_name]
     shape = model_shape(preset.model)
-    seq_len, m, k = 4096, 2, 4
+    seq_len, m, k, pp = 4096, 2, 4, 2
     layouts = {
         "corpus": pack(corpus_document_lengths(), m, seq_len, seed=7),
         "~512-token documents": packed_documents(m, seq_len, 512),
     }
-    causal = ",".join(map(str, compute_balanced_split(seq_len, k, shape)))
+    causal_lengths = compute_balanced_split(seq_len, k, shape)
+    causal = ",".join(map(str, causal_lengths))
+    splits = {"uniform": "uniform", "causal": causal, "mask_aware": "compute"}
     specs: list[RunSpec] = [RunSpec("1F1B")]
+    works: dict[str, dict] = {}
     for name, docs in layouts.items():
         rows = tuple(tuple(r) for r in docs.tolist())
-        specs += [RunSpec("Seq1F1B", k, split, document_ids=rows, tag=f"{name}, {what}")
-                  for split, what in (("uniform", "uniform"), (causal, "causal"),
-                                      ("compute", "mask_aware"))]  # fmt: skip
-    setting = Setting(2, m, seq_len, preset.model, tuple(specs), steps, keep_trace=False)
+        for what, split in splits.items():
+            spec = RunSpec("Seq1F1B", k, split, document_ids=rows, tag=f"{name}, {what}")
+            specs.append(spec)
+            lengths = {
+                "uniform": [uniform_split(seq_len, k)] * m,
+                "causal": [causal_lengths] * m,
+                "mask_aware": [mask_balanced_split(docs[r : r + 1], k, shape) for r in range(m)],
+            }[what]
+            works[spec.label] = unit_works(docs, lengths, preset.model, pp)
+    setting = Setting(pp, m, seq_len, preset.model, tuple(specs), steps, keep_trace=True)
     runs = {r["label"]: r for r in measure(setting)}
+    labels = {(name, what): f"Seq1F1B K={k} {split}, {name}, {what}"
+              for name in layouts for what, split in splits.items()}  # fmt: skip
+    fit_on = [labels[name, "uniform"] for name in layouts]
+    predicted = calibrated_ratios(runs, works, fit_on, pp, m, k)
     base = runs["1F1B"]["step_time_s"]
-    print(f"preset {preset_name}: pp=2, M={m}, K={k}, {seq_len} tokens, {steps} timed steps")
-    print("| documents | split | lengths | vs 1F1B | vs uniform, measured | "
-          "vs uniform, simulated |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print(f"preset {preset_name}: pp={pp}, M={m}, K={k}, {seq_len} tokens, {steps} timed steps; "
+          "ratios to the same layout's uniform split")  # fmt: skip
+    print("| documents | split | lengths (sample 0) | vs 1F1B | measured | measured, replayed | "
+          "simulated, FLOPs | simulated, fitted (held out) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for name, docs in layouts.items():
-        sim = simulate_splits(docs, shape, 2, m, k)
+        sim = simulate_splits(docs, shape, pp, m, k)
         n_docs = int((docs[:, 1:] != docs[:, :-1]).sum()) + m
-        uni = runs[f"Seq1F1B K={k} uniform, {name}, uniform"]["step_time_s"]
-        for what in ("uniform", "causal", "mask_aware"):
-            split = {"uniform": "uniform", "causal": causal, "mask_aware": "compute"}[what]
-            t = runs[f"Seq1F1B K={k} {split}, {name}, {what}"]["step_time_s"]
-            simulated = 1.0 if what == "uniform" else sim[f"{what}_vs_uniform"]
-            print(f"| {name} ({n_docs}) | {what} | {sim['lengths'][what]} | {t / base:.3f}x | "
-                  f"{t / uni:.3f} | {simulated:.3f} |")  # fmt: skip
+        uni = runs[labels[name, "uniform"]]
+        for what in splits:
+            run, label = runs[labels[name, what]], labels[name, what]
+            flops = 1.0 if what == "uniform" else sim[f"{what}_vs_uniform"]
+            fitted = predicted[label] / predicted[labels[name, "uniform"]]
+            print(f"| {name} ({n_docs}) | {what} | {sim['lengths'][what]} | "
+                  f"{run['step_time_s'] / base:.3f}x | "
+                  f"{run['step_time_s'] / uni['step_time_s']:.3f} | "
+                  f"{replay_fastest(run) / replay_fastest(uni):.3f} | {flops:.3f} | "
+                  f"{fitted:.3f}{'' if what != 'uniform' else ' (fit)'} |")  # fmt: skip
 
 
 def main() -> None:
@@ -253,10 +435,11 @@ def main() -> None:
                         help="run the three splits for real at pp=2 instead")  # fmt: skip
     parser.add_argument("--snap", action="store_true",
                         help="what snapping cuts to document boundaries would save")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per run (--measured)")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
     if args.measured:
-        measured(args.measured)
+        measured(args.measured, args.steps)
         return
     if args.snap:
         sources = {"corpus": corpus_document_lengths(), "synthetic ~2k": synthetic("2k"),
@@ -276,11 +459,28 @@ def main() -> None:
     out = run(args.quick)
     for name, d in out["distributions"].items():
         print(f"{name}: {d}")
-    print("documents        seq_len  pp  K  causal/uniform  mask/uniform  mask/causal")
+    print("| documents | seq_len | pp | K | causal / uniform | mask-aware per step / uniform | "
+          "mask-aware per sample / uniform | per sample / causal |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for r in out["simulated"]:
-        print(f"{r['documents']:<16} {r['seq_len']:>7} {r['pp']:>3} {r['K']:>2}"
-              f"  {r['causal_vs_uniform']:>14.3f}  {r['mask_aware_vs_uniform']:>12.3f}"
-              f"  {r['mask_aware_vs_causal']:>11.3f}")  # fmt: skip
+        print(f"| {r['documents']} | {r['seq_len']} | {r['pp']} | {r['K']} | "
+              f"{r['causal_vs_uniform']:.3f} | {r['mask_step_vs_uniform']:.3f} | "
+              f"{r['mask_aware_vs_uniform']:.3f} | {r['mask_aware_vs_causal']:.3f} |")  # fmt: skip
+    print(
+        "\nCP=2: max/mean attention work over the CP ranks (worst unit / mean) and simulated "
+        "step time, per split: causal head-tail layout vs document-balanced layout"
+    )
+    print("| documents | seq_len | pp | K | split | head-tail max/mean | documents max/mean | "
+          "step, documents / head-tail | step vs uniform head-tail |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in out["cp"]:
+        uni = r["uniform/head_tail"]["step"]
+        for split in ("uniform", "causal", "mask_aware"):
+            ht, dl = r[f"{split}/head_tail"], r[f"{split}/documents"]
+            print(f"| {r['documents']} | {r['seq_len']} | {r['pp']} | {r['K']} | {split} | "
+                  f"{ht['max_over_mean_worst']:.3f} / {ht['max_over_mean_mean']:.3f} | "
+                  f"{dl['max_over_mean_worst']:.3f} / {dl['max_over_mean_mean']:.3f} | "
+                  f"{dl['step'] / ht['step']:.3f} | {dl['step'] / uni:.3f} |")  # fmt: skip
     print(f"split cost at 128k x 8 rows: {out['split_cost_128k']}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

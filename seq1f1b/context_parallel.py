@@ -2,7 +2,9 @@
 
 Each segment of a sample is sharded over the CP group in the load-balanced head-tail layout
 (:func:`seq1f1b.kv.zigzag_runs`): rank ``r`` of ``c`` holds chunks ``r`` and ``2c-1-r``, so the
-causal work of the segment's own block is equal on every rank. A query needs
+causal work of the segment's own block is equal on every rank. With packed documents the
+shards are balanced for the documents instead (:func:`seq1f1b.kv.document_cp_layout`). A
+query needs
 
 * the segment's own keys, spread over the CP ranks: their K/V blocks go around the ring
   ("pass-KV", ``c-1`` hops), as in ring self-attention;
@@ -250,9 +252,10 @@ def cp_attention(
     assert cp is not None
     bounds, used = info.bounds, prefix.used
     pass_q = _prefix_by_queries(cp.prefix, info, used, q, k)
-    q_runs = tuple(cp.runs(info.start, info.end, r) for r in range(cp.size))
+    docs = info.documents
+    q_runs = tuple(cp.runs(info.start, info.end, r, docs) for r in range(cp.size))
     prefix_runs = tuple(
-        tuple(cp.runs(bounds[j], bounds[j + 1], r) for j in used) for r in range(cp.size)
+        tuple(cp.runs(bounds[j], bounds[j + 1], r, docs) for j in used) for r in range(cp.size)
     )
     layout = _Layout(
         cp=cp,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -58,6 +59,82 @@ def zigzag_runs(start: int, end: int, rank: int, size: int) -> Runs:
     return ((a, a + chunk), (b, b + chunk))
 
 
+CP_CHUNKS_PER_RANK = (2, 4, 8, 16, 32, 64)  # the finer document-balanced layouts tried
+CP_LAYOUT_TOLERANCE = 1.02  # the coarsest layout within 2% of the best max work is taken
+
+
+def attention_work(documents: RowGroups, start: int, end: int) -> torch.Tensor:
+    """Keys each position of ``[start, end)`` attends to, summed over the sample's rows
+    (int64; causal within its document, earlier segments' keys included)."""
+    pos = torch.arange(start, end, dtype=torch.int64)
+    work = torch.zeros(end - start, dtype=torch.int64)
+    for r0, r1, runs in documents:
+        doc_starts = torch.tensor([a for a, _ in runs], dtype=torch.int64)
+        first = doc_starts[torch.searchsorted(doc_starts, pos, right=True) - 1]
+        work += (r1 - r0) * (pos - first + 1)
+    return work
+
+
+def _assign(work: list[int], size: int, per_rank: int) -> tuple[list[int], list[list[int]]]:
+    """Chunks to ranks, ``per_rank`` each, costliest first onto the least-loaded rank with
+    room (ties: the lower index): every rank's load and its chunks."""
+    loads, owned = [0] * size, [[] for _ in range(size)]
+    for i in sorted(range(len(work)), key=lambda i: (-work[i], i)):
+        r = min((r for r in range(size) if len(owned[r]) < per_rank), key=lambda r: (loads[r], r))
+        loads[r] += work[i]
+        owned[r].append(i)
+    return loads, owned
+
+
+def _merged(chunks: list[int], start: int, chunk: int) -> Runs:
+    """Sorted chunk indices as absolute runs, adjacent chunks merged."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(chunks):
+        a = start + i * chunk
+        if runs and runs[-1][1] == a:
+            runs[-1] = (runs[-1][0], a + chunk)
+        else:
+            runs.append((a, a + chunk))
+    return tuple(runs)
+
+
+@lru_cache(maxsize=1024)
+def document_cp_layout(start: int, end: int, size: int, documents: RowGroups) -> tuple[Runs, ...]:
+    """Every CP rank's shard of ``[start, end)`` balanced for the sample's documents.
+
+    Under a document mask a position's attention work is its offset in its document, not its
+    offset in the sequence, so the head-tail layout (:func:`zigzag_runs`) no longer gives the
+    ranks equal work. The segment is cut into ``size * n`` equal chunks (``n`` in
+    :data:`CP_CHUNKS_PER_RANK`, as the length allows) and each rank takes ``n`` of them,
+    costliest first onto the least-loaded rank: every rank holds as many tokens as with the
+    head-tail layout (the ring's blocks keep one shape). The head-tail layout is kept unless a
+    finer one lowers the largest rank's work; the coarsest layout within
+    :data:`CP_LAYOUT_TOLERANCE` of the best is taken (fewer, larger tiles). Integer work and
+    fixed tie rules: every rank computes the same layout from the documents alone."""
+    zigzag = tuple(zigzag_runs(start, end, r, size) for r in range(size))
+    work = attention_work(documents, start, end)
+    prefix = torch.cat([work.new_zeros(1), work.cumsum(0)]).tolist()
+
+    def load(runs: Runs) -> int:
+        return sum(prefix[b - start] - prefix[a - start] for a, b in runs)
+
+    candidates = [(max(load(runs) for runs in zigzag), zigzag)]
+    length = end - start
+    for per_rank in CP_CHUNKS_PER_RANK:
+        n = size * per_rank
+        if length % n:
+            break
+        chunk = length // n
+        chunk_work = [prefix[(i + 1) * chunk] - prefix[i * chunk] for i in range(n)]
+        loads, owned = _assign(chunk_work, size, per_rank)
+        candidates.append((max(loads), tuple(_merged(c, start, chunk) for c in owned)))
+    best = min(worst for worst, _ in candidates)
+    for worst, layout in candidates:  # coarsest first
+        if worst * 100 <= best * round(CP_LAYOUT_TOLERANCE * 100):
+            return layout
+    raise AssertionError("unreachable: the best candidate is within tolerance of itself")
+
+
 @dataclass(frozen=True)
 class ContextParallel:
     """The context-parallel group a stage's sequence is sharded over (see
@@ -68,8 +145,15 @@ class ContextParallel:
     size: int
     prefix: str = "auto"  # "pass_q", "pass_kv" or "auto" (fewer bytes, per segment)
 
-    def runs(self, start: int, end: int, rank: int | None = None) -> Runs:
-        return zigzag_runs(start, end, self.rank if rank is None else rank, self.size)
+    def runs(
+        self, start: int, end: int, rank: int | None = None, documents: RowGroups | None = None
+    ) -> Runs:
+        """Rank ``rank``'s (default: this rank's) shard of ``[start, end)``: head-tail, or
+        balanced for the sample's ``documents`` (:func:`document_cp_layout`)."""
+        rank = self.rank if rank is None else rank
+        if documents is None or self.size == 1:
+            return zigzag_runs(start, end, rank, self.size)
+        return document_cp_layout(start, end, self.size, documents)[rank]
 
 
 @dataclass(frozen=True)
@@ -95,7 +179,7 @@ class SegmentInfo:
         """The absolute position runs this rank holds of the segment (all of it without CP)."""
         if self.cp is None:
             return ((self.start, self.end),)
-        return self.cp.runs(self.start, self.end)
+        return self.cp.runs(self.start, self.end, documents=self.documents)
 
     @property
     def local_length(self) -> int:

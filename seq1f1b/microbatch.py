@@ -28,6 +28,21 @@ __all__ = [
 ]
 
 
+Lengths = Sequence[int] | Sequence[Sequence[int]]  # one cut for every sample, or one each
+
+
+def per_sample(lengths: Lengths, n_samples: int) -> list[Sequence[int]]:
+    """``lengths`` as one list of segment lengths per sample."""
+    if all(isinstance(n, int) for n in lengths):
+        return [lengths] * n_samples  # type: ignore[list-item]
+    if len(lengths) != n_samples:
+        raise ValueError(
+            f"got segment lengths for {len(lengths)} samples but the batch is cut into "
+            f"{n_samples}: pass one list of lengths per sample, or one list for all"
+        )
+    return list(lengths)  # type: ignore[arg-type]
+
+
 def _cut(t: torch.Tensor, dim: int, lengths: Sequence[int], what: str) -> list[torch.Tensor]:
     if t.dim() <= dim or t.shape[dim] != sum(lengths):
         raise ValueError(
@@ -43,17 +58,18 @@ def split_units(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     n_microbatches: int,
-    lengths: Sequence[int],
+    lengths: Lengths,
     seq_dim: int,
     *,
     args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
     kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
     kwargs_seq_dims: Mapping[str, int | None] | None = None,
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
-    """Split along the batch (torch's chunk specs) and then along ``seq_dim`` into units."""
-    k = len(lengths)
+    """Split along the batch (torch's chunk specs) and then along ``seq_dim`` into units
+    (``lengths``: one cut for every sample, or one per sample)."""
+    samples = per_sample(lengths, n_microbatches)
     if not args and not kwargs:
-        n = n_microbatches * k
+        n = sum(len(ls) for ls in samples)
         return [()] * n, [{}] * n
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.shape[0] % n_microbatches != 0:
@@ -66,8 +82,8 @@ def split_units(
     )
     unit_args: list[tuple[Any, ...]] = []
     unit_kwargs: list[dict[str, Any]] = []
-    for mb_args, mb_kwargs in zip(arg_mbs, kwarg_mbs, strict=True):
-        a, kw = _cut_sample(mb_args, mb_kwargs, lengths, seq_dim, kwargs_seq_dims)
+    for mb_args, mb_kwargs, ls in zip(arg_mbs, kwarg_mbs, samples, strict=True):
+        a, kw = _cut_sample(mb_args, mb_kwargs, ls, seq_dim, kwargs_seq_dims)
         unit_args.extend(a)
         unit_kwargs.extend(kw)
     return unit_args, unit_kwargs
@@ -131,29 +147,34 @@ def split_presplit_units(
     arg_mbs: Sequence[tuple[Any, ...]],
     kwarg_mbs: Sequence[dict[str, Any]],
     target_mbs: Sequence[Any] | None,
-    lengths: Sequence[int],
+    lengths: Lengths,
     seq_dim: int,
     kwargs_seq_dims: Mapping[str, int | None] | None = None,
 ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[Any] | None]:
     """Samples already split along the batch (torch's ``arg_mbs`` ...) cut into segments."""
+    samples = per_sample(lengths, len(arg_mbs))
     unit_args: list[tuple[Any, ...]] = []
     unit_kwargs: list[dict[str, Any]] = []
-    for mb_args, mb_kwargs in zip(arg_mbs, kwarg_mbs, strict=True):
+    for mb_args, mb_kwargs, ls in zip(arg_mbs, kwarg_mbs, samples, strict=True):
         if not isinstance(mb_args, tuple | list) or not isinstance(mb_kwargs, dict):
             raise ValueError(
                 "arg_mbs entries must be tuples and kwarg_mbs entries dicts (one per sample)"
             )
-        a, kw = _cut_sample(mb_args, mb_kwargs, lengths, seq_dim, kwargs_seq_dims)
+        a, kw = _cut_sample(mb_args, mb_kwargs, ls, seq_dim, kwargs_seq_dims)
         unit_args.extend(a)
         unit_kwargs.extend(kw)
     targets = None
     if target_mbs is not None:
-        targets = [u for t in target_mbs for u in _cut(t, seq_dim, lengths, "target")]
+        targets = [
+            u
+            for t, ls in zip(target_mbs, samples, strict=True)
+            for u in _cut(t, seq_dim, ls, "target")
+        ]
     return unit_args, unit_kwargs, targets
 
 
 def split_target(
-    target: torch.Tensor, n_microbatches: int, lengths: Sequence[int], seq_dim: int
+    target: torch.Tensor, n_microbatches: int, lengths: Lengths, seq_dim: int
 ) -> list[torch.Tensor]:
     """Targets split like the inputs: batch dim 0 into M, then ``seq_dim`` into segments."""
     if target.shape[0] % n_microbatches != 0:
@@ -162,8 +183,9 @@ def split_target(
             f"n_microbatches={n_microbatches}: use a batch size that is a multiple of it"
         )
     units: list[torch.Tensor] = []
-    for mb in torch.tensor_split(target, n_microbatches, dim=0):
-        units.extend(_cut(mb, seq_dim, lengths, "target"))
+    samples = per_sample(lengths, n_microbatches)
+    for mb, ls in zip(torch.tensor_split(target, n_microbatches, dim=0), samples, strict=True):
+        units.extend(_cut(mb, seq_dim, ls, "target"))
     return units
 
 

@@ -126,6 +126,26 @@ class SequenceSplit:
         balanced = self._mask_cache.lengths(documents, seq_chunks, shape, multiple_of=multiple)
         return balanced if sum(balanced) == seq_len else plain
 
+    def sample_lengths(
+        self,
+        seq_len: int,
+        seq_chunks: int,
+        n_samples: int,
+        cp_size: int = 1,
+        order: OrderSpec | None = None,
+        documents: Any = None,
+    ) -> list[list[int]]:
+        """Each sample's segment lengths. Without ``documents`` every sample is cut alike;
+        with a step's ``document_ids`` (a (batch, seq_len) tensor, or one per sample) and
+        ``"compute"``, each sample is balanced for its own documents: the pipeline runs at the
+        pace of its costliest unit, and one cut for all samples would balance only their
+        average."""
+        if documents is None:
+            return [self.lengths(seq_len, seq_chunks, cp_size, order)] * n_samples
+        if isinstance(documents, torch.Tensor):
+            documents = torch.tensor_split(documents, n_samples, dim=0)
+        return [self.lengths(seq_len, seq_chunks, cp_size, order, d) for d in documents]
+
     def _plain_lengths(
         self, seq_len: int, seq_chunks: int, cp_size: int, order: OrderSpec | None
     ) -> list[int]:

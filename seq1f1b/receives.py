@@ -32,11 +32,12 @@ class ReceiveSizer:
         self.seq_dim = seq_dim
         self.seq_chunks = seq_chunks
         self._base: dict[_Key, tuple[int, int]] = {}  # (positions torch saw, their tokens)
-        self._lengths: list[int] = []
+        self._lengths: list[int] = []  # by unit
         self._hooked: set[int] = set()  # stages whose receive hook asks us (patch 5)
 
     def resize(self, stages: list[PipelineStageBase], lengths: list[int]) -> None:
-        """Give each unit's receives (forward and backward) its segment's length."""
+        """Give each unit's receives (forward and backward) its segment's length
+        (``lengths[u]``: unit ``u``'s)."""
         self._lengths = lengths
         if rt.RECV_META_HOOK:
             for stage in stages:
@@ -47,6 +48,8 @@ class ReceiveSizer:
         for stage in stages:
             for backward in (False, True):
                 for u, infos in rt.recv_infos(stage, backward).items():
+                    if u >= len(lengths):  # sized for more units by another schedule
+                        continue
                     for i, info in enumerate(infos):
                         shape = rt.recv_shape(info)
                         if shape is None:
@@ -64,7 +67,8 @@ class ReceiveSizer:
         return fn
 
     def length(self, lengths: list[int], key: _Key, shape: torch.Size) -> int | None:
-        """Positions the receive ``key`` holds at ``seq_dim`` (None: not a per-token tensor)."""
+        """Positions the receive ``key`` holds at ``seq_dim`` (None: not a per-token tensor;
+        ``lengths``: every unit's segment length)."""
         stage_index, _, unit, _ = key
         dim = self.seq_dim
         if len(shape) <= dim:
@@ -76,7 +80,7 @@ class ReceiveSizer:
                 "sequence at seq_dim; use split='uniform' with a divisible seq_len"
             )
         base, tokens = self._base.setdefault(key, (int(shape[dim]), lengths[0]))
-        seg = lengths[unit % self.seq_chunks]
+        seg = lengths[unit]
         if (base * seg) % tokens:
             raise ValueError(
                 f"stage {stage_index} receives activations with {base} positions for a "

@@ -109,7 +109,7 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         self._presplit: tuple[list, list, list | None] | None = None
         self._guard_attention = check_attention and (k > 1 or self._cp is not None)
         self._guard_documents = check_attention
-        self._last_lengths: list[int] | None = None  # logged when a step's split changes
+        self._last_lengths: list[list[int]] | None = None  # logged when the split changes
         self.order_spec = OrderSpec(self.pp_group_size, len(stage_list), m, k,
                                     self._split_backward, self._placement)  # fmt: skip
         ranks = range(self.pp_group_size)
@@ -145,13 +145,19 @@ class SequencePipelineSchedule(rt.UnitRuntime):
     def cp_size(self) -> int:
         return 1 if self._cp is None else self._cp.size
 
-    def segment_lengths(self, seq_len: int, document_ids: Any = None) -> list[int]:
-        """Segment lengths for a sequence of ``seq_len`` tokens (cached per length). With a
-        step's ``document_ids`` and ``split="compute"``, balanced for that document mask
-        (cached per layout; the same on every rank, which all hold the documents)."""
-        return self.sequence_split.lengths(
-            seq_len, self.seq_chunks, self.cp_size, self.order_spec, document_ids
-        )
+    def segment_lengths(self, seq_len: int) -> list[int]:
+        """Segment lengths for a sequence of ``seq_len`` tokens without packed documents
+        (cached per length): every sample's, unless a step passes ``document_ids``."""
+        return self.sequence_split.lengths(seq_len, self.seq_chunks, self.cp_size, self.order_spec)
+
+    def sample_lengths(self, seq_len: int, document_ids: Any = None) -> list[list[int]]:
+        """Each sample's segment lengths for a step. With the step's ``document_ids`` and
+        ``split="compute"``, each sample's are balanced for its own documents (cached per
+        layout; the same on every rank, which all hold the documents)."""
+        return self.sequence_split.sample_lengths(
+            seq_len, self.seq_chunks, self.cutter.n_samples, self.cp_size, self.order_spec,
+            document_ids,
+        )  # fmt: skip
 
     def kv_state_bytes(self) -> int:
         """Bytes of K/V still cached (0 between steps; for tests and memory checks)."""
@@ -254,7 +260,7 @@ class SequencePipelineSchedule(rt.UnitRuntime):
             if document_ids is not None:
                 documents = self.cutter.documents(document_ids, fixed or local)
             if fixed or local:
-                inputs = self._cut(fixed or local, args, kwargs, target, document_ids)
+                inputs = self._cut(fixed or local, args, kwargs, target, document_ids, documents)
         except ValueError as exc:
             error = exc
         stage = self.local_stages[0]
@@ -262,10 +268,10 @@ class SequencePipelineSchedule(rt.UnitRuntime):
                                error, document_ids is not None,
                                self._whole_backward)  # fmt: skip
         if inputs is None:  # a rank without inputs learns the length from the others
-            inputs = self._cut(agreed, args, kwargs, target, document_ids)
-        elif sum(inputs.lengths) != agreed:
+            inputs = self._cut(agreed, args, kwargs, target, document_ids, documents)
+        elif sum(inputs.lengths[0]) != agreed:
             raise ValueError(
-                f"this rank's inputs have sequence length {sum(inputs.lengths)} but another "
+                f"this rank's inputs have sequence length {sum(inputs.lengths[0])} but another "
                 f"rank's have {agreed}: pass the same sequence length on every rank"
             )
         self._inputs = inputs
@@ -274,16 +280,25 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         return inputs
 
     def _cut(
-        self, seq_len: int, args: tuple, kwargs: dict, target: Any, document_ids: Any = None
+        self,
+        seq_len: int,
+        args: tuple,
+        kwargs: dict,
+        target: Any,
+        document_ids: Any = None,
+        documents: list | None = None,
     ) -> StepInputs:
-        lengths = self.segment_lengths(seq_len, document_ids)
+        """This rank's units; ``documents`` (per sample) place the CP shards."""
+        lengths = self.sample_lengths(seq_len, document_ids)
         if lengths != self._last_lengths:
             mode = self.sequence_split.mode
             masked = document_ids is not None and mode == "compute"
-            logger.info("Seq1F1B: segment lengths %s (split=%s%s)", lengths, mode,
+            same = all(ls == lengths[0] for ls in lengths)
+            logger.info("Seq1F1B: segment lengths%s %s (split=%s%s)",
+                        "" if same else " per sample", lengths[0] if same else lengths, mode,
                         ", by document" if masked else "")  # fmt: skip
             self._last_lengths = lengths
-        return self.cutter.cut(lengths, args, kwargs, target, self._presplit, self._cp)
+        return self.cutter.cut(lengths, args, kwargs, target, self._presplit, self._cp, documents)
 
     def _average_cp_grads(self) -> None:
         """Each CP rank holds the gradient of its shard's loss share: average them in place,
@@ -318,7 +333,7 @@ class SequencePipelineSchedule(rt.UnitRuntime):
     def after_stage_init(self) -> None:
         """Give each unit's receives its own segment length (torch sizes them all alike)."""
         if self._inputs is not None:
-            self.receives.resize(self.local_stages, self._inputs.lengths)
+            self.receives.resize(self.local_stages, self._inputs.unit_lengths)
 
     @contextlib.contextmanager
     def _run_units(self) -> Iterator[None]:

@@ -32,11 +32,16 @@ Presplit = tuple[list, list, list | None]
 class StepInputs:
     """This rank's share of one step, cut into units (``u = m * K + k``)."""
 
-    lengths: list[int]
+    lengths: list[list[int]]  # each sample's segment lengths
     args: list
     kwargs: list
     targets: list | None
     weights: list[float]  # each unit's loss weight (its token share; 1.0 without scaling)
+
+    @property
+    def unit_lengths(self) -> list[int]:
+        """Every unit's segment length, by unit index."""
+        return [n for sample in self.lengths for n in sample]
 
 
 def check_presplit(
@@ -102,14 +107,16 @@ class UnitCutter:
 
     def cut(
         self,
-        lengths: list[int],
+        lengths: list[list[int]],
         args: tuple,
         kwargs: dict,
         target: Any,
         presplit: Presplit | None,
         cp: ContextParallel | None,
+        documents: list | None = None,
     ) -> StepInputs:
-        """Cut this rank's inputs into units (with CP: its share of each) and weigh them."""
+        """Cut this rank's inputs into units (with CP: its share of each, placed for the
+        sample's ``documents`` when given) and weigh them."""
         m, dim, seq_dims = self.n_samples, self.seq_dim, dict(self.kwargs_seq_dims)
         if presplit is not None:
             arg_units, kwarg_units, target_units = split_presplit_units(
@@ -138,11 +145,10 @@ class UnitCutter:
                     "scale_grads=False with a sum loss"
                 )
         if cp is not None:  # keep this CP rank's share of every segment
-            starts = segment_offsets(lengths)
             shards = [
-                (cp.runs(starts[seg], starts[seg] + lengths[seg]), starts[seg])
-                for _ in range(m)
-                for seg in range(self.seq_chunks)
+                (cp.runs(start, start + n, None, docs), start)
+                for ls, docs in zip(lengths, documents or [None] * m, strict=True)
+                for start, n in zip(segment_offsets(ls), ls, strict=True)
             ]
             arg_units, kwarg_units, target_units = shard_units(
                 arg_units, kwarg_units, target_units, shards, dim, seq_dims

@@ -73,21 +73,21 @@ class UnitActions:
             s.stage_index: StageKVState(s.stage_index, seq_chunks, skip_invisible=skip_invisible)
             for s in stages
         }
-        self.lengths: list[int] = []
-        self._starts: list[int] = []
+        self.lengths: list[list[int]] = []  # each sample's segment lengths
+        self._unit_lengths: list[int] = []  # by unit
         self._seq_len = 0
-        self._bounds: tuple[int, ...] = ()
+        self._bounds: list[tuple[int, ...]] = []  # each sample's segment starts, then seq_len
         self._infos: dict[int, SegmentInfo] = {}
         self.documents: list | None = None  # per sample: document runs (packed documents)
         self.guard = False  # check for plain SDPA (first step, first step with documents)
         self.mixing: tuple[int, int] | None = None
 
-    def begin_step(self, lengths: list[int], documents: list | None, guard: bool) -> None:
+    def begin_step(self, lengths: list[list[int]], documents: list | None, guard: bool) -> None:
         self.lengths, self.documents, self.guard = lengths, documents, guard
         self.mixing: tuple[int, int] | None = None  # (stage, segment) that mixes positions
-        self._starts = segment_offsets(lengths)
-        self._seq_len = sum(lengths)
-        self._bounds = (*self._starts[: self.seq_chunks], self._seq_len)
+        self._unit_lengths = [n for sample in lengths for n in sample]
+        self._seq_len = sum(lengths[0])
+        self._bounds = [(*segment_offsets(ls), self._seq_len) for ls in lengths]
         self._infos = {}  # by unit: its forward and backward share one
         for state in self.kv_states.values():
             state.clear(reset_peak=True)
@@ -106,10 +106,10 @@ class UnitActions:
                 microbatch=m,
                 segment=seg,
                 num_segments=self.seq_chunks,
-                start=self._starts[seg],
-                length=self.lengths[seg],
+                start=self._bounds[m][seg],
+                length=self.lengths[m][seg],
                 seq_len=self._seq_len,
-                bounds=self._bounds,
+                bounds=self._bounds[m],
                 documents=None if self.documents is None else self.documents[m],
                 cp=self.cp,
             )
@@ -135,7 +135,7 @@ class UnitActions:
     def _forward(self, stage: PipelineStageBase, unit: int) -> Iterator[None]:
         info, state = self.segment_info(unit), self.kv_states[stage.stage_index]
         if not stage.is_first:
-            self.receives.check_received(stage, unit, self.lengths)
+            self.receives.check_received(stage, unit, self._unit_lengths)
         keep = stage.has_backward and torch.is_grad_enabled()
         state.begin_forward(info.microbatch, info.segment)
         mode = PlainAttentionGuard(info.documents is not None) if self.guard else None

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
 from seq1f1b import ModelShape, ScheduleSeq1F1B, SequenceSplit, packed_documents
-from seq1f1b.kv import zigzag_runs
+from seq1f1b.kv import document_cp_layout, zigzag_runs
+from seq1f1b.masks import document_runs
 from seq1f1b.order import OrderSpec
 from seq1f1b.partition import uniform_split
 from seq1f1b.registry import lookup
@@ -281,13 +282,22 @@ def run_eval_case(rank: int, world: int, case: Case) -> None:
         lengths = sched.segment_lengths(case.seq_len)
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         cp_rank = torch.distributed.get_rank(cp_group)
-        pos = [
-            i
-            for s, n in zip(starts, lengths, strict=True)
-            for a, b in zigzag_runs(s, s + n, cp_rank, case.cp)
-            for i in range(a, b)
-        ]
-        ref_logits = ref_logits[:, pos]
+        ids, rows = documents(case), case.batch // case.n_microbatches
+        shards = []  # each sample's rows at its positions (the layout follows its documents)
+        for m in range(case.n_microbatches):
+            groups = None if ids is None else document_runs(ids[m * rows : (m + 1) * rows])
+            pos = [
+                i
+                for s, n in zip(starts, lengths, strict=True)
+                for a, b in (
+                    zigzag_runs(s, s + n, cp_rank, case.cp)
+                    if groups is None
+                    else document_cp_layout(s, s + n, case.cp, groups)[cp_rank]
+                )
+                for i in range(a, b)
+            ]
+            shards.append(ref_logits[m * rows : (m + 1) * rows, pos])
+        ref_logits = torch.cat(shards)
     has_first, has_last = 0 in mine, num_stages - 1 in mine
     for _ in range(2):  # twice: the second call reuses the initialised stages
         losses: list[torch.Tensor] = []
@@ -530,7 +540,7 @@ def run_mask_split_steps(rank: int, world: int, schedule: str, stages_per_rank: 
     )
     has_first, has_last = 0 in mine, num_stages - 1 in mine
     causal = compute_balanced_split(seq_len, k, shape, segment_multiple(1, cp))
-    seen = []
+    seen, samples_differ = [], []
     for step, mean_doc in enumerate((4.0, 1e9, 12.0)):  # short, one per row, mid
         docs = packed_layout(batch, seq_len, seed=step, mean_doc=mean_doc)
         ref = build_stages(cfg, num_stages, checkpointing=checkpointing)
@@ -543,10 +553,14 @@ def run_mask_split_steps(rank: int, world: int, schedule: str, stages_per_rank: 
         with packed_documents(docs):
             ref_loss = loss_fn(full_model(ref)(x), y)
             ref_loss.backward()
-        lengths = sched.segment_lengths(seq_len, docs)
-        want = mask_balanced_split(docs, k, shape, multiple_of=segment_multiple(1, cp))
+        lengths = sched.sample_lengths(seq_len, docs)
+        want = [
+            mask_balanced_split(d, k, shape, multiple_of=segment_multiple(1, cp))
+            for d in docs.tensor_split(m)
+        ]
         assert lengths == want, (step, lengths, want)
-        seen.append(lengths)
+        seen += lengths
+        samples_differ.append(len({tuple(ls) for ls in lengths}) > 1)
         losses: list[torch.Tensor] = []
         sched.step(*((x,) if has_first else ()), target=y if has_last else None,
                    losses=losses if has_last else None, document_ids=docs)  # fmt: skip
@@ -570,4 +584,5 @@ def run_mask_split_steps(rank: int, world: int, schedule: str, stages_per_rank: 
                 got = torch.stack(losses).mean().item()
                 assert abs(got - ref_loss.item()) <= 1e-5 * ref_loss.item(), (got, ref_loss)
     assert len({tuple(s) for s in seen}) > 1, seen  # the split follows the documents
+    assert any(samples_differ), seen  # ... of each sample: one step cuts its samples apart
     assert any(s != causal for s in seen), (seen, causal)

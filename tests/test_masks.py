@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from seq1f1b import SegmentInfo, chunk_aware_attention, masks, packed_documents
-from seq1f1b.kv import StageKVState, UnitContext, activate
+from seq1f1b.kv import (
+    StageKVState,
+    UnitContext,
+    activate,
+    attention_work,
+    document_cp_layout,
+    zigzag_runs,
+)
 from seq1f1b.masks import (
     MaskSpec,
     document_runs,
@@ -270,3 +277,44 @@ def test_bad_masks_fail_with_the_fix() -> None:
     q, k, v = _qkv(torch.float32)
     with pytest.raises(ValueError, match="needs packed-document ids"):
         chunk_aware_attention(q, k, v, layer="x", documents=True)
+
+
+# ---------------------------------------------------------- CP shards balanced for documents
+def _loads(layout, groups, start, end) -> list[int]:
+    work = attention_work(groups, start, end).tolist()
+    return [sum(sum(work[a - start : b - start]) for a, b in runs) for runs in layout]
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_document_cp_layout_is_a_partition_with_equal_tokens(size: int) -> None:
+    g = torch.Generator().manual_seed(size)
+    for trial in range(20):
+        length = 2 * size * 16
+        start = 2 * size * int(torch.randint(0, 8, (1,), generator=g))
+        cuts = torch.randint(0, 2, (2, start + length), generator=g).cumsum(-1)
+        groups = document_runs(cuts)
+        layout = document_cp_layout(start, start + length, size, groups)
+        covered = sorted(p for runs in layout for a, b in runs for p in range(a, b))
+        assert covered == list(range(start, start + length)), trial
+        assert len({sum(b - a for a, b in runs) for runs in layout}) == 1  # one ring shape
+        zigzag = [zigzag_runs(start, start + length, r, size) for r in range(size)]
+        assert max(_loads(layout, groups, start, start + length)) <= max(
+            _loads(zigzag, groups, start, start + length)
+        )
+
+
+def test_document_cp_layout_balances_packed_documents() -> None:
+    """Documents of 64..320 tokens in a 4096-token segment: the head-tail layout's work is
+    uneven over 2 CP ranks, the document layout's within 5% of the mean; one document (a
+    causal row) keeps the head-tail layout itself."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(64, 320, (64,), generator=g)
+    ids = torch.repeat_interleave(torch.arange(64), lengths)[:4096].reshape(1, -1)
+    groups = document_runs(ids)
+    layout = document_cp_layout(0, 4096, 2, groups)
+    loads = _loads(layout, groups, 0, 4096)
+    assert max(loads) / (sum(loads) / 2) <= 1.05
+    head_tail = _loads([zigzag_runs(0, 4096, r, 2) for r in range(2)], groups, 0, 4096)
+    assert max(loads) < max(head_tail)
+    one = document_runs(torch.zeros(1, 4096, dtype=torch.int64))
+    assert document_cp_layout(0, 4096, 2, one) == tuple(zigzag_runs(0, 4096, r, 2) for r in (0, 1))
