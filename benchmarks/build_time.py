@@ -2,8 +2,8 @@
 
 Why: every rank builds its schedule at start-up, and torch's lowering (every rank lowers every
 rank's order, superlinearly) takes minutes at pp=64. ScheduleSeq1F1B lowers only its own rank,
-in time linear in the number of actions (:mod:`seq1f1b.lowering`), with the same result. Both
-run on stand-in stages (no process group); the time includes the lowered schedule with
+in time linear in the number of actions (:mod:`seq1f1b._runtime.lowering`), with the same result.
+Both run on stand-in stages (no process group); the time includes the lowered schedule with
 send/recv that the runtime executes (``pipeline_order_with_comms``).
 
 Run: ``python -m benchmarks.build_time`` (a few minutes: torch runs until its timeout), or
@@ -29,7 +29,7 @@ import torch
 from seq1f1b import ScheduleSeq1F1B
 from seq1f1b._runtime import reference as torch_ref
 from seq1f1b._runtime import stand_in_stages
-from seq1f1b.order import OrderSpec, build_orders
+from seq1f1b.orders.order import OrderSpec, build_orders
 
 # (pp, stages per rank, M, K): units M*K = 16*pp, then a units curve at pp=32
 SCALE = [(pp, v, pp, 16) for v in (1, 2) for pp in (8, 16, 32, 64)]

@@ -6,9 +6,9 @@ Why: the planner ranks schedules by simulated step time, so its per-action costs
 ranking. This measures every schedule of the pp=2 comparison on real gloo ranks (the same
 harness as ``python -m benchmarks``), takes each action's measured CPU time from the traces
 (F, B, I, W of segments of every length the splits produce, on every stage), fits the cost
-model's constants (:func:`seq1f1b.calibration.fit_action_costs`: seconds per linear FLOP,
+model's constants (:func:`seq1f1b.planning.calibration.fit_action_costs`: seconds per linear FLOP,
 per attention FLOP, per element and per action, for each kind of action), and then prices
-every measured setting with the planner's own code (:func:`seq1f1b.planner.price`: the
+every measured setting with the planner's own code (:func:`seq1f1b.planning.planner.price`: the
 schedule's order simulated with the fitted costs) and prints its predicted step time vs
 1F1B next to the measured one (wall-clock median and replayed).
 
@@ -31,12 +31,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
-from seq1f1b.calibration import Sample, fit_action_costs, save_action_costs
-from seq1f1b.costmodel import ActionCosts, Hardware, action_work
-from seq1f1b.partition import resolve_split
-from seq1f1b.planner import Setting as PlanSetting
-from seq1f1b.planner import price
+from seq1f1b.planning.calibration import Sample, fit_action_costs, save_action_costs
+from seq1f1b.planning.costmodel import ActionCosts, Hardware, action_work
+from seq1f1b.planning.planner import Setting as PlanSetting
+from seq1f1b.planning.planner import price
 from seq1f1b.registry import REGISTRY, is_baseline, lookup
+from seq1f1b.schedules.partition import resolve_split
 from seq1f1b.testing import TinyConfig
 
 from .measured import RunSpec, Setting, measure, model_shape

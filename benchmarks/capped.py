@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from seq1f1b.order import OrderSpec
-from seq1f1b.simulate import FlopsCosts, simulate
+from seq1f1b.orders.order import OrderSpec
+from seq1f1b.planning.simulate import FlopsCosts, simulate
 
 from .budget import budget_rows, verify_rows
 from .measured import RunSpec, Setting, measure, model_shape, run_split

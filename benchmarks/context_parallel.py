@@ -12,11 +12,11 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from seq1f1b.costmodel import PRESETS as SHAPES
-from seq1f1b.costmodel import Hardware, MemoryModel
-from seq1f1b.order import OrderSpec, build_orders
-from seq1f1b.partition import ModelShape, uniform_split
-from seq1f1b.simulate import FlopsCosts, simulate
+from seq1f1b.orders.order import OrderSpec, build_orders
+from seq1f1b.planning.costmodel import PRESETS as SHAPES
+from seq1f1b.planning.costmodel import Hardware, MemoryModel
+from seq1f1b.planning.simulate import FlopsCosts, simulate
+from seq1f1b.schedules.partition import ModelShape, uniform_split
 from seq1f1b.testing import TinyConfig
 
 from .measured import RunSpec, Setting, measure
@@ -37,9 +37,9 @@ def cp_bytes(
     wide_bytes: int = 4,
 ) -> dict[str, int]:
     """Bytes one CP rank sends per step for ``layers`` attention layers, as implemented
-    (:mod:`seq1f1b.context_parallel`): per segment of ``l = L/c`` local tokens, with a visible
-    prefix of ``p = P/c`` local tokens, ``h``/``g`` query/K-V heads of width ``d``, ``c - 1``
-    hops each way:
+    (:mod:`seq1f1b.attention.context_parallel`): per segment of ``l = L/c`` local tokens, with a
+    visible prefix of ``p = P/c`` local tokens, ``h``/``g`` query/K-V heads of width ``d``, ``c -
+    1`` hops each way:
 
     * own K/V ring: forward ``2 l g d b``, backward ``2 l g d (b + w)`` (blocks, then their
       gradient accumulators, which return home);

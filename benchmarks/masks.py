@@ -6,15 +6,17 @@ document. ``ScheduleSeq1F1B`` skips them (no kernel call) and caches only the K/
 segments can see; ``skip_invisible=False`` is the mask-alone baseline that computes every block
 under the mask and keeps every segment. And the causal compute split makes later segments
 shorter for an attention cost that documents remove, which unbalances the pipeline; the split
-from the masked per-token cost (:func:`seq1f1b.partition.profile_balanced_split`) does not.
+from the masked per-token cost (:func:`seq1f1b.schedules.partition.profile_balanced_split`) does
+not.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from seq1f1b.order import OrderSpec, build_orders
-from seq1f1b.partition import (
+from seq1f1b.orders.order import OrderSpec, build_orders
+from seq1f1b.planning.simulate import FlopsCosts, simulate
+from seq1f1b.schedules.partition import (
     ModelShape,
     attended_keys,
     compute_balanced_split,
@@ -22,7 +24,6 @@ from seq1f1b.partition import (
     profile_flops,
     uniform_split,
 )
-from seq1f1b.simulate import FlopsCosts, simulate
 
 from .measured import RunSpec, Setting, measure, packed_documents
 from .presets import Preset

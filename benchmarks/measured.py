@@ -35,8 +35,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from seq1f1b import ChunkedLoss, ModelShape, ScheduleBitPipe, SequenceSplit
+from seq1f1b.attention.context_parallel import comm_stats
 from seq1f1b.bitpipe import BitPipeLayout, new_pair_group
-from seq1f1b.context_parallel import comm_stats
 from seq1f1b.registry import ScheduleEntry, lookup
 from seq1f1b.testing import TinyConfig, build_stages
 

@@ -2,8 +2,8 @@
 
 Why: the simulator must run the orders torch and this library actually execute, not a
 re-derivation. torch's schedules are constructed on stand-in stages (no process group), the
-way PyTorch's own schedule tests do; Seq1F1B's order comes from :mod:`seq1f1b.order`, which is
-what ``ScheduleSeq1F1B.pipeline_order`` holds; BitPipe's from :mod:`seq1f1b.bitpipe.order`.
+way PyTorch's own schedule tests do; Seq1F1B's order comes from :mod:`seq1f1b.orders.order`, which
+is what ``ScheduleSeq1F1B.pipeline_order`` holds; BitPipe's from :mod:`seq1f1b.bitpipe.order`.
 """
 
 from __future__ import annotations

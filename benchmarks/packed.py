@@ -7,8 +7,8 @@ continues on the next row, where it counts as a document of its own). For each p
 pipeline is simulated with each unit costing what its own row's mask costs (one row per sample)
 with the uniform split, the causal compute split (``split="compute"`` without documents) and
 the mask-aware split (``split="compute"`` with the step's ``document_ids``,
-:func:`seq1f1b.mask_split.mask_balanced_split`). Also: synthetic documents of ~2k tokens and a
-long-tailed (log-normal) distribution, and the split's own cost per step at 128k tokens.
+:func:`seq1f1b.schedules.mask_split.mask_balanced_split`). Also: synthetic documents of ~2k tokens
+and a long-tailed (log-normal) distribution, and the split's own cost per step at 128k tokens.
 
     python -m benchmarks.packed [--quick]
     python -m benchmarks.packed --measured quick|full [--steps 10]
@@ -22,7 +22,7 @@ documents: it attends causally over the whole row), and each split's ratio to un
 measured against the simulator's at the measured model's shape, with FLOPs costs and with
 this CPU's per-action costs fitted on the uniform runs (the others held out).
 With CP (simulated): each CP rank's work under the causal head-tail layout and under the
-document-balanced one (:func:`seq1f1b.kv.document_cp_layout`).
+document-balanced one (:func:`seq1f1b.attention.kv.document_cp_layout`).
 """
 
 from __future__ import annotations
@@ -38,12 +38,21 @@ from typing import Any
 
 import torch
 
-from seq1f1b.kv import CP_CHUNKS_PER_RANK, document_cp_layout, zigzag_runs
-from seq1f1b.mask_split import MaskSplitCache, attended_keys_per_position, mask_balanced_split
-from seq1f1b.masks import document_runs
-from seq1f1b.order import OrderSpec, build_orders
-from seq1f1b.partition import ModelShape, compute_balanced_split, token_cost, uniform_split
-from seq1f1b.simulate import simulate
+from seq1f1b.attention.kv import CP_CHUNKS_PER_RANK, document_cp_layout, zigzag_runs
+from seq1f1b.attention.masks import document_runs
+from seq1f1b.orders.order import OrderSpec, build_orders
+from seq1f1b.planning.simulate import simulate
+from seq1f1b.schedules.mask_split import (
+    MaskSplitCache,
+    attended_keys_per_position,
+    mask_balanced_split,
+)
+from seq1f1b.schedules.partition import (
+    ModelShape,
+    compute_balanced_split,
+    token_cost,
+    uniform_split,
+)
 
 __all__ = ["corpus_document_lengths", "pack", "simulate_splits"]
 
@@ -316,7 +325,7 @@ def unit_works(
 ) -> dict[tuple[int, int], Any]:
     """Forward work of every (stage, unit) of a Seq1F1B run (one row per sample, ``pp``
     stages), its attention counted under the row's document mask."""
-    from seq1f1b.costmodel import Work, action_work
+    from seq1f1b.planning.costmodel import Work, action_work
 
     from .measured import model_shape
 
@@ -345,9 +354,9 @@ def calibrated_ratios(
     k: int,
 ) -> dict[str, float]:
     """Each run's step time predicted by the simulator with this machine's per-action costs,
-    fitted (:func:`seq1f1b.calibration.fit_action_costs`) on the ``fit_on`` runs' fastest
+    fitted (:func:`seq1f1b.planning.calibration.fit_action_costs`) on the ``fit_on`` runs' fastest
     actions only: the other runs are held out."""
-    from seq1f1b.calibration import Sample, fit_action_costs
+    from seq1f1b.planning.calibration import Sample, fit_action_costs
 
     from .calibration import fastest_trace
 

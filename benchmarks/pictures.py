@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from seq1f1b.partition import ModelShape
+from seq1f1b.schedules.partition import ModelShape
 
 from .orders import ScheduleSpec
 from .simtables import PAPER_SHAPE, simulate_spec

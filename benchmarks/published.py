@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from seq1f1b.costmodel import GB, PRESETS, Hardware
-from seq1f1b.planner import Setting, price
+from seq1f1b.planning.costmodel import GB, PRESETS, Hardware
+from seq1f1b.planning.planner import Setting, price
 
 __all__ = ["PUBLISHED_7B_64K", "memory_vs_published"]
 

@@ -3,8 +3,8 @@
 Why: on a shared 2-core machine, other processes steal time from the ranks, and wall-clock
 step times swing by 2x between identical steps. Each action's *CPU* time (``thread_time``)
 is far less affected. Feeding the actions, in the order each rank ran them, with those costs
-into :func:`seq1f1b.simulate.simulate` gives the step time the ranks would have had with their
-cores to themselves: compute and dependency waits, minus preemption, communication and the
+into :func:`seq1f1b.planning.simulate.simulate` gives the step time the ranks would have had with
+their cores to themselves: compute and dependency waits, minus preemption, communication and the
 Python work between actions. It is a cross-check next to the wall-clock median, not a
 replacement for it.
 """
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from seq1f1b._runtime import Action, ComputationType
-from seq1f1b.simulate import simulate
+from seq1f1b.planning.simulate import simulate
 
 __all__ = ["replay_step_time"]
 

@@ -202,7 +202,7 @@ def calibration_section(cal: dict[str, Any]) -> list[str]:
         f"{f['per_module'] * 1e3:.2f} ms per module, {f['overhead'] * 1e3:.2f} ms per action; "
         f"backward: {b['linear'] * 1e12:.1f} ps, {b['attention'] * 1e12:.1f} ps, "
         f"{b['per_module'] * 1e3:.2f} ms, {b['overhead'] * 1e3:.2f} ms. `predicted`: "
-        "`seq1f1b.planner.price` (the schedule's order simulated with the fitted costs); "
+        "`seq1f1b.planning.planner.price` (the schedule's order simulated with the fitted costs); "
         "`held out`: the same with constants fitted without that run's actions; `replayed`: the "
         "measured actions' CPU times replayed in their order; `wall`: the measured wall-clock "
         "median (inflated by other jobs when wall/CPU > 1).",
@@ -259,7 +259,7 @@ def planner_table(example: dict[str, Any]) -> list[str]:
             paper = published.get(seq, {}).get("1F1B" if k == "K=1" else "Seq1F1B", "")
             rows.append([seq, k, f"{v['gb']:.1f}", "yes" if v["fits"] else "no", str(paper)])
     return [
-        f"`python -m seq1f1b.planner {example['args']} --seq-len <tokens>`",
+        f"`python -m seq1f1b.planning.planner {example['args']} --seq-len <tokens>`",
         "",
         *_table(["tokens", "K", "planner GB", "fits", "paper GB (K not stated)"], rows),
     ]

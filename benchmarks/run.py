@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from seq1f1b.costmodel import GB, Hardware
-from seq1f1b.costmodel import PRESETS as PLANNER_PRESETS
-from seq1f1b.planner import search
+from seq1f1b.planning.costmodel import GB, Hardware
+from seq1f1b.planning.costmodel import PRESETS as PLANNER_PRESETS
+from seq1f1b.planning.planner import search
 from seq1f1b.registry import is_baseline, lookup
 
 from .budget import budget_rows, verify_rows

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from seq1f1b import SegmentInfo, chunk_aware_attention
-from seq1f1b.kv import StageKVState, UnitContext, activate
-from seq1f1b.partition import segment_offsets, uniform_split
+from seq1f1b.attention.kv import StageKVState, UnitContext, activate
+from seq1f1b.schedules.partition import segment_offsets, uniform_split
 
 __all__ = ["Config", "measure", "segmented_run", "segmented_step", "unsegmented_step"]
 

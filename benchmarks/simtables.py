@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from seq1f1b._runtime import Action, ComputationType
-from seq1f1b.partition import ModelShape, resolve_split
+from seq1f1b.planning.simulate import FlopsCosts, SimResult, simulate
 from seq1f1b.registry import is_baseline
-from seq1f1b.simulate import FlopsCosts, SimResult, simulate
+from seq1f1b.schedules.partition import ModelShape, resolve_split
 
 from .orders import ScheduleSpec, pipeline_order
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from seq1f1b.simulate import SimResult
+from seq1f1b.planning.simulate import SimResult
 
 __all__ = ["Block", "Panel", "draw_panels", "measured_blocks", "simulated_blocks"]
 

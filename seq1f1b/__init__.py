@@ -1,19 +1,19 @@
 """seq1f1b: sequence-level pipeline parallelism (Seq1F1B) for torch.distributed.pipelining."""
 
-from .attention import ChunkAwareAttention, chunk_aware_attention
-from .attention_op import add_layer_key, segment_positions
+from .attention.attention_op import add_layer_key, segment_positions
+from .attention.kv import SegmentInfo, current_segment, packed_documents
+from .attention.layer import ChunkAwareAttention, chunk_aware_attention
 from .bitpipe import ScheduleBitPipe, build_bitpipe_stages
 from .chunked_loss import ChunkedLoss
-from .kv import SegmentInfo, current_segment, packed_documents
-from .options import ContextParallelConfig, SequenceSplit
-from .partition import (
+from .schedules.options import ContextParallelConfig, SequenceSplit
+from .schedules.partition import (
     ModelShape,
     compute_balanced_split,
     resolve_split,
     segment_multiple,
     uniform_split,
 )
-from .schedule import (
+from .schedules.schedule import (
     ScheduleInterleavedSeq1F1B,
     ScheduleSeq1F1B,
     ScheduleZBSeq1F1B,

@@ -14,7 +14,7 @@ returned loss is differentiable: its backward hands the kept gradient to the dec
 mechanism of torchtitan 0.3's ``ChunkedLossWrapper``, here per unit and for segments of any
 length). The head's weight gradients accumulate during the forward, as in torchtitan.
 
-A schedule passes each unit's loss weight (its token share, :func:`seq1f1b.step_inputs.
+A schedule passes each unit's loss weight (its token share, :func:`seq1f1b.schedules.step_inputs.
 token_weights`) as ``weight=``, since the head's backward runs inside the call.
 """
 
@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from . import _runtime as rt
-from .kv import inferring_metadata
+from .attention.kv import inferring_metadata
 
 __all__ = ["ChunkedLoss", "sum_cross_entropy"]
 

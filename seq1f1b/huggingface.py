@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention import chunk_aware_attention
-from .attention_op import add_layer_key, segment_positions
+from .attention.attention_op import add_layer_key, segment_positions
+from .attention.layer import chunk_aware_attention
 
 __all__ = ["ATTENTION", "DecoderStage", "decoder_stages", "register_attention", "seq1f1b_attention"]
 

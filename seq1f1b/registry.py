@@ -95,8 +95,8 @@ class ScheduleEntry:
         v = stages_per_rank or self.stages_per_rank
         self.check_stages_per_rank(v)
         if self.seq_chunked:
-            from .order import OrderSpec, build_orders
-            from .order_v import build_v_orders
+            from .orders.order import OrderSpec, build_orders
+            from .orders.order_v import build_v_orders
 
             spec = OrderSpec(pp, v, n_microbatches, seq_chunks, self.split_backward,
                              "v" if self.placement == "v" else "looped")  # fmt: skip
@@ -171,7 +171,7 @@ REGISTRY: tuple[ScheduleEntry, ...] = (
         min_stages_per_rank=2,
         max_stages_per_rank=2,
         # every rank: min(2MK, 2p+2K-2) units of 1/K sample on half of the rank's layers
-        # (seq1f1b.order_v.rank_peak_units), Seq1F1B's stage-0 peak
+        # (seq1f1b.orders.order_v.rank_peak_units), Seq1F1B's stage-0 peak
         memory_formula=lambda p, m, k, v: min(2 * p + 2 * k - 2, 2 * m * k) / (2 * k),
         formula_backward_cost=1.0,
     ),

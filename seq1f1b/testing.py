@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import ChunkAwareAttention
-from .attention_op import segment_positions
+from .attention.attention_op import segment_positions
+from .attention.layer import ChunkAwareAttention
 
 __all__ = ["TinyConfig", "TinyStage", "build_stages", "full_model", "rope_positions"]
 

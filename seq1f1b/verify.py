@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .kv import packed_documents
-from .mixing_probe import PositionMixingError
+from .attention.kv import packed_documents
+from .attention.mixing_probe import PositionMixingError
 
 __all__ = ["VerificationReport", "verify_model"]
 
@@ -121,8 +121,8 @@ def verify_model(
     launched job (world size > 1) every rank must call it (it makes one-rank groups). Returns
     a :class:`VerificationReport` (``print`` it; ``report.ok``).
     """
-    from .partition import uniform_split
-    from .schedule import ScheduleSeq1F1B
+    from .schedules.partition import uniform_split
+    from .schedules.schedule import ScheduleSeq1F1B
 
     seq_len = inputs.shape[seq_dim]
     if seq_len < seq_chunks:

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
 from seq1f1b import ModelShape, ScheduleSeq1F1B, SequenceSplit, packed_documents
-from seq1f1b.kv import document_cp_layout, zigzag_runs
-from seq1f1b.masks import document_runs
-from seq1f1b.order import OrderSpec
-from seq1f1b.partition import uniform_split
+from seq1f1b.attention.kv import document_cp_layout, zigzag_runs
+from seq1f1b.attention.masks import document_runs
+from seq1f1b.orders.order import OrderSpec
 from seq1f1b.registry import lookup
+from seq1f1b.schedules.partition import uniform_split
 from seq1f1b.testing import TinyConfig, build_stages, full_model
 
 CFG = TinyConfig(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=8, ffn=64)
@@ -518,8 +518,8 @@ def run_mask_split_steps(rank: int, world: int, schedule: str, stages_per_rank: 
     """``split="compute"`` with documents that change every step: each step's lengths are
     balanced for its own document mask (they change between steps and differ from the causal
     split), and every step (and an ``eval()``) equals the full-sequence reference."""
-    from seq1f1b.mask_split import mask_balanced_split
-    from seq1f1b.partition import compute_balanced_split, segment_multiple
+    from seq1f1b.schedules.mask_split import mask_balanced_split
+    from seq1f1b.schedules.partition import compute_balanced_split, segment_multiple
 
     pp_rank, pp, pp_group, cp_group = _groups(rank, world, cp)
     num_stages = pp * stages_per_rank

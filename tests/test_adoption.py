@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from seq1f1b import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B, verify_model
-from seq1f1b.mixing_probe import PositionMixingError
+from seq1f1b.attention.mixing_probe import PositionMixingError
 from seq1f1b.testing import TinyConfig, TinyStage, build_stages, full_model
 
 CFG = TinyConfig(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=4, ffn=64)

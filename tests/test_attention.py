@@ -8,12 +8,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from dist_utils import run_ranks
 
-from seq1f1b import SegmentInfo, chunk_aware_attention, current_segment, masks
-from seq1f1b.attention import _cpu_bwd, _cpu_fwd
-from seq1f1b.kv import ContextParallel, StageKVState, UnitContext, activate
-from seq1f1b.partition import segment_offsets
-from seq1f1b.tiles import math_backward as _math_bwd
-from seq1f1b.tiles import math_forward as _math_fwd
+from seq1f1b import SegmentInfo, chunk_aware_attention, current_segment
+from seq1f1b.attention import masks
+from seq1f1b.attention.kv import ContextParallel, StageKVState, UnitContext, activate
+from seq1f1b.attention.layer import _cpu_bwd, _cpu_fwd
+from seq1f1b.attention.tiles import math_backward as _math_bwd
+from seq1f1b.attention.tiles import math_forward as _math_fwd
+from seq1f1b.schedules.partition import segment_offsets
 
 
 def _qkv(dtype: torch.dtype, h: int = 4, hkv: int = 2, s: int = 20, seed: int = 0):
@@ -183,7 +184,7 @@ class _Counting:
 def _unit_fwd_bwd(q, k, v, go, lengths, seg_counts, monkeypatch):
     """Segments forward 0..K-1 and backward K-1..0 with merge / accumulator calls counted per
     segment: ``seg_counts[seg] = (merges, accumulators)``."""
-    from seq1f1b import tiles
+    from seq1f1b.attention import tiles
 
     merge, acc = _Counting(tiles.merge), _Counting(tiles.new_accumulator)
     monkeypatch.setattr(tiles, "merge", merge)
@@ -246,7 +247,7 @@ def test_single_tile_segment_is_the_kernel_output_bitwise() -> None:
     """The first segment's output and gradients are exactly the kernel's: what the fast path
     returns equals merging the tile into 0 / -inf accumulators and adding its gradients into
     zero buffers (the path it replaces), bit for bit."""
-    from seq1f1b import tiles
+    from seq1f1b.attention import tiles
 
     q, k, v = (t.detach() for t in _qkv(torch.float32, s=12))
     plan = masks.plan_segment(0, 12, (), ((0, 2, ((0, 12),)),), masks.MaskSpec())
@@ -275,7 +276,7 @@ def test_single_tile_segment_is_the_kernel_output_bitwise() -> None:
 def test_single_tile_equals_the_same_rows_as_several_tiles() -> None:
     """One tile over every row gives the result of the same queries planned as one tile per
     row group (which merges into accumulators)."""
-    from seq1f1b import tiles
+    from seq1f1b.attention import tiles
 
     q, k, v = (t.detach() for t in _qkv(torch.float64, s=12))
     kernels = ("cpu_flash", _cpu_fwd, _cpu_bwd)
@@ -301,7 +302,7 @@ def test_single_tile_equals_the_same_rows_as_several_tiles() -> None:
 def test_lone_tile_keeps_the_kernel_dtype_bitwise() -> None:
     """bf16: a lone tile's output and gradients stay bf16 (no fp32 round trip) and equal the
     accumulated path's, rounded back, bit for bit; a tile that is not alone is widened."""
-    from seq1f1b import tiles
+    from seq1f1b.attention import tiles
 
     q, k, v = (t.detach() for t in _qkv(torch.bfloat16, s=12))
     spec = masks.MaskSpec()

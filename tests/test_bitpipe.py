@@ -19,10 +19,10 @@ from seq1f1b import ChunkedLoss, ScheduleBitPipe, build_bitpipe_stages, packed_d
 from seq1f1b import _runtime as rt
 from seq1f1b._runtime import Action, ComputationType
 from seq1f1b._runtime import reference as torch_ref
+from seq1f1b._runtime.lowering import check_p2p_matching, lower_all
+from seq1f1b._runtime.replay import replay
 from seq1f1b.bitpipe import BitPipeLayout, ReplicaBoundaries, build_bitpipe_orders
 from seq1f1b.bitpipe.order import stuck_ranks, unit_time_steps
-from seq1f1b.lowering import check_p2p_matching, lower_all
-from seq1f1b.replay import replay
 from seq1f1b.testing import TinyConfig, build_stages, full_model
 
 FWD, BWD = ComputationType.FORWARD, ComputationType.FULL_BACKWARD

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 
 from seq1f1b._runtime import ir as rt
-from seq1f1b.calibration import (
+from seq1f1b.planning.calibration import (
     Sample,
     fit_action_costs,
     fit_coefficients,
     load_action_costs,
     save_action_costs,
 )
-from seq1f1b.costmodel import ActionCosts, Coefficients, Hardware, Work, action_work
-from seq1f1b.partition import ModelShape
-from seq1f1b.planner import Setting, main, price
+from seq1f1b.planning.costmodel import ActionCosts, Coefficients, Hardware, Work, action_work
+from seq1f1b.planning.planner import Setting, main, price
+from seq1f1b.schedules.partition import ModelShape
 
 SHAPE = ModelShape(128, 2, 4, 1024, ffn_hidden=516)
 

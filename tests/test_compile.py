@@ -12,7 +12,7 @@ from compile_worker import compiled_schedule_steps, refuses_compiled_on_some_ran
 from dist_utils import run_ranks
 
 import seq1f1b
-from seq1f1b.attention_op import segment_positions
+from seq1f1b.attention.attention_op import segment_positions
 
 
 @pytest.mark.parametrize(

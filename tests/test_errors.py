@@ -14,7 +14,7 @@ from mockstages import MockStage, mock_stages
 from torch.distributed.pipelining import PipelineStage
 
 from seq1f1b import ModelShape, ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B
-from seq1f1b.kv import StageKVState
+from seq1f1b.attention.kv import StageKVState
 from seq1f1b.testing import build_stages
 
 

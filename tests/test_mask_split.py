@@ -1,4 +1,4 @@
-"""The compute split of the step's real mask (seq1f1b.mask_split): the vectorized profile
+"""The compute split of the step's real mask (seq1f1b.schedules.mask_split): the vectorized profile
 equals the reference per-position count, the split is never worse than uniform or causal
 compute, the cache follows the layout, and pipelines that re-split every step stay exact."""
 
@@ -12,13 +12,13 @@ from dist_utils import run_ranks
 from equivalence import packed_layout, run_mask_split_steps
 
 from seq1f1b import SequenceSplit
-from seq1f1b.mask_split import (
+from seq1f1b.schedules.mask_split import (
     MaskSplitCache,
     attended_keys_per_position,
     mask_balanced_split,
     segment_costs,
 )
-from seq1f1b.partition import (
+from seq1f1b.schedules.partition import (
     ModelShape,
     attended_keys,
     compute_balanced_split,

@@ -8,8 +8,9 @@ from itertools import pairwise
 import pytest
 import torch
 
-from seq1f1b import SegmentInfo, chunk_aware_attention, masks, packed_documents
-from seq1f1b.kv import (
+from seq1f1b import SegmentInfo, chunk_aware_attention, packed_documents
+from seq1f1b.attention import masks
+from seq1f1b.attention.kv import (
     StageKVState,
     UnitContext,
     activate,
@@ -17,7 +18,7 @@ from seq1f1b.kv import (
     document_cp_layout,
     zigzag_runs,
 )
-from seq1f1b.masks import (
+from seq1f1b.attention.masks import (
     MaskSpec,
     document_runs,
     first_seen,
@@ -25,8 +26,8 @@ from seq1f1b.masks import (
     tile_mask,
     visible_blocks,
 )
-from seq1f1b.partition import segment_offsets
-from seq1f1b.tiles import math_forward as _math_fwd
+from seq1f1b.attention.tiles import math_forward as _math_fwd
+from seq1f1b.schedules.partition import segment_offsets
 
 S = 24
 DOCS = torch.tensor(

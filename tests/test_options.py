@@ -14,7 +14,7 @@ from seq1f1b import (
     ScheduleZBSeq1F1B,
     SequenceSplit,
 )
-from seq1f1b.order import OrderSpec, build_orders
+from seq1f1b.orders.order import OrderSpec, build_orders
 
 SHAPE = ModelShape(hidden=64, n_heads=4, n_layers=2, vocab=128)
 

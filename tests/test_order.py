@@ -11,7 +11,7 @@ import seq1f1b._runtime as rt
 from seq1f1b import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B, ScheduleZBSeq1F1B
 from seq1f1b._runtime import Action, ComputationType
 from seq1f1b._runtime import reference as torch_ref
-from seq1f1b.order import OrderSpec, build_orders, seq1f1b_warmup
+from seq1f1b.orders.order import OrderSpec, build_orders, seq1f1b_warmup
 
 F, B = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
 

@@ -14,11 +14,13 @@ import itertools
 
 import pytest
 
-import seq1f1b.order as order_mod
-import seq1f1b.replay as replay_mod
+import seq1f1b._runtime.replay as replay_mod
+import seq1f1b.orders.order as order_mod
 from seq1f1b._runtime import Action, ComputationType
 from seq1f1b._runtime import reference as torch_ref
-from seq1f1b.order import (
+from seq1f1b._runtime.replay import replay
+from seq1f1b._runtime.topology import StageTopology
+from seq1f1b.orders.order import (
     OrderSpec,
     backward_unit_order,
     build_orders,
@@ -27,8 +29,6 @@ from seq1f1b.order import (
     seq1f1b_warmup,
     split_backward,
 )
-from seq1f1b.replay import replay
-from seq1f1b.topology import StageTopology
 
 F, B = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
 GRID = list(itertools.product(range(1, 9), range(1, 4), range(1, 9), range(1, 9)))
@@ -160,5 +160,8 @@ def test_build_orders_does_not_replay(monkeypatch: pytest.MonkeyPatch) -> None:
         if isinstance(node, ast.Import)
         for alias in node.names
     }
-    assert not {"replay", "seq1f1b.replay", "topology", "seq1f1b.topology"} & imported
+    assert (
+        not {"replay", "seq1f1b._runtime.replay", "topology", "seq1f1b._runtime.topology"}
+        & imported
+    )
     assert not hasattr(order_mod, "replay")

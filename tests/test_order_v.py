@@ -11,11 +11,11 @@ import seq1f1b._runtime as rt
 from seq1f1b import ScheduleZBSeq1F1B, ScheduleZBVSeq1F1B
 from seq1f1b._runtime import Action, StandInStage
 from seq1f1b._runtime import reference as torch_ref
-from seq1f1b.order import OrderSpec
-from seq1f1b.order_rules import check_order_rules
-from seq1f1b.order_v import build_v_orders, rank_peak_units, stage_peak_units
+from seq1f1b.orders.order import OrderSpec
+from seq1f1b.orders.order_rules import check_order_rules
+from seq1f1b.orders.order_v import build_v_orders, rank_peak_units, stage_peak_units
+from seq1f1b.planning.simulate import simulate
 from seq1f1b.registry import lookup
-from seq1f1b.simulate import simulate
 
 F, B = rt.FORWARD, rt.FULL_BACKWARD
 I, W = rt.BACKWARD_INPUT, rt.BACKWARD_WEIGHT  # noqa: E741
@@ -154,8 +154,8 @@ def test_wrong_placement_is_refused_with_the_fix() -> None:
 def test_memory_bound_per_stage_with_one_stage_per_rank() -> None:
     """Seq1F1B and ZBSeq1F1B (one stage per rank): every stage's program-order peak equals
     ``min(M*K, p - s + K - 1)`` (the weight half frees a unit right after its input half)."""
-    from seq1f1b.order import build_orders
-    from seq1f1b.order import stage_peak_units as looped_peak
+    from seq1f1b.orders.order import build_orders
+    from seq1f1b.orders.order import stage_peak_units as looped_peak
 
     for pp, m, k in itertools.product(range(1, 7), range(1, 7), range(1, 7)):
         for split in (False, True):

@@ -1,4 +1,4 @@
-"""Tests for seq1f1b.partition: exact published split, invariants, balance and errors."""
+"""Tests for seq1f1b.schedules.partition: exact published split, invariants, balance and errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from seq1f1b.partition import (
+from seq1f1b.schedules.partition import (
     ModelShape,
     compute_balanced_split,
     explicit_split,
@@ -256,7 +256,7 @@ def test_error_messages_name_a_fix() -> None:
 
 
 def test_masked_cost_profile_and_its_split() -> None:
-    from seq1f1b.partition import attended_keys, profile_balanced_split, profile_flops
+    from seq1f1b.schedules.partition import attended_keys, profile_balanced_split, profile_flops
 
     # causal: p + 1 keys; documents [0,0,0,1,1]: restart at 3; window 2 with 1 sink
     assert attended_keys(5) == [1, 2, 3, 4, 5]

@@ -13,10 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from seq1f1b.costmodel import FP32_SLOWDOWN, PRESETS, Hardware, MemoryModel
-from seq1f1b.partition import ModelShape
-from seq1f1b.planner import PRECISIONS, Candidate, Setting, main, price, runs_in_bf16, search
+from seq1f1b.planning.costmodel import FP32_SLOWDOWN, PRESETS, Hardware, MemoryModel
+from seq1f1b.planning.planner import (
+    PRECISIONS,
+    Candidate,
+    Setting,
+    main,
+    price,
+    runs_in_bf16,
+    search,
+)
 from seq1f1b.registry import REGISTRY
+from seq1f1b.schedules.partition import ModelShape
 from torchtitan_integration.planner import launch_lines
 from torchtitan_integration.planner import main as toml_main
 

@@ -9,10 +9,10 @@ import pytest
 
 from seq1f1b._runtime import FULL_BACKWARD
 from seq1f1b._runtime import reference as torch_ref
+from seq1f1b._runtime.replay import replay
+from seq1f1b._runtime.topology import StageTopology
+from seq1f1b.planning.simulate import simulate
 from seq1f1b.registry import REGISTRY, is_baseline, lookup, schedule_names
-from seq1f1b.replay import replay
-from seq1f1b.simulate import simulate
-from seq1f1b.topology import StageTopology
 
 ROOT = Path(__file__).resolve().parent.parent
 

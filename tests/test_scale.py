@@ -1,4 +1,5 @@
-"""Linear-time lowering (seq1f1b.lowering) equals torch's, and large schedules build and run.
+"""Linear-time lowering (seq1f1b._runtime.lowering) equals torch's, and large schedules build and
+run.
 
 The build-time targets themselves live in benchmarks/build_time.py (no timed unit tests).
 """
@@ -19,14 +20,19 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-import seq1f1b.lowering as lowering
-import seq1f1b.replay as replay_mod
+import seq1f1b._runtime.lowering as lowering
+import seq1f1b._runtime.replay as replay_mod
 from seq1f1b import ScheduleSeq1F1B
 from seq1f1b._runtime import WAIT_REDUCE_GRAD, Action, ComputationType
 from seq1f1b._runtime import reference as torch_ref
-from seq1f1b.lowering import LoweredOrders, SendRecvLowering, add_unshard_reshard, is_lowerable
-from seq1f1b.order import OrderSpec, build_orders
-from seq1f1b.topology import StageTopology
+from seq1f1b._runtime.lowering import (
+    LoweredOrders,
+    SendRecvLowering,
+    add_unshard_reshard,
+    is_lowerable,
+)
+from seq1f1b._runtime.topology import StageTopology
+from seq1f1b.orders.order import OrderSpec, build_orders
 
 C = ComputationType
 FSDP = tuple(k for k in (C.UNSHARD, C.RESHARD, C.REDUCE_GRAD, WAIT_REDUCE_GRAD) if k is not None)

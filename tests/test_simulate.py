@@ -12,10 +12,10 @@ from torch.distributed.pipelining.schedules import (
 
 from seq1f1b._runtime import Action, ComputationType
 from seq1f1b.bitpipe import build_bitpipe_orders
-from seq1f1b.order import OrderSpec, build_orders
-from seq1f1b.partition import ModelShape, resolve_split
+from seq1f1b.orders.order import OrderSpec, build_orders
+from seq1f1b.planning.simulate import FlopsCosts, compute_actions, simulate
 from seq1f1b.registry import lookup
-from seq1f1b.simulate import FlopsCosts, compute_actions, simulate
+from seq1f1b.schedules.partition import ModelShape, resolve_split
 
 F, B = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
 BI, BW = ComputationType.BACKWARD_INPUT, ComputationType.BACKWARD_WEIGHT

@@ -1,5 +1,5 @@
-"""split="memory_capped" (seq1f1b.split_search): the cap holds, the search beats the uniform split
-where the simulator says it can, the fallback is said, and bad input names the fix."""
+"""split="memory_capped" (seq1f1b.planning.split_search): the cap holds, the search beats the
+uniform split where the simulator says it can, the fallback is said, and bad input names the fix."""
 
 from __future__ import annotations
 
@@ -10,10 +10,14 @@ import pytest
 from mockstages import mock_stages
 
 from seq1f1b import ModelShape, ScheduleSeq1F1B, ScheduleZBSeq1F1B, SequenceSplit, resolve_split
-from seq1f1b.order import OrderSpec, build_orders
-from seq1f1b.partition import uniform_split
-from seq1f1b.simulate import FlopsCosts, simulate
-from seq1f1b.split_search import memory_capped_split, search_capped_split, stage_token_bytes
+from seq1f1b.orders.order import OrderSpec, build_orders
+from seq1f1b.planning.simulate import FlopsCosts, simulate
+from seq1f1b.planning.split_search import (
+    memory_capped_split,
+    search_capped_split,
+    stage_token_bytes,
+)
+from seq1f1b.schedules.partition import uniform_split
 
 # the quick benchmark's model (dim 128, 4 layers, SwiGLU 344 -> 516, vocab 1024)
 QUICK = ModelShape(hidden=128, n_heads=2, n_layers=4, vocab=1024, ffn_hidden=516)

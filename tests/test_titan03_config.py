@@ -144,7 +144,7 @@ def test_model_shape_is_torchtitans_debug_model() -> None:
     ],
 )
 def test_planner_toml_is_accepted_on_0_3(argv: str, tmp_path: Path) -> None:
-    from seq1f1b.planner import build_parser, problem_from_args
+    from seq1f1b.planning.planner import build_parser, problem_from_args
     from torchtitan_integration.planner import main as plan_main
 
     out = tmp_path / "plan.toml"

@@ -170,7 +170,7 @@ def test_cpu_peak_flops_is_measured() -> None:
 def test_planner_toml_reproduces_the_plan(argv: str, tmp_path: Path) -> None:
     """The planner's TOML goes through torchtitan's real loader and our start-up checks, and
     carries every degree and knob of the recommended setting."""
-    from seq1f1b.planner import build_parser, problem_from_args
+    from seq1f1b.planning.planner import build_parser, problem_from_args
     from torchtitan_integration.planner import main as plan_main
 
     out = tmp_path / "plan.toml"

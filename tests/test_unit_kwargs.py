@@ -9,7 +9,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from seq1f1b.microbatch import split_presplit_units
+from seq1f1b.schedules.microbatch import split_presplit_units
 
 LENGTHS = [6, 4, 2]
 

@@ -3,7 +3,7 @@
     scripts/plan.sh --model llama3-8b --seq-len 32768 --gpus 8 --gpu-memory-gb 80 \\
         --output llama3_8b_32k.toml          # = .venv/bin/python -m torchtitan_integration.planner
 
-Why here and not in :mod:`seq1f1b.planner`: the search is framework-free; the TOML keys,
+Why here and not in :mod:`seq1f1b.planning.planner`: the search is framework-free; the TOML keys,
 flavors and launcher are torchtitan's. Takes the planner's arguments plus where to write and
 what to train on; prints the ranked table, then the TOML (or writes it to ``--output``).
 
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from seq1f1b.planner import (
+from seq1f1b.planning.planner import (
     TITAN_LOSS_CHUNKS,
     Candidate,
     Plan,
@@ -61,7 +61,8 @@ def launch_lines(gpus: int, gpus_per_node: int = GPUS_PER_NODE) -> list[str]:
 
 
 def _precision_lines(plan: Plan, best: Candidate) -> list[str]:
-    """``mixed_precision_param`` as the plan was priced, with why (seq1f1b.planner.runs_in_bf16)."""
+    """``mixed_precision_param`` as the plan was priced, with why
+    (seq1f1b.planning.planner.runs_in_bf16)."""
     s = best.setting
     if not s.bf16:
         return [

@@ -22,7 +22,7 @@ def warn_if_fp32(job_config: Any, parallel_dims: Any) -> None:
     a config asking for bf16 under PP or TP without FSDP silently trains in fp32. Say so."""
     from torchtitan.tools.logging import logger
 
-    from seq1f1b.planner import runs_in_bf16
+    from seq1f1b.planning.planner import runs_in_bf16
 
     asked = job_config.training.mixed_precision_param
     if asked == "float32":

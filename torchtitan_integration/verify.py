@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from seq1f1b import verify_model
-from seq1f1b.attention_op import segment_positions
+from seq1f1b.attention.attention_op import segment_positions
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The seam's runtime layer: ``UnitRuntime``, torch's ``_PipelineScheduleRuntime`` with the
 hook-shaped extension points our schedules override, and the per-step stage method wrapping.
 
-Sits above :mod:`.ir` and the lowering it drives (:mod:`seq1f1b.lowering`).
+Sits above :mod:`.ir` and the lowering it drives (:mod:`seq1f1b._runtime.lowering`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..lowering import LoweredOrders, SendRecvLowering, StageTopology, fast_path_supported
 from .ir import (
     _NEWER_OPTIONS,
     ACTION_CONTEXT_HOOK,
@@ -32,6 +31,7 @@ from .ir import (
     ScheduleRuntime,
     validate_schedule,
 )
+from .lowering import LoweredOrders, SendRecvLowering, StageTopology, fast_path_supported
 
 # ---------------------------------------------------------------------------- action contexts
 #: makes the context one action runs in: ``factory(stage, action)`` for F, B, I and W
@@ -211,7 +211,7 @@ class UnitRuntime(ScheduleRuntime):
 
     # ------------------------------------------------------------------ hooks for subclasses
     def stage_topology(self, stage_to_rank: Mapping[int, int]) -> Any:
-        """The stage graph the lowering follows (``seq1f1b.lowering.StageTopology``)."""
+        """The stage graph the lowering follows (``seq1f1b._runtime.lowering.StageTopology``)."""
 
         return StageTopology.chain([stage_to_rank[s] for s in range(self.num_stages)])
 

@@ -3,7 +3,7 @@
 See :class:`ScheduleBitPipe` and :func:`build_bitpipe_stages`. The pieces: placement, the
 replica-aware stage and the two-chain stage topology (``layout``), orders (``order``), pair
 groups and gradient sync (``sync``). Lowering and replay are the library's shared ones
-(:mod:`seq1f1b.lowering`, :mod:`seq1f1b.replay`).
+(:mod:`seq1f1b._runtime.lowering`, :mod:`seq1f1b._runtime.replay`).
 """
 
 from .build import BitPipeStages, build_bitpipe_stages

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from ..topology import StageTopology
+from .._runtime.topology import StageTopology
 
 __all__ = ["BitPipeLayout", "BitPipeStage", "ReplicaBoundaries"]
 

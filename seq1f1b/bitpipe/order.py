@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 
 from .. import _runtime as rt
 from .._runtime import Action
-from ..replay import replay
+from .._runtime.replay import replay
 from .layout import BitPipeLayout
 
 __all__ = ["bitpipe_warmup", "build_bitpipe_orders", "stuck_ranks", "unit_time_steps"]

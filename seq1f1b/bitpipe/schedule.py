@@ -9,8 +9,8 @@ torch's runtime does the rest, with these replica-aware pieces:
 
 * stages whose ``is_first``/``is_last`` hold at each replica's ends (``BitPipeStage``);
 * the order (:mod:`~seq1f1b.bitpipe.order`), lowered by the shared lowering
-  (:mod:`seq1f1b.lowering`) over a two-chain stage topology, since torch's lowering would send
-  across replicas;
+  (:mod:`seq1f1b._runtime.lowering`) over a two-chain stage topology, since torch's lowering would
+  send across replicas;
 * per-microbatch losses (kept by microbatch id by :class:`~seq1f1b._runtime.UnitRuntime`: a
   rank may hold the last stage of one replica, whose microbatches are not ``0..M/2-1``),
   exchanged between ranks ``0`` and ``pp-1`` so that both return all ``M`` losses;
@@ -37,8 +37,8 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec, split_args_
 
 from .. import _runtime as rt
 from .._runtime import Action, PipelineContext, PipelineStageBase
-from ..kv import metadata_inference, packed_documents
-from ..topology import StageTopology
+from .._runtime.topology import StageTopology
+from ..attention.kv import metadata_inference, packed_documents
 from .layout import BitPipeLayout
 from .order import build_bitpipe_orders
 from .sync import PairGradSync

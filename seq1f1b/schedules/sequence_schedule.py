@@ -9,10 +9,11 @@ unshard/reshard, REDUCE_GRAD and gradient scaling are torch's.
 The step is torch's ``_step_microbatches`` on units this class cuts: torch's ``step()`` splits
 the target along the batch into ``n_microbatches`` pieces and merges outputs along the batch,
 neither of which fits sequence units. Around it, small collaborators each do one job:
-:class:`~seq1f1b.options.SequenceSplit` (segment lengths), :class:`~seq1f1b.step_inputs.
-UnitCutter` (units and token weights), :func:`~seq1f1b.preflight.agree_on_step` (cross-rank
-pre-flight), :class:`~seq1f1b.receives.ReceiveSizer` (receives per unit) and
-:class:`~seq1f1b.unit_actions.UnitActions` (the per-action context: K/V state, guard).
+:class:`~seq1f1b.schedules.options.SequenceSplit` (segment lengths),
+:class:`~seq1f1b.schedules.step_inputs. UnitCutter` (units and token weights),
+:func:`~seq1f1b.schedules.preflight.agree_on_step` (cross-rank pre-flight),
+:class:`~seq1f1b.schedules.receives.ReceiveSizer` (receives per unit) and
+:class:`~seq1f1b.schedules.unit_actions.UnitActions` (the per-action context: K/V state, guard).
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import _runtime as rt
-from ._runtime import Action, PipelineStageBase
-from .kv import metadata_inference
+from .. import _runtime as rt
+from .._runtime import Action, PipelineStageBase
+from ..attention.kv import metadata_inference
+from ..attention.mixing_probe import mixing_error
+from ..orders.order import OrderSpec
+from ..orders.order_rules import check_order_rules
 from .microbatch import merge_unit_outputs
-from .mixing_probe import mixing_error
 from .options import ContextParallelConfig, SequenceSplit, fold_flat_options, positive_int
-from .order import OrderSpec
-from .order_rules import check_order_rules
 from .preflight import agree_on_step
 from .receives import ReceiveSizer
 from .step_inputs import StepInputs, UnitCutter, check_presplit
@@ -246,7 +247,7 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         self, args: tuple, kwargs: dict, target: Any, document_ids: Any = None
     ) -> StepInputs:
         """Validate and cut inputs on every rank *before* any pipeline traffic (see
-        :mod:`seq1f1b.preflight`)."""
+        :mod:`seq1f1b.schedules.preflight`)."""
         fixed = self.sequence_split.seq_len
         local = self.cutter.seq_len(args, kwargs, target, self._presplit)
         error: ValueError | None = None

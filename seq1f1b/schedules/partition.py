@@ -325,7 +325,7 @@ def resolve_split(
             raise ValueError(
                 "split='memory_capped' simulates the schedule's order, which resolve_split does "
                 "not know: pass it to ScheduleSeq1F1B(split=SequenceSplit('memory_capped', "
-                "model_shape=...)), or call seq1f1b.split_search.memory_capped_split"
+                "model_shape=...)), or call seq1f1b.planning.split_search.memory_capped_split"
             )
         allowed = ", ".join(repr(m) for m in SPLIT_MODES)
         raise ValueError(

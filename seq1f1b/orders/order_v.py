@@ -11,7 +11,7 @@ The order of one rank is the ZB-V order (:func:`zbv_slots`) over ``n = N + K - 1
 
 * forward slot ``i`` runs unit ``i`` (slots ``i >= N`` are dropped);
 * backward slot ``j`` (its I and its W) runs the ``(j-K+1)``-th entry of the backward unit
-  order (:func:`seq1f1b.order.backward_unit_order`: samples FIFO, segments last-first); slots
+  order (:func:`seq1f1b.orders.order.backward_unit_order`: samples FIFO, segments last-first); slots
   ``j < K-1`` and ``j >= N+K-1`` are dropped;
 * on the first stage, which has no input gradient, the two halves are one full backward at the
   weight half's place (nothing waits for it, so it fills the cool-down).
@@ -44,8 +44,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ._runtime import ir as rt
-from ._runtime.ir import Action
+from .._runtime import ir as rt
+from .._runtime.ir import Action
 from .order import OrderSpec, backward_unit_order, paused_gc
 
 __all__ = ["build_v_orders", "rank_peak_units", "stage_peak_units", "v_rank_order", "zbv_slots"]

@@ -138,7 +138,7 @@ def document_cp_layout(start: int, end: int, size: int, documents: RowGroups) ->
 @dataclass(frozen=True)
 class ContextParallel:
     """The context-parallel group a stage's sequence is sharded over (see
-    :mod:`seq1f1b.context_parallel`); ``prefix`` is how cached segments are reached."""
+    :mod:`seq1f1b.attention.context_parallel`); ``prefix`` is how cached segments are reached."""
 
     group: Any  # torch.distributed.ProcessGroup
     rank: int
@@ -224,7 +224,7 @@ class StageKVState:
     _next_fwd: dict[int, int] = field(default_factory=dict)
     _next_bwd: dict[int, int] = field(default_factory=dict)
     _weights_done: dict[int, set[int]] = field(default_factory=dict)
-    # compiled attention's per-call records (seq1f1b.attention_op), by unit then call id
+    # compiled attention's per-call records (seq1f1b.attention.attention_op), by unit then call id
     _records: dict[tuple[int, int], dict[int, Any]] = field(default_factory=dict)
 
     def put_record(self, microbatch: int, segment: int, rid: int, record: Any) -> None:
@@ -443,8 +443,8 @@ def attend_cache(
     recomputation (checkpointing), find that entry again. Returns the ``k``, ``v`` to attend
     with (wired so that the gradients later segments leave on the cache flow into them) and
     the cache entries of the earlier segments the running one has tiles on. ``compiled``
-    (the custom op's path, :mod:`seq1f1b.attention_op`): the cached copy is private and ``k``,
-    ``v`` come back unwired; the op's backward adds the cache's gradients itself."""
+    (the custom op's path, :mod:`seq1f1b.attention.attention_op`): the cached copy is private and
+    ``k``, ``v`` come back unwired; the op's backward adds the cache's gradients itself."""
     info, state = ctx.info, ctx.state
     seg = info.segment
     entries = state.layer_entries(info.microbatch, layer)

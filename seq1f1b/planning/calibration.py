@@ -4,7 +4,7 @@ Why: the hardware figures (FLOPs over an achieved throughput) price neither what
 segments cost real kernels nor the fixed cost of every action (launches, Python, hooks), so
 they overrate many small units. Measuring the actions of a real run and fitting, per kind of
 action (F, B, I, W), seconds per linear FLOP, per attention FLOP, per element of elementwise
-work, per module run and a fixed overhead (:class:`seq1f1b.costmodel.Coefficients`) gives a
+work, per module run and a fixed overhead (:class:`seq1f1b.planning.costmodel.Coefficients`) gives a
 time model whose predictions can be checked against measured step times
 (``python -m benchmarks.calibration``).
 
@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from ._runtime import ir as rt
+from .._runtime import ir as rt
 from .costmodel import ActionCosts, Coefficients, Work
 
 __all__ = [

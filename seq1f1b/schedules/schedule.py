@@ -2,9 +2,9 @@
 
 One class per schedule, each giving its per-rank compute order in closed form
 (``_calculate_single_rank_operations``, as torch's schedules do); everything they share is in
-:class:`~seq1f1b.sequence_schedule.SequencePipelineSchedule`. A segment attends to the K/V of
-the earlier segments of its sample (:mod:`seq1f1b.attention`), which is why every order runs a
-sample's forwards 0..K-1 and its backwards K-1..0 (:mod:`seq1f1b.order`).
+:class:`~seq1f1b.schedules.sequence_schedule.SequencePipelineSchedule`. A segment attends to the K/V
+of the earlier segments of its sample (:mod:`seq1f1b.attention.layer`), which is why every order
+runs a sample's forwards 0..K-1 and its backwards K-1..0 (:mod:`seq1f1b.orders.order`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._runtime import Action, PipelineStageBase
-from .order import rank_order
-from .order_v import v_rank_order
+from .._runtime import Action, PipelineStageBase
+from ..orders.order import rank_order
+from ..orders.order_v import v_rank_order
 from .sequence_schedule import SequencePipelineSchedule
 
 __all__ = [
@@ -35,10 +35,10 @@ class ScheduleSeq1F1B(SequencePipelineSchedule):
         seq_chunks: K, segments per sample along ``seq_dim``.
         loss_fn: as in torch's schedules; with ``scale_grads=True`` it must be a mean over
             tokens (e.g. cross entropy), and each unit is weighted by its token share.
-        split: how each sample is cut: a :class:`~seq1f1b.options.SequenceSplit`, or its
+        split: how each sample is cut: a :class:`~seq1f1b.schedules.options.SequenceSplit`, or its
             mode alone ("uniform", "compute", "memory_capped" or explicit lengths).
-        context_parallel: a :class:`~seq1f1b.options.ContextParallelConfig` to shard each
-            segment over a CP group (ring attention, see :mod:`seq1f1b.context_parallel`).
+        context_parallel: a :class:`~seq1f1b.schedules.options.ContextParallelConfig` to shard each
+            segment over a CP group (ring attention, see :mod:`seq1f1b.attention.context_parallel`).
         seq_dim: sequence dimension of inputs, targets, per-token kwargs and activations.
         ignore_index: target value that does not count as a token (as in cross entropy).
         kwargs_seq_dims: per kwarg, the dim to split along the sequence, or None to pass it
@@ -82,7 +82,7 @@ class ScheduleInterleavedSeq1F1B(ScheduleSeq1F1B):
 
 class ScheduleZBSeq1F1B(SequencePipelineSchedule):
     """Zero-bubble Seq1F1B: the Seq1F1B order with each backward split into its input half
-    (sent upstream at once) and its weight half (see :func:`seq1f1b.order.split_backward`).
+    (sent upstream at once) and its weight half (see :func:`seq1f1b.orders.order.split_backward`).
 
     Same arguments as :class:`ScheduleSeq1F1B`, one or several stages per rank; the cached K/V
     gradients stay exact because the attention accumulates them itself. Activation
@@ -104,8 +104,8 @@ class ScheduleZBVSeq1F1B(SequencePipelineSchedule):
 
     Same arguments as :class:`ScheduleSeq1F1B`, with exactly two stages per rank in that
     placement (torch's ``style="v"``, as for ``ScheduleZBVZeroBubble``). The order is ZB-V's
-    with the backwards shifted by ``K - 1`` units (:mod:`seq1f1b.order_v`); stage ``s`` holds at
-    most ``min(M*K, 2*pp - 1 - s + K)`` units (:func:`seq1f1b.order_v.stage_peak_units`).
+    with the backwards shifted by ``K - 1`` units (:mod:`seq1f1b.orders.order_v`); stage ``s`` holds
+    at most ``min(M*K, 2*pp - 1 - s + K)`` units (:func:`seq1f1b.orders.order_v.stage_peak_units`).
     Activation checkpointing must be non-reentrant (its recomputation then runs in
     BACKWARD_INPUT). Any ``n_microbatches`` works; ``M*K + K - 1 >= 2*pp - 1`` keeps ZB-V's
     warm-up full. On compiled blocks each backward runs whole, as in ZBSeq1F1B.

@@ -17,7 +17,7 @@ tensors of the model. :func:`plan_tiles` cuts one (query block, key block) recta
 segment's whole plan is :func:`plan_segment` (one device) or :func:`plan_ring` (every hop of
 the context-parallel ring), each built once and reused by forward, backward and checkpoint
 recomputation. :func:`visible_blocks` / :func:`first_seen` say which cached blocks a segment
-reads and what of its own K/V later segments read (the K/V cache, :mod:`seq1f1b.kv`).
+reads and what of its own K/V later segments read (the K/V cache, :mod:`seq1f1b.attention.kv`).
 """
 
 from __future__ import annotations

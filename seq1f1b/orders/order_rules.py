@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from . import _runtime as rt
-from ._runtime import Action
+from .. import _runtime as rt
+from .._runtime import Action
 
 __all__ = ["check_order_rules", "runs_kv_backward"]
 

@@ -10,11 +10,11 @@ block plus one causal call on its own block and merges the partial outputs by lo
 backward reuses the merged output and LSE, so each block's gradient comes out exact. It saves
 only q, k, v, the output and the LSE; the cached blocks are referenced, not copied.
 
-The path reads downward: this entry point asks the K/V cache (:mod:`seq1f1b.kv`) what the
+The path reads downward: this entry point asks the K/V cache (:mod:`seq1f1b.attention.kv`) what the
 segment keeps for later segments and which earlier ones it reads, the planner
-(:mod:`seq1f1b.masks`) for the segment's tiles, and runs them on one device (the tile loop of
-:mod:`seq1f1b.tiles`) or around the context-parallel ring (:mod:`seq1f1b.context_parallel`).
-Nothing below calls back up.
+(:mod:`seq1f1b.attention.masks`) for the segment's tiles, and runs them on one device (the tile loop
+of :mod:`seq1f1b.attention.tiles`) or around the context-parallel ring
+(:mod:`seq1f1b.attention.context_parallel`). Nothing below calls back up.
 
 Kernels (``(out, lse)`` forward and ``(dq, dk, dv)`` backward of one block):
 * CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``), any float dtype;
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _runtime as rt
+from .. import _runtime as rt
 from .attention_op import add_layer_key, compiled_attention
 from .context_parallel import cp_attention
 from .kv import (
@@ -292,8 +292,8 @@ def chunk_aware_attention(
     strips), "flex" (one FlexAttention call per visible block for the forward; the backward
     runs the tiles), or "auto": flex on CUDA, tiles elsewhere.
 
-    Under ``torch.compile`` the call is the custom op of :mod:`seq1f1b.attention_op` (tiles,
-    no context parallelism yet); ``layer`` must then carry a key buffer (ChunkAwareAttention
+    Under ``torch.compile`` the call is the custom op of :mod:`seq1f1b.attention.attention_op`
+    (tiles, no context parallelism yet); ``layer`` must then carry a key buffer (ChunkAwareAttention
     does; :func:`seq1f1b.add_layer_key` gives one to any module).
     """
     if mask_backend not in ("auto", "tiles", "flex"):

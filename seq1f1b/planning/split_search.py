@@ -5,15 +5,15 @@ causal attention, so the pipeline waits on them; the compute-balanced split even
 by making the first segments long, which raises the activation peak. Which lengths are best
 depends on the real order (its warm-up decides which units are in flight together), so this
 module asks the simulator: it runs the schedule's own ``pipeline_order`` with
-:class:`~seq1f1b.simulate.FlopsCosts` and keeps the split with the smallest simulated step time
-whose per-stage activation peak is at most ``cap`` times the uniform split's.
+:class:`~seq1f1b.planning.simulate.FlopsCosts` and keeps the split with the smallest simulated step
+time whose per-stage activation peak is at most ``cap`` times the uniform split's.
 
 Memory of a stage = peak tokens in flight times that stage's bytes per token: the same for
 every stage's layers, plus, on the last stage, the loss's fp32 log-probabilities (``4*V`` bytes
-per token, :class:`~seq1f1b.costmodel.MemoryModel`). That term matters: the last stage holds one
-whole sample at some point under any split (a sample's last segment runs its forward before any
-of that sample's backwards), so with a heavy output layer the last stage, not the first, sets
-the peak.
+per token, :class:`~seq1f1b.planning.costmodel.MemoryModel`). That term matters: the last stage
+holds one whole sample at some point under any split (a sample's last segment runs its forward
+before any of that sample's backwards), so with a heavy output layer the last stage, not the first,
+sets the peak.
 
 Any split is exact (the equivalence tests cover uneven lengths), so this only picks lengths.
 """
@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..orders.order import OrderSpec, build_orders
+from ..orders.order_v import build_v_orders
+from ..schedules.partition import ModelShape, compute_balanced_split, uniform_split
 from .costmodel import MemoryModel
-from .order import OrderSpec, build_orders
-from .order_v import build_v_orders
-from .partition import ModelShape, compute_balanced_split, uniform_split
 from .simulate import FlopsCosts, simulate
 
 __all__ = [

@@ -24,8 +24,8 @@ import gc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ._runtime import ir as rt
-from ._runtime.ir import Action
+from .._runtime import ir as rt
+from .._runtime.ir import Action
 
 F = rt.FORWARD
 B = rt.FULL_BACKWARD

@@ -1,7 +1,7 @@
 """The compute split of a step's real mask: packed documents (and sliding windows).
 
 Under a plain causal mask a later position attends to more keys, so the compute split
-(:func:`seq1f1b.partition.compute_balanced_split`) makes later segments shorter. Under a
+(:func:`seq1f1b.schedules.partition.compute_balanced_split`) makes later segments shorter. Under a
 document mask a position sees only its own document: with documents much shorter than the
 sequence the per-position cost is nearly flat, and the causal split would make the early
 segments the expensive ones. :func:`mask_balanced_split` balances the FLOPs of the mask the
@@ -59,7 +59,7 @@ def attended_keys_per_position(
 ) -> torch.Tensor:
     """Keys each position attends to under the mask, averaged over the rows (float64).
 
-    The vectorized form of :func:`seq1f1b.partition.attended_keys` (same numbers): causal
+    The vectorized form of :func:`seq1f1b.schedules.partition.attended_keys` (same numbers): causal
     within each document, at most ``window`` keys, plus the first ``sinks`` positions.
     ``document_ids`` None: one causal document of ``seq_len`` positions.
     """

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from . import _runtime as rt
-from ._runtime import PipelineStageBase
+from .. import _runtime as rt
+from .._runtime import PipelineStageBase
 
 __all__ = ["ReceiveSizer"]
 

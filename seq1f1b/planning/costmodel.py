@@ -5,7 +5,7 @@ formulas are the part users argue with, so they are stated here in one place.
 
 Precision: a setting computes either in bf16 (``b = 2``; fp32 master weights, gradients and
 Adam moments) or in fp32 (``b = 4``), whichever its trainer will really run; the planner
-decides which (:func:`seq1f1b.planner.runs_in_bf16`), this module prices both.
+decides which (:func:`seq1f1b.planning.planner.runs_in_bf16`), this module prices both.
 
 Memory (bytes per GPU; ``b`` = activation dtype bytes, ``t`` = tensor-parallel degree with
 sequence parallelism, so every activation and weight is split ``t`` ways):
@@ -57,8 +57,8 @@ projections, the FFN and, on the last stage, the output layer ``2*s*H*V``), atte
 activations and the loss touch) and modules run, and each kind of action (F, B, I, W) has its
 own seconds per unit of each plus a fixed overhead (:class:`ActionCosts`). From the hardware
 figures: linear and attention FLOPs at the achieved throughput, B = 2 F, I = W = B / 2, no
-elementwise or overhead term. Calibrated (:mod:`seq1f1b.calibration`): all constants fitted to
-measured per-action times, so what short segments cost real kernels is priced.
+elementwise or overhead term. Calibrated (:mod:`seq1f1b.planning.calibration`): all constants fitted
+to measured per-action times, so what short segments cost real kernels is priced.
 
 Context parallelism (``cp``): a rank holds ``1/cp`` of each sequence (head-tail balanced, so
 every rank has ``1/cp`` of the causal work and of the activations) and its ring moves, per
@@ -73,9 +73,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ._runtime import ir as rt
-from ._runtime.ir import Action
-from .partition import ModelShape
+from .._runtime import ir as rt
+from .._runtime.ir import Action
+from ..schedules.partition import ModelShape
 
 __all__ = [
     "FP32_SLOWDOWN",
@@ -414,9 +414,9 @@ class TimeModel:
         *,
         seq_chunks: int | None = None,
     ) -> Callable[[Action], float]:
-        """A :func:`seq1f1b.simulate.simulate` cost callback in seconds: unit ``u`` is segment
-        ``u % K`` of ``lengths``, stage ``g`` is chunk ``g % model_stages`` of the model (equal
-        layers; the last chunk adds the output layer and the loss)."""
+        """A :func:`seq1f1b.planning.simulate.simulate` cost callback in seconds: unit ``u`` is
+        segment ``u % K`` of ``lengths``, stage ``g`` is chunk ``g % model_stages`` of the model
+        (equal layers; the last chunk adds the output layer and the loss)."""
         k = seq_chunks or len(lengths)
         layers = self.shape.n_layers // model_stages
         table: dict[tuple[bool, int, rt.ComputationType], float] = {}

@@ -1,14 +1,14 @@
 """Which pipeline / tensor-parallel / FSDP degrees, seq_chunks K, microbatches M, split and
 activation checkpointing to use for a model, a sequence length and a set of GPUs.
 
-    python -m seq1f1b.planner --model llama3-8b --seq-len 32768 --gpus 8 --gpu-memory-gb 80
+    python -m seq1f1b.planning.planner --model llama3-8b --seq-len 32768 --gpus 8 --gpu-memory-gb 80
 
 Why: K trades bubble and activation memory (both shrink with K) against kernel efficiency, and
 it interacts with every other degree: more TP saves memory but pays collectives, more PP adds
 bubble that K removes, recomputation buys memory with a third more compute. Each setting is
-priced by running its real schedule order through the simulator (:mod:`seq1f1b.simulate`) with
-per-unit times and memory from :mod:`seq1f1b.costmodel`, then the settings that fit are ranked
-by predicted tokens per second per GPU.
+priced by running its real schedule order through the simulator (:mod:`seq1f1b.planning.simulate`)
+with per-unit times and memory from :mod:`seq1f1b.planning.costmodel`, then the settings that fit
+are ranked by predicted tokens per second per GPU.
 
 Each setting is priced in the precision it will run in (``--precision``, :func:`runs_in_bf16`):
 bf16 needs something that casts, and torchtitan 0.2.2 casts only through FSDP's mixed-precision
@@ -27,11 +27,11 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from ._runtime import ir as rt
-from ._runtime.ir import Action
+from .._runtime import ir as rt
+from .._runtime.ir import Action
+from ..registry import REGISTRY, ScheduleEntry, is_baseline, lookup
+from ..schedules.partition import ModelShape, resolve_split, segment_multiple
 from .costmodel import GB, PRESETS, ActionCosts, Hardware, MemoryModel, TimeModel, action_work
-from .partition import ModelShape, resolve_split, segment_multiple
-from .registry import REGISTRY, ScheduleEntry, is_baseline, lookup
 from .simulate import simulate
 
 __all__ = [
@@ -64,7 +64,8 @@ def runs_in_bf16(pp: int, tp: int, fsdp: int, precision: str) -> bool:
       ``maybe_enable_amp`` turns autocast off under TP or PP, and ``apply_fsdp`` only runs with
       ``data_parallel_shard_degree > 1`` (or context parallelism).
     * ``"torchtitan-0.3"``: bf16 everywhere; FSDP with its mixed-precision policy wraps the
-      model at every degree, 1 included (priced by :class:`~seq1f1b.costmodel.MemoryModel`).
+      model at every degree, 1 included (priced by
+      :class:`~seq1f1b.planning.costmodel.MemoryModel`).
     * ``"bf16"``: bf16 everywhere, FSDP only at degree > 1 (a trainer that keeps bf16 weights,
       e.g. Megatron, whose published numbers the benchmarks compare with).
     """
@@ -278,7 +279,7 @@ def search(
     (``dtype_bytes`` activations) and which in fp32 (4-byte activations,
     ``hardware.fp32_throughput``), and whether FSDP wraps at degree 1. The default prices every
     setting in bf16; the CLI defaults to torchtitan 0.3. ``actions``: calibrated per-action
-    constants replacing the hardware figures (:mod:`seq1f1b.calibration`).
+    constants replacing the hardware figures (:mod:`seq1f1b.planning.calibration`).
     """
     if global_batch < 1 or seq_len < 1 or hardware.gpus < 1:
         raise ValueError(
@@ -568,7 +569,7 @@ def format_plan(plan: Plan, top: int = 12) -> str:
     return "\n".join(lines)
 
 
-def build_parser(prog: str = "python -m seq1f1b.planner") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m seq1f1b.planning.planner") -> argparse.ArgumentParser:
     """The planner's arguments (shared with ``python -m torchtitan_integration.planner``)."""
     ap = argparse.ArgumentParser(
         prog=prog,
@@ -742,7 +743,7 @@ def describe(preset: str | None, plan: Plan) -> str:
             else f"time model: {plan.time_model}, "
         )
         + f"TP collectives at {hw.tp_gbps:g} GB/s; memory and time formulas: "
-        "seq1f1b/costmodel.py\n"
+        "seq1f1b/planning/costmodel.py\n"
         f"precision: {_PRECISION_TEXT[plan.precision]}\n"
     )
 

@@ -17,7 +17,7 @@ from torch.distributed.pipelining.microbatch import (
     split_args_kwargs_into_chunks,
 )
 
-from .masks import Runs
+from ..attention.masks import Runs
 
 __all__ = [
     "count_tokens",

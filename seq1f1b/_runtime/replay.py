@@ -1,9 +1,9 @@
 """The one replay of pipeline orders: run every rank's list against its data dependencies.
 
 Used to prove an order cannot deadlock while it is built (Seq1F1B, BitPipe), to time it with
-a cost model (:mod:`seq1f1b.simulate`), and to check a lowered order with its SEND/RECV
+a cost model (:mod:`seq1f1b.planning.simulate`), and to check a lowered order with its SEND/RECV
 actions (the replica-aware counterpart of torch's ``simulate_comms_compute``). Dependencies
-follow a :class:`~seq1f1b.topology.StageTopology`:
+follow a :class:`~seq1f1b._runtime.topology.StageTopology`:
 
 * ``F(s, u)`` needs ``F(prev, u)``; in a lowered order, from another rank, ``RECV_F(s, u)``;
 * ``B``/``I(s, u)`` need ``F(s, u)`` and the input gradient of ``next`` (its ``B`` or ``I``),
@@ -24,8 +24,8 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ._runtime import ir as rt
-from ._runtime.ir import Action
+from . import ir as rt
+from .ir import Action
 from .topology import StageTopology
 
 __all__ = ["ReplayResult", "expand", "replay"]

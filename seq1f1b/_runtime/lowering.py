@@ -29,9 +29,9 @@ from collections import deque
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
-from ._runtime import ir as rt
-from ._runtime.ir import Action
-from .order import paused_gc
+from ..orders.order import paused_gc
+from . import ir as rt
+from .ir import Action
 from .topology import StageTopology
 
 __all__ = [

@@ -30,11 +30,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from ._runtime import ir as rt
-from ._runtime.ir import Action
-from .partition import ModelShape, segment_flops
-from .replay import expand, replay
-from .topology import StageTopology
+from .._runtime import ir as rt
+from .._runtime.ir import Action
+from .._runtime.replay import expand, replay
+from .._runtime.topology import StageTopology
+from ..schedules.partition import ModelShape, segment_flops
 
 __all__ = ["FlopsCosts", "Interval", "SimResult", "compute_actions", "simulate"]
 
@@ -177,8 +177,8 @@ class FlopsCosts:
     """Per-action cost and activation size of one sample cut into ``lengths`` segments.
 
     Why: under causal attention a later segment of a uniform split costs more than an earlier
-    one; costing each unit with :func:`seq1f1b.partition.segment_flops` makes the simulator show
-    the imbalance and what the compute-balanced split buys.
+    one; costing each unit with :func:`seq1f1b.schedules.partition.segment_flops` makes the
+    simulator show the imbalance and what the compute-balanced split buys.
 
     A unit ``u`` is segment ``u % len(lengths)`` (one entry = unchunked, torch's schedules).
     The model's FLOPs are spread evenly over ``num_stages`` stages (a balanced partition); a
@@ -192,7 +192,7 @@ class FlopsCosts:
     num_stages: int
     ranks: int
     backward_factor: float = 2.0
-    #: per-position forward FLOPs under a mask (:func:`seq1f1b.partition.profile_flops`);
+    #: per-position forward FLOPs under a mask (:func:`seq1f1b.schedules.partition.profile_flops`);
     #: None: plain causal attention over the whole sequence
     position_flops: tuple[float, ...] | None = None
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _runtime as rt
+from .. import _runtime as rt
 from .kv import (
     SegmentKV,
     _add_rows,
@@ -131,7 +131,7 @@ def segment_attention(
     with and without donated buffers differ, which inductor's FX graph cache does not
     otherwise tell apart (torch 2.13-2.15), so a zero-bubble schedule can never be served a
     backward that consumes its saved tensors."""
-    from .attention import block_attention_kernels  # the kernel table lives with the entry
+    from .layer import block_attention_kernels  # the kernel table lives with the entry
 
     spec = MaskSpec(window, sinks)
     if q.device.type == "meta":

@@ -1,11 +1,11 @@
 """Running a tile plan on local tensors: forward (merge by log-sum-exp) and exact backward.
 
 Why a module of its own: the same tile loop serves a segment's attention on one device
-(:mod:`seq1f1b.attention`) and every hop of the context-parallel ring
-(:mod:`seq1f1b.context_parallel`), where a tensor holds several runs of absolute positions
-(a load-balanced shard). The plans come ready-made from :mod:`seq1f1b.masks`: a planned call
-is ``(block, tile, q_shift, k_shift)`` (:func:`seq1f1b.masks.place_tiles`), the tile's
-absolute query range ``[q0, q1)`` at local indices ``[q0 + q_shift, q1 + q_shift)`` of the
+(:mod:`seq1f1b.attention.layer`) and every hop of the context-parallel ring
+(:mod:`seq1f1b.attention.context_parallel`), where a tensor holds several runs of absolute positions
+(a load-balanced shard). The plans come ready-made from :mod:`seq1f1b.attention.masks`: a planned
+call is ``(block, tile, q_shift, k_shift)`` (:func:`seq1f1b.attention.masks.place_tiles`), the
+tile's absolute query range ``[q0, q1)`` at local indices ``[q0 + q_shift, q1 + q_shift)`` of the
 query tensor, its keys likewise in block ``block`` of the key/value blocks.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import _runtime as rt
+from .. import _runtime as rt
 from .masks import MaskSpec, PlanEntry, tile_mask
 
 __all__ = ["kv_blocks", "merge", "run_tiles_backward", "run_tiles_forward"]

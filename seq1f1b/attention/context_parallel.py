@@ -1,9 +1,9 @@
 """Context parallelism (ring attention) composed with Seq1F1B's sequence segments.
 
 Each segment of a sample is sharded over the CP group in the load-balanced head-tail layout
-(:func:`seq1f1b.kv.zigzag_runs`): rank ``r`` of ``c`` holds chunks ``r`` and ``2c-1-r``, so the
-causal work of the segment's own block is equal on every rank. With packed documents the
-shards are balanced for the documents instead (:func:`seq1f1b.kv.document_cp_layout`). A
+(:func:`seq1f1b.attention.kv.zigzag_runs`): rank ``r`` of ``c`` holds chunks ``r`` and ``2c-1-r``,
+so the causal work of the segment's own block is equal on every rank. With packed documents the
+shards are balanced for the documents instead (:func:`seq1f1b.attention.kv.document_cp_layout`). A
 query needs
 
 * the segment's own keys, spread over the CP ranks: their K/V blocks go around the ring

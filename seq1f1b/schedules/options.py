@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .context_parallel import CP_PREFIX_MODES
-from .kv import ContextParallel
+from ..attention.context_parallel import CP_PREFIX_MODES
+from ..attention.kv import ContextParallel
+from ..orders.order import OrderSpec
 from .mask_split import MaskSplitCache
-from .order import OrderSpec
 from .partition import SPLIT_MODES, ModelShape, resolve_split, segment_multiple
 
 __all__ = ["ContextParallelConfig", "SequenceSplit", "fold_flat_options"]
@@ -44,8 +44,8 @@ class SequenceSplit:
     Args:
         mode: "uniform", "compute" (equal FLOPs; needs ``model_shape``), "memory_capped" (the
             fastest lengths in the simulator whose activation peak stays within ``memory_cap``
-            times the uniform split's; needs ``model_shape``; see :mod:`seq1f1b.split_search`)
-            or explicit lengths.
+            times the uniform split's; needs ``model_shape``; see
+            :mod:`seq1f1b.planning.split_search`) or explicit lengths.
         model_shape: transformer shape for ``mode="compute"`` and ``"memory_capped"``.
         multiple_of: every segment length (with context parallelism: each rank's share of it)
             is a multiple of this (e.g. the TP degree).
@@ -86,7 +86,7 @@ class SequenceSplit:
                     f"split={self.mode!r} needs the model shape: pass model_shape=ModelShape(...)"
                 )
             if self.mode == "memory_capped":
-                from .split_search import checked_cap
+                from ..planning.split_search import checked_cap
 
                 checked_cap(self.memory_cap)
                 if self.dtype_bytes not in (1, 2, 4, 8) or isinstance(self.dtype_bytes, bool):
@@ -112,7 +112,7 @@ class SequenceSplit:
 
         ``order``: the schedule's shape, which ``"memory_capped"`` simulates. ``documents``:
         the step's ``document_ids`` (a tensor, or one per sample); ``"compute"`` then balances
-        the FLOPs of that document mask (:mod:`seq1f1b.mask_split`, cached per layout).
+        the FLOPs of that document mask (:mod:`seq1f1b.schedules.mask_split`, cached per layout).
         """
         plain = self._plain_lengths(seq_len, seq_chunks, cp_size, order)
         shape = self.model_shape
@@ -175,13 +175,13 @@ class SequenceSplit:
         self, seq_len: int, seq_chunks: int, multiple: int, order: OrderSpec | None
     ) -> list[int]:
         """The memory-capped search for the schedule's ``order`` (warns when it keeps uniform)."""
-        from .split_search import memory_capped_split
+        from ..planning.split_search import memory_capped_split
 
         if order is None:
             raise ValueError(
                 "split='memory_capped' simulates the schedule's order: resolve it through "
                 "ScheduleSeq1F1B(..., split=SequenceSplit('memory_capped', model_shape=...)), "
-                "or call seq1f1b.split_search.memory_capped_split with an OrderSpec"
+                "or call seq1f1b.planning.split_search.memory_capped_split with an OrderSpec"
             )
         assert self.model_shape is not None  # check() ran at construction
         return memory_capped_split(

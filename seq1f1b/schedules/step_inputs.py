@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .kv import ContextParallel
-from .masks import document_runs
+from ..attention.kv import ContextParallel
+from ..attention.masks import document_runs
 from .microbatch import (
     count_tokens,
     shard_units,

@@ -1,8 +1,8 @@
 """What runs around each compute action of a Seq1F1B step: the unit's place in its sample
-(:class:`~seq1f1b.kv.SegmentInfo`), its K/V cache bookkeeping, the received-length check and,
-on the first step, the guards against plain SDPA and against a stage that mixes positions
-without the chunk-aware attention (:mod:`seq1f1b.mixing_probe`). Registered on the schedule
-as one per-action context (``UnitRuntime.register_action_context``), so it composes with
+(:class:`~seq1f1b.attention.kv.SegmentInfo`), its K/V cache bookkeeping, the received-length check
+and, on the first step, the guards against plain SDPA and against a stage that mixes positions
+without the chunk-aware attention (:mod:`seq1f1b.attention.mixing_probe`). Registered on the
+schedule as one per-action context (``UnitRuntime.register_action_context``), so it composes with
 other such contexts and never replaces a stage's methods itself.
 """
 
@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from . import _runtime as rt
-from ._runtime import Action, PipelineStageBase
-from .kv import ContextParallel, SegmentInfo, StageKVState, UnitContext, activate
-from .mixing_probe import mixes_positions
+from .. import _runtime as rt
+from .._runtime import Action, PipelineStageBase
+from ..attention.kv import ContextParallel, SegmentInfo, StageKVState, UnitContext, activate
+from ..attention.mixing_probe import mixes_positions
 from .partition import segment_offsets
 from .receives import ReceiveSizer
 
