@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fast tier, for iterating (the full suite stays the test command and CI's): ruff, then the
-# tests chosen in tests/conftest.py (marker fast): partition, attention kernels, masks, a
+# tests marked fast on themselves (tests/tiers.py): partition, attention kernels, masks, a
 # sampled order grid, lowering equality, and schedule equivalence with several stages on one
 # rank. Under 3 minutes on 2 cores, in the default .venv.
 set -euo pipefail

@@ -16,6 +16,13 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from ._runtime.ir import FORWARD, Action, stand_in_stages
 from ._runtime.ir import StandInStage as _Stage
+from .bitpipe import ScheduleBitPipe
+from .schedules.schedule import (
+    ScheduleInterleavedSeq1F1B,
+    ScheduleSeq1F1B,
+    ScheduleZBSeq1F1B,
+    ScheduleZBVSeq1F1B,
+)
 
 __all__ = ["BASELINE_NAME", "REGISTRY", "ScheduleEntry", "is_baseline", "lookup", "schedule_names"]
 
@@ -49,14 +56,12 @@ class ScheduleEntry:
     def schedule_class(self) -> type:
         if not self.ours:
             return get_schedule_class(self.name)
-        import seq1f1b
-
         return {
-            "Seq1F1B": seq1f1b.ScheduleSeq1F1B,
-            "InterleavedSeq1F1B": seq1f1b.ScheduleInterleavedSeq1F1B,
-            "ZBSeq1F1B": seq1f1b.ScheduleZBSeq1F1B,
-            "ZBVSeq1F1B": seq1f1b.ScheduleZBVSeq1F1B,
-            "BitPipe": seq1f1b.ScheduleBitPipe,
+            "Seq1F1B": ScheduleSeq1F1B,
+            "InterleavedSeq1F1B": ScheduleInterleavedSeq1F1B,
+            "ZBSeq1F1B": ScheduleZBSeq1F1B,
+            "ZBVSeq1F1B": ScheduleZBVSeq1F1B,
+            "BitPipe": ScheduleBitPipe,
         }[self.name]
 
     @property

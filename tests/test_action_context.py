@@ -16,6 +16,8 @@ from seq1f1b import ScheduleSeq1F1B, ScheduleZBSeq1F1B
 from seq1f1b._runtime import Action
 from seq1f1b.testing import build_stages
 
+pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
+
 
 def _stages(n: int) -> list[PipelineStage]:
     mods = build_stages(CFG, n)

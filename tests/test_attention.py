@@ -10,11 +10,13 @@ from dist_utils import run_ranks
 
 from seq1f1b import SegmentInfo, chunk_aware_attention, current_segment
 from seq1f1b.attention import masks
+from seq1f1b.attention.kernels import _cpu_bwd, _cpu_fwd
 from seq1f1b.attention.kv import ContextParallel, StageKVState, UnitContext, activate
-from seq1f1b.attention.layer import _cpu_bwd, _cpu_fwd
 from seq1f1b.attention.tiles import math_backward as _math_bwd
 from seq1f1b.attention.tiles import math_forward as _math_fwd
 from seq1f1b.schedules.partition import segment_offsets
+
+pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
 
 
 def _qkv(dtype: torch.dtype, h: int = 4, hkv: int = 2, s: int = 20, seed: int = 0):

@@ -37,6 +37,7 @@ def _single_rank(rank: int, world: int) -> None:
         run_case(rank, world, case)
 
 
+@pytest.mark.fast
 def test_single_rank_pipeline() -> None:
     # pp = 1: every stage on one rank (looped placement degenerates to sequential stages)
     run_ranks(_single_rank, 1)
@@ -51,6 +52,7 @@ def _single_rank_zb_docs(rank: int, world: int) -> None:
         run_case(rank, world, case)
 
 
+@pytest.mark.fast
 def test_single_rank_zero_bubble_and_documents() -> None:
     """World size 1, in one process: the split backward and packed documents (with
     checkpointing over four stages) equal the full-sequence reference (the fast tier)."""
@@ -70,6 +72,7 @@ def test_eval_forward_only_matches_reference() -> None:
     run_ranks(_eval, 2)
 
 
+@pytest.mark.fast
 def test_instance_overrides_of_stage_methods_are_called_and_kept() -> None:
     """The schedule wraps each stage's per-unit methods for a step: around what the stage had,
     an instance override included, which it restores afterwards (it used to call the class's

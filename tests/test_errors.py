@@ -17,6 +17,8 @@ from seq1f1b import ModelShape, ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B
 from seq1f1b.attention.kv import StageKVState
 from seq1f1b.testing import build_stages
 
+pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
+
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),

@@ -29,6 +29,8 @@ from seq1f1b.attention.masks import (
 from seq1f1b.attention.tiles import math_forward as _math_fwd
 from seq1f1b.schedules.partition import segment_offsets
 
+pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
+
 S = 24
 DOCS = torch.tensor(
     [

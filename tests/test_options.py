@@ -16,6 +16,8 @@ from seq1f1b import (
 )
 from seq1f1b.orders.order import OrderSpec, build_orders
 
+pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
+
 SHAPE = ModelShape(hidden=64, n_heads=4, n_layers=2, vocab=128)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from tiers import fast_at
 
 import seq1f1b._runtime as rt
 from seq1f1b import ScheduleZBSeq1F1B, ScheduleZBVSeq1F1B
@@ -41,7 +42,7 @@ def in_flight(actions: list[Action], stages: set[int]) -> int:
     return peak
 
 
-@pytest.mark.parametrize("pp", range(1, 9))
+@pytest.mark.parametrize("pp", fast_at(range(1, 9), 2))
 def test_grid_passes_torch_validators_and_comms_simulator(pp: int) -> None:
     v_map = {s: min(s, 2 * pp - 1 - s) for s in range(2 * pp)}
     for m, k in GRID:
@@ -76,6 +77,7 @@ def test_grid_passes_torch_validators_and_comms_simulator(pp: int) -> None:
                     assert (a.stage_index, a.microbatch_index) in seen_i
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 6])
 def test_k1_is_torchs_zbv_order(pp: int) -> None:
     """At K = 1 the order is torch's ScheduleZBVZeroBubble (its first stage's I then W merged
@@ -139,6 +141,7 @@ def test_fewer_bubbles_than_zbseq1f1b_with_equal_costs() -> None:
         assert ratios[-1] < m / (m + pp - 1) + 0.03, (pp, m, ratios)
 
 
+@pytest.mark.fast
 def test_wrong_placement_is_refused_with_the_fix() -> None:
     looped = [StandInStage(s, 4, 2, 0) for s in (0, 2)]
     with pytest.raises(ValueError, match=r"V placement.*must hold exactly \[0, 3\]"):

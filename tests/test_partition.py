@@ -18,6 +18,8 @@ from seq1f1b.schedules.partition import (
     uniform_split,
 )
 
+pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
+
 SHAPE_7B = ModelShape(
     hidden=4096, n_heads=32, n_layers=32, vocab=50304, ffn_hidden=4 * 4096, head_dim=128
 )

@@ -14,6 +14,8 @@ from seq1f1b._runtime.topology import StageTopology
 from seq1f1b.planning.simulate import simulate
 from seq1f1b.registry import REGISTRY, is_baseline, lookup, schedule_names
 
+pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -28,6 +28,8 @@ from seq1f1b import ScheduleSeq1F1B
 from seq1f1b._runtime import reference as torch_ref
 from seq1f1b.testing import build_stages
 
+pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
+
 ROOT = Path(__file__).resolve().parent.parent
 PROSE = re.compile(r"``[^`]*``|#.*$")  # names mentioned in docstrings and comments
 PRIVATE = re.compile(

@@ -13,6 +13,7 @@ from collections import deque
 
 import pytest
 from mockstages import MockStage, mock_stages
+from tiers import fast_at
 from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
@@ -45,7 +46,7 @@ def _torch_lowering(
     return torch_ref.lowering(stages, order, n_units, defer_pp_recv=defer)
 
 
-@pytest.mark.parametrize("pp", range(1, 9))
+@pytest.mark.parametrize("pp", fast_at(range(1, 9), 3))
 def test_every_rank_equals_torch_lowering(pp: int) -> None:
     # grid pp 1..8 x stages/rank 1..3 x M 1..6 x K 1..4, every rank, with and without defer
     for spr, m, k in itertools.product(range(1, 4), range(1, 7), range(1, 5)):
@@ -67,6 +68,7 @@ def _v_stages(pp: int) -> list[MockStage]:
     return [MockStage(0, 2 * pp, pp, 0), MockStage(2 * pp - 1, 2 * pp, pp, 0)]
 
 
+@pytest.mark.fast
 def test_torch_schedules_lower_identically() -> None:
     # orders with bubbles (None), split backward (I/W) and V placement (neighbouring stages on
     # one rank): the lowering is torch's for any lowerable order, not only Seq1F1B's
@@ -99,6 +101,7 @@ def test_torch_schedules_lower_identically() -> None:
     assert checked > 60
 
 
+@pytest.mark.fast
 def test_add_unshard_reshard_equals_torch() -> None:
     rng = random.Random(0)
     for n_stages in (1, 2, 3, 4, 6):
@@ -112,6 +115,7 @@ def test_add_unshard_reshard_equals_torch() -> None:
             assert add_unshard_reshard(acts) == torch_ref.add_unshard_reshard(list(acts))
 
 
+@pytest.mark.fast
 def test_deadlock_is_reported_like_torch() -> None:
     f, b = C.FORWARD, C.FULL_BACKWARD
     # rank 0 waits for B(0) before its F(0) reached rank 1: torch's lowering cannot schedule it

@@ -17,6 +17,8 @@ from seq1f1b.planning.simulate import FlopsCosts, compute_actions, simulate
 from seq1f1b.registry import lookup
 from seq1f1b.schedules.partition import ModelShape, resolve_split
 
+pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
+
 F, B = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
 BI, BW = ComputationType.BACKWARD_INPUT, ComputationType.BACKWARD_WEIGHT
 SHAPE_7B = ModelShape(hidden=4096, n_heads=32, n_layers=32, vocab=50304)

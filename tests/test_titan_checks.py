@@ -9,6 +9,8 @@ import pytest
 
 from torchtitan_integration.pipeline import check_world_size, warn_short_segments
 
+pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
+
 
 def _par(pp: int = 1, tp: int = 1, cp: int = 1, rep: int = 1, shard: int = -1) -> SimpleNamespace:
     return SimpleNamespace(

@@ -11,6 +11,8 @@ import torch
 
 from seq1f1b.schedules.microbatch import split_presplit_units
 
+pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
+
 LENGTHS = [6, 4, 2]
 
 

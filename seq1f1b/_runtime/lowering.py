@@ -29,7 +29,6 @@ from collections import deque
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
-from ..orders.order import paused_gc
 from . import ir as rt
 from .ir import Action
 from .topology import StageTopology
@@ -175,16 +174,15 @@ class SendRecvLowering:
         self._send_f = [topology.sends_forward(s) for s in range(topology.num_stages)]
         self._send_b = [topology.sends_backward(s) for s in range(topology.num_stages)]
         reduce_kwargs = {"defer_reduce_grad_wait": True} if opts["defer_reduce_grad_wait"] else {}
-        with paused_gc():
-            self._lists: dict[int, list[Action]] = {
-                r: rt.add_reduce_grad(  # type: ignore[misc]
-                    add_unshard_reshard(a, opts["max_active_stages"]),
-                    n_microbatches,
-                    **reduce_kwargs,
-                )
-                for r, a in actions.items()
-            }
-            self._rounds = self._schedule_rounds()
+        self._lists: dict[int, list[Action]] = {
+            r: rt.add_reduce_grad(  # type: ignore[misc]
+                add_unshard_reshard(a, opts["max_active_stages"]),
+                n_microbatches,
+                **reduce_kwargs,
+            )
+            for r, a in actions.items()
+        }
+        self._rounds = self._schedule_rounds()
 
     def _schedule_rounds(self) -> dict[int, list[int]]:
         """The lock-step round of every action in torch's ``add_send_recv``.

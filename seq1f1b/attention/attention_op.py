@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .. import _runtime as rt
+from .kernels import block_attention_kernels
 from .kv import (
     SegmentKV,
     _add_rows,
@@ -131,8 +132,6 @@ def segment_attention(
     with and without donated buffers differ, which inductor's FX graph cache does not
     otherwise tell apart (torch 2.13-2.15), so a zero-bubble schedule can never be served a
     backward that consumes its saved tensors."""
-    from .layer import block_attention_kernels  # the kernel table lives with the entry
-
     spec = MaskSpec(window, sinks)
     if q.device.type == "meta":
         return _out_shapes(q)

@@ -19,9 +19,7 @@ group), so they can be built and checked anywhere.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._runtime import ir as rt
@@ -82,23 +80,6 @@ class OrderSpec:
         if self.placement == "v":
             return [rank, 2 * self.pp - 1 - rank]
         return list(range(rank, self.num_stages, self.pp))
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """Pause the cyclic GC while building large schedules (restoring its previous state).
-
-    Orders at pp=64 hold ~10^5 live action tuples; every allocation burst then triggers
-    collections that rescan them all, which doubles the build time. Nothing built here forms
-    reference cycles, so the collector has nothing to find.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def seq1f1b_warmup(pp: int, rank: int, n_units: int, seq_chunks: int) -> int:
@@ -243,8 +224,7 @@ def build_orders(spec: OrderSpec) -> dict[int, list[Action]]:
     ``_calculate_single_rank_operations`` does: no search, no replay (its docstring shows
     why the warm-ups cannot deadlock).
     """
-    with paused_gc():
-        return {r: rank_order(spec, r) for r in range(spec.pp)}
+    return {r: rank_order(spec, r) for r in range(spec.pp)}
 
 
 def split_backward(actions: Sequence[Action]) -> list[Action]:

@@ -46,7 +46,7 @@ from collections.abc import Iterator
 
 from .._runtime import ir as rt
 from .._runtime.ir import Action
-from .order import OrderSpec, backward_unit_order, paused_gc
+from .order import OrderSpec, backward_unit_order
 
 __all__ = ["build_v_orders", "rank_peak_units", "stage_peak_units", "v_rank_order", "zbv_slots"]
 
@@ -139,8 +139,7 @@ def build_v_orders(spec: OrderSpec) -> dict[int, list[Action]]:
     """ZBV-Seq1F1B orders for every rank (two stages per rank, V placement)."""
     if spec.placement != "v":
         raise ValueError(f"ZBV-Seq1F1B orders need the V placement (got {spec.placement!r})")
-    with paused_gc():
-        return {r: v_rank_order(spec, r) for r in range(spec.pp)}
+    return {r: v_rank_order(spec, r) for r in range(spec.pp)}
 
 
 def stage_peak_units(pp: int, n_microbatches: int, seq_chunks: int, stage: int) -> int:
