@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from seq1f1b.orders.order import stage_peak_units as looped_peak_units
-from seq1f1b.orders.order_v import stage_peak_units as v_peak_units
+from seq1f1b.orders.order import looped_stage_peak_units as looped_peak_units
+from seq1f1b.orders.order_v import v_stage_peak_units as v_peak_units
 from seq1f1b.planning.costmodel import PRESETS as PLANNER_PRESETS
 from seq1f1b.registry import lookup
 

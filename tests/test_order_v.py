@@ -14,7 +14,7 @@ from seq1f1b._runtime import Action, StandInStage
 from seq1f1b._runtime import reference as torch_ref
 from seq1f1b.orders.order import OrderSpec
 from seq1f1b.orders.order_rules import check_order_rules
-from seq1f1b.orders.order_v import build_v_orders, rank_peak_units, stage_peak_units
+from seq1f1b.orders.order_v import build_v_orders, rank_peak_units, v_stage_peak_units
 from seq1f1b.planning.simulate import simulate
 from seq1f1b.registry import lookup
 
@@ -107,7 +107,7 @@ def test_memory_bounds_per_stage_and_per_rank() -> None:
             bound = rank_peak_units(pp, m, k)
             assert both <= bound and (both == bound or not full), (pp, m, k, r)
             for s in (r, 2 * pp - 1 - r):
-                got, want = in_flight(acts, {s}), stage_peak_units(pp, m, k, s)
+                got, want = in_flight(acts, {s}), v_stage_peak_units(pp, m, k, s)
                 assert got == want, (pp, m, k, s, got, want)
         # in units of one sample's activations on a rank: Seq1F1B's stage-0 formula
         entry = lookup("ZBVSeq1F1B")
@@ -158,7 +158,7 @@ def test_memory_bound_per_stage_with_one_stage_per_rank() -> None:
     """Seq1F1B and ZBSeq1F1B (one stage per rank): every stage's program-order peak equals
     ``min(M*K, p - s + K - 1)`` (the weight half frees a unit right after its input half)."""
     from seq1f1b.orders.order import build_orders
-    from seq1f1b.orders.order import stage_peak_units as looped_peak
+    from seq1f1b.orders.order import looped_stage_peak_units as looped_peak
 
     for pp, m, k in itertools.product(range(1, 7), range(1, 7), range(1, 7)):
         for split in (False, True):

@@ -34,11 +34,11 @@ __all__ = [
     "OrderSpec",
     "backward_unit_order",
     "build_orders",
+    "looped_stage_peak_units",
     "rank_order",
     "sample_groups",
     "seq1f1b_warmup",
     "split_backward",
-    "stage_peak_units",
 ]
 
 
@@ -91,7 +91,7 @@ def seq1f1b_warmup(pp: int, rank: int, n_units: int, seq_chunks: int) -> int:
     return min(pp - rank + seq_chunks - 2, n_units)
 
 
-def stage_peak_units(pp: int, n_microbatches: int, seq_chunks: int, stage: int) -> int:
+def looped_stage_peak_units(pp: int, n_microbatches: int, seq_chunks: int, stage: int) -> int:
     """Most units stage ``stage`` holds at once with one stage per rank (Seq1F1B, ZBSeq1F1B):
     the warm-up plus one, ``min(M*K, pp - stage + K - 1)``.
 

@@ -33,7 +33,7 @@ forward slot ``j`` precedes its backward slot ``j``). So the same global order s
 
 Memory (units in flight, i.e. forwarded and not yet through their weight half), by program
 order, so whatever the timing: at most ``min(N, 2p - 1 - s + K)`` on stage ``s``
-(:func:`stage_peak_units`) and ``min(2N, 2p + 2K - 2)`` on a rank's two stages together
+(:func:`v_stage_peak_units`) and ``min(2N, 2p + 2K - 2)`` on a rank's two stages together
 (:func:`rank_peak_units`). A unit is ``1/K`` of a sample on half of a rank's layers, so every
 rank holds at most ``(p + K - 1) / K`` samples' activations: Seq1F1B's stage-0 peak, which
 Seq1F1B reaches on its first rank only and ZBV-Seq1F1B on every rank (both bounds are reached
@@ -48,7 +48,7 @@ from .._runtime import ir as rt
 from .._runtime.ir import Action
 from .order import OrderSpec, backward_unit_order
 
-__all__ = ["build_v_orders", "rank_peak_units", "stage_peak_units", "v_rank_order", "zbv_slots"]
+__all__ = ["build_v_orders", "rank_peak_units", "v_rank_order", "v_stage_peak_units", "zbv_slots"]
 
 F = rt.FORWARD
 B = rt.FULL_BACKWARD
@@ -142,7 +142,7 @@ def build_v_orders(spec: OrderSpec) -> dict[int, list[Action]]:
     return {r: v_rank_order(spec, r) for r in range(spec.pp)}
 
 
-def stage_peak_units(pp: int, n_microbatches: int, seq_chunks: int, stage: int) -> int:
+def v_stage_peak_units(pp: int, n_microbatches: int, seq_chunks: int, stage: int) -> int:
     """Most units stage ``stage`` holds at once in ZBV-Seq1F1B: ``min(N, 2p - 1 - s + K)``.
 
     A unit is held from its forward to its weight half (the full backward on stage 0). By

@@ -92,9 +92,8 @@ class ScheduleZBSeq1F1B(SequencePipelineSchedule):
     """
 
     _split_backward = True
-
-    def _calculate_single_rank_operations(self, rank: int) -> list[Action | None]:
-        return list(rank_order(self.order_spec, rank))
+    # Seq1F1B's order; the runtime splits each backward (order.split_backward)
+    _calculate_single_rank_operations = ScheduleSeq1F1B._calculate_single_rank_operations
 
 
 class ScheduleZBVSeq1F1B(SequencePipelineSchedule):
@@ -105,7 +104,8 @@ class ScheduleZBVSeq1F1B(SequencePipelineSchedule):
     Same arguments as :class:`ScheduleSeq1F1B`, with exactly two stages per rank in that
     placement (torch's ``style="v"``, as for ``ScheduleZBVZeroBubble``). The order is ZB-V's
     with the backwards shifted by ``K - 1`` units (:mod:`seq1f1b.orders.order_v`); stage ``s`` holds
-    at most ``min(M*K, 2*pp - 1 - s + K)`` units (:func:`seq1f1b.orders.order_v.stage_peak_units`).
+    at most ``min(M*K, 2*pp - 1 - s + K)`` units
+    (:func:`seq1f1b.orders.order_v.v_stage_peak_units`).
     Activation checkpointing must be non-reentrant (its recomputation then runs in
     BACKWARD_INPUT). Any ``n_microbatches`` works; ``M*K + K - 1 >= 2*pp - 1`` keeps ZB-V's
     warm-up full. On compiled blocks each backward runs whole, as in ZBSeq1F1B.
