@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from seq1f1b import ChunkedLoss, ModelShape, ScheduleBitPipe, SequenceSplit
+from seq1f1b import ChunkedLoss, MemoryCappedSplit, ModelShape, ScheduleBitPipe, SequenceSplit
 from seq1f1b.attention.context_parallel import comm_stats
 from seq1f1b.bitpipe import BitPipeLayout, new_pair_group
 from seq1f1b.registry import ScheduleEntry, lookup
@@ -155,13 +155,11 @@ def run_split(spec: RunSpec, cfg: TinyConfig, seq_len: int) -> SequenceSplit:
     """The split a run uses; the memory-capped one weighs fp32 activations (what runs here)."""
     if "," in spec.split:  # explicit lengths
         return SequenceSplit(tuple(int(x) for x in spec.split.split(",")), seq_len=seq_len)
-    return SequenceSplit(
-        spec.split,
-        model_shape=model_shape(cfg),
-        seq_len=seq_len,
-        memory_cap=spec.memory_cap,
-        dtype_bytes=4,
-    )
+    if spec.split == "memory_capped":
+        return MemoryCappedSplit(
+            model_shape=model_shape(cfg), seq_len=seq_len, memory_cap=spec.memory_cap, dtype_bytes=4
+        )
+    return SequenceSplit(spec.split, model_shape=model_shape(cfg), seq_len=seq_len)
 
 
 def _loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

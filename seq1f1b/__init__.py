@@ -5,6 +5,7 @@ from .attention.kv import SegmentInfo, current_segment, packed_documents
 from .attention.layer import ChunkAwareAttention, chunk_aware_attention
 from .bitpipe import ScheduleBitPipe, build_bitpipe_stages
 from .chunked_loss import ChunkedLoss
+from .planning.split_search import MemoryCappedSplit
 from .schedules.options import ContextParallelConfig, SequenceSplit
 from .schedules.partition import (
     ModelShape,
@@ -27,6 +28,7 @@ __all__ = [
     "ChunkAwareAttention",
     "ChunkedLoss",
     "ContextParallelConfig",
+    "MemoryCappedSplit",
     "ModelShape",
     "ScheduleBitPipe",
     "ScheduleInterleavedSeq1F1B",

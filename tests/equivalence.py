@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
-from seq1f1b import ModelShape, ScheduleSeq1F1B, SequenceSplit, packed_documents
+from seq1f1b import MemoryCappedSplit, ModelShape, ScheduleSeq1F1B, SequenceSplit, packed_documents
 from seq1f1b.attention.kv import document_cp_layout, zigzag_runs
 from seq1f1b.attention.masks import document_runs
 from seq1f1b.orders.order import OrderSpec
@@ -463,7 +463,7 @@ ATTENTION_HEAVY = ModelShape(hidden=32, n_heads=4, n_layers=8, vocab=64, head_di
 
 
 def capped_split(case: Case) -> SequenceSplit:
-    return SequenceSplit("memory_capped", model_shape=ATTENTION_HEAVY, memory_cap=case.memory_cap)
+    return MemoryCappedSplit(model_shape=ATTENTION_HEAVY, memory_cap=case.memory_cap)
 
 
 def capped_grid() -> list[Case]:

@@ -9,7 +9,7 @@ import warnings
 import pytest
 from mockstages import mock_stages
 
-from seq1f1b import ModelShape, ScheduleSeq1F1B, ScheduleZBSeq1F1B, SequenceSplit, resolve_split
+from seq1f1b import MemoryCappedSplit, ModelShape, ScheduleSeq1F1B, ScheduleZBSeq1F1B, resolve_split
 from seq1f1b.orders.order import OrderSpec, build_orders
 from seq1f1b.planning.simulate import FlopsCosts, simulate
 from seq1f1b.planning.split_search import (
@@ -85,13 +85,13 @@ def test_falls_back_to_uniform_and_says_why() -> None:
     heard: list[str] = []
     assert memory_capped_split(24, 4, LIGHT, order, warn=heard.append) == [6, 6, 6, 6]
     assert len(heard) == 1 and "keeps the uniform split" in heard[0]
-    sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=SequenceSplit("memory_capped", LIGHT))
+    sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=MemoryCappedSplit(model_shape=LIGHT))
     with pytest.warns(UserWarning, match="raise memory_cap"):
         assert sched.segment_lengths(24) == [6, 6, 6, 6]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ScheduleSeq1F1B(
-            mock_stages(2, 1), 2, 1, split=SequenceSplit("memory_capped", LIGHT)
+            mock_stages(2, 1), 2, 1, split=MemoryCappedSplit(model_shape=LIGHT)
         ).segment_lengths(24) == [24]
 
 
@@ -99,7 +99,7 @@ def test_falls_back_to_uniform_and_says_why() -> None:
 def test_schedule_uses_its_own_order(cls: type) -> None:
     """The schedule resolves the split on its order (pp, stages per rank, M, K, split
     backward), identically on every rank."""
-    split = SequenceSplit("memory_capped", QUICK, memory_cap=1.1, dtype_bytes=4, multiple_of=8)
+    split = MemoryCappedSplit(model_shape=QUICK, memory_cap=1.1, dtype_bytes=4, multiple_of=8)
     got = [cls(mock_stages(2, 1, r), 2, 4, split=split).segment_lengths(4096) for r in (0, 1)]
     order = OrderSpec(2, 1, 2, 4, split_backward=cls is ScheduleZBSeq1F1B)
     want = memory_capped_split(4096, 4, QUICK, order, multiple_of=8, cap=1.1, dtype_bytes=4)
@@ -109,18 +109,22 @@ def test_schedule_uses_its_own_order(cls: type) -> None:
 
 def test_errors_name_the_constraint_and_the_fix() -> None:
     with pytest.raises(ValueError, match=r"needs the model shape.*model_shape=ModelShape"):
-        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split="memory_capped")
+        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=MemoryCappedSplit())
+    with pytest.raises(ValueError, match=r"the planning layer does.*MemoryCappedSplit"):
+        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split="memory_capped", model_shape=QUICK)
+    with pytest.raises(ValueError, match=r"MemoryCappedSplit has mode 'compute'"):
+        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=MemoryCappedSplit("compute", QUICK))
     for bad in (0, -1.0, "1.2", True, float("nan")):
         with pytest.raises(ValueError, match="memory_cap must be a number > 0"):
-            split = SequenceSplit("memory_capped", QUICK, memory_cap=bad)
+            split = MemoryCappedSplit(model_shape=QUICK, memory_cap=bad)
             ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=split)
     with pytest.raises(ValueError, match="dtype_bytes"):
-        split = SequenceSplit("memory_capped", QUICK, dtype_bytes=3)
+        split = MemoryCappedSplit(model_shape=QUICK, dtype_bytes=3)
         ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=split)
-    with pytest.raises(ValueError, match=r"resolve_split does not know.*SequenceSplit"):
+    with pytest.raises(ValueError, match=r"resolve_split does not know.*MemoryCappedSplit"):
         resolve_split("memory_capped", 4096, 4, shape=QUICK)
     with pytest.raises(ValueError, match=r"simulates the schedule's order.*OrderSpec"):
-        SequenceSplit("memory_capped", QUICK).lengths(4096, 4)
+        MemoryCappedSplit(model_shape=QUICK).lengths(4096, 4)
     with pytest.raises(ValueError, match="multiple of 64"):  # the seq_len check is uniform's
         search_capped_split(4000, 4, QUICK, OrderSpec(2, 1, 2, 4), multiple_of=64)
     with pytest.raises(ValueError, match="needs the model shape"):
@@ -129,5 +133,5 @@ def test_errors_name_the_constraint_and_the_fix() -> None:
         search_capped_split(4096, 8, QUICK, OrderSpec(2, 1, 2, 4))
     # fails at construction when the length is fixed
     with pytest.raises(ValueError, match="multiple of 64"):
-        split = SequenceSplit("memory_capped", QUICK, multiple_of=64, seq_len=4000)
+        split = MemoryCappedSplit(model_shape=QUICK, multiple_of=64, seq_len=4000)
         ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=split)

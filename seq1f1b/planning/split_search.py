@@ -20,17 +20,20 @@ Any split is exact (the equivalence tests cover uneven lengths), so this only pi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..orders.order import OrderSpec, build_orders
 from ..orders.order_v import build_v_orders
+from ..schedules.options import SequenceSplit
 from ..schedules.partition import ModelShape, compute_balanced_split, uniform_split
 from .costmodel import MemoryModel
 from .simulate import FlopsCosts, simulate
 
 __all__ = [
     "CappedSplit",
+    "MemoryCappedSplit",
     "checked_cap",
     "memory_capped_split",
     "search_capped_split",
@@ -234,3 +237,61 @@ def memory_capped_split(
     if found.fallback and warn is not None and k > 1:
         warn(f"split='memory_capped' keeps the uniform split {found.lengths}: {found.fallback}")
     return found.lengths
+
+
+@dataclass(frozen=True)
+class MemoryCappedSplit(SequenceSplit):
+    """``split="memory_capped"``: the lengths with the smallest simulated step time whose
+    activation peak, on every stage, stays within ``memory_cap`` times the uniform split's
+    (:func:`memory_capped_split`, on the schedule's own order). A :class:`SequenceSplit`
+    resolved here, in the planning layer, and handed to the schedule, which never imports the
+    simulator itself.
+
+    Args (besides SequenceSplit's ``model_shape`` (needed), ``multiple_of``, ``seq_len``):
+        memory_cap: allowed per-stage activation peak as a multiple of the uniform split's
+            (1.0: the uniform split's memory, faster where possible).
+        dtype_bytes: bytes of an activation element (2 for bf16, 4 for fp32); weighs the last
+            stage's fp32 loss state against the layers'.
+    """
+
+    mode: str | tuple[int, ...] = "memory_capped"
+    memory_cap: float = 1.0
+    dtype_bytes: int = 2
+
+    simulates_order = True
+
+    def check(self, seq_chunks: int) -> None:
+        if self.mode != "memory_capped":
+            raise ValueError(
+                f"MemoryCappedSplit has mode {self.mode!r}: it is the 'memory_capped' split; "
+                "use SequenceSplit for the others"
+            )
+        super().check(seq_chunks)
+        checked_cap(self.memory_cap)
+        if self.dtype_bytes not in (1, 2, 4, 8) or isinstance(self.dtype_bytes, bool):
+            raise ValueError(
+                f"dtype_bytes must be 1, 2, 4 or 8 (got {self.dtype_bytes!r}): pass 2 "
+                "for bf16/fp16 activations, 4 for fp32"
+            )
+
+    def _capped(
+        self, seq_len: int, seq_chunks: int, multiple: int, order: OrderSpec | None
+    ) -> list[int]:
+        """The memory-capped search for the schedule's ``order`` (warns when it keeps uniform)."""
+        if order is None:
+            raise ValueError(
+                "split='memory_capped' simulates the schedule's order: hand this split to "
+                "ScheduleSeq1F1B(..., split=MemoryCappedSplit(...)), or call "
+                "seq1f1b.planning.split_search.memory_capped_split with an OrderSpec"
+            )
+        assert self.model_shape is not None  # check() ran at construction
+        return memory_capped_split(
+            seq_len,
+            seq_chunks,
+            self.model_shape,
+            order,
+            multiple_of=multiple,
+            cap=self.memory_cap,
+            dtype_bytes=self.dtype_bytes,
+            warn=lambda msg: warnings.warn(msg, stacklevel=4),
+        )

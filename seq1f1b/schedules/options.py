@@ -10,7 +10,6 @@ folded into these objects by :func:`fold_flat_options`.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,27 +41,21 @@ class SequenceSplit:
     """How each sample's sequence is cut into ``seq_chunks`` segments.
 
     Args:
-        mode: "uniform", "compute" (equal FLOPs; needs ``model_shape``), "memory_capped" (the
-            fastest lengths in the simulator whose activation peak stays within ``memory_cap``
-            times the uniform split's; needs ``model_shape``; see
-            :mod:`seq1f1b.planning.split_search`) or explicit lengths.
-        model_shape: transformer shape for ``mode="compute"`` and ``"memory_capped"``.
+        mode: "uniform", "compute" (equal FLOPs; needs ``model_shape``) or explicit lengths.
+            "memory_capped" (the fastest lengths in the simulator under an activation cap) is
+            resolved by the planning layer: pass
+            :class:`~seq1f1b.planning.split_search.MemoryCappedSplit`, which is a SequenceSplit.
+        model_shape: transformer shape for ``mode="compute"`` (and ``"memory_capped"``).
         multiple_of: every segment length (with context parallelism: each rank's share of it)
             is a multiple of this (e.g. the TP degree).
         seq_len: sequence length, if fixed up front (the split is checked at construction and
             a step of another length is an error). Without it every step may have its own.
-        memory_cap: ``"memory_capped"`` only: allowed per-stage activation peak as a multiple
-            of the uniform split's (1.0: the uniform split's memory, faster where possible).
-        dtype_bytes: ``"memory_capped"`` only: bytes of an activation element (2 for bf16, 4
-            for fp32); weighs the last stage's fp32 loss state against the layers'.
     """
 
     mode: str | tuple[int, ...] = "uniform"
     model_shape: ModelShape | None = None
     multiple_of: int = 1
     seq_len: int | None = None
-    memory_cap: float = 1.0
-    dtype_bytes: int = 2
     _cache: dict[tuple[int, int, OrderSpec | None], list[int]] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -85,15 +78,12 @@ class SequenceSplit:
                 raise ValueError(
                     f"split={self.mode!r} needs the model shape: pass model_shape=ModelShape(...)"
                 )
-            if self.mode == "memory_capped":
-                from ..planning.split_search import checked_cap
-
-                checked_cap(self.memory_cap)
-                if self.dtype_bytes not in (1, 2, 4, 8) or isinstance(self.dtype_bytes, bool):
-                    raise ValueError(
-                        f"dtype_bytes must be 1, 2, 4 or 8 (got {self.dtype_bytes!r}): pass 2 "
-                        "for bf16/fp16 activations, 4 for fp32"
-                    )
+            if self.mode == "memory_capped" and not self.simulates_order:
+                raise ValueError(
+                    "split='memory_capped' simulates the schedule's order, which the planning "
+                    "layer does: pass split=seq1f1b.MemoryCappedSplit(model_shape=..., "
+                    "memory_cap=...) (a SequenceSplit)"
+                )
         elif len(self.mode) != seq_chunks:
             raise ValueError(
                 f"split has {len(self.mode)} lengths but seq_chunks={seq_chunks}: give exactly "
@@ -171,29 +161,14 @@ class SequenceSplit:
             )
         return self._cache[key]
 
+    #: whether :meth:`_capped` is implemented (by the planning layer's MemoryCappedSplit)
+    simulates_order = False
+
     def _capped(
         self, seq_len: int, seq_chunks: int, multiple: int, order: OrderSpec | None
     ) -> list[int]:
-        """The memory-capped search for the schedule's ``order`` (warns when it keeps uniform)."""
-        from ..planning.split_search import memory_capped_split
-
-        if order is None:
-            raise ValueError(
-                "split='memory_capped' simulates the schedule's order: resolve it through "
-                "ScheduleSeq1F1B(..., split=SequenceSplit('memory_capped', model_shape=...)), "
-                "or call seq1f1b.planning.split_search.memory_capped_split with an OrderSpec"
-            )
-        assert self.model_shape is not None  # check() ran at construction
-        return memory_capped_split(
-            seq_len,
-            seq_chunks,
-            self.model_shape,
-            order,
-            multiple_of=multiple,
-            cap=self.memory_cap,
-            dtype_bytes=self.dtype_bytes,
-            warn=lambda msg: warnings.warn(msg, stacklevel=4),
-        )
+        """The memory-capped lengths for the schedule's ``order``: the planning layer's."""
+        raise NotImplementedError("MemoryCappedSplit (seq1f1b.planning.split_search)")
 
 
 @dataclass(frozen=True)

@@ -324,7 +324,7 @@ def resolve_split(
         if split == "memory_capped":
             raise ValueError(
                 "split='memory_capped' simulates the schedule's order, which resolve_split does "
-                "not know: pass it to ScheduleSeq1F1B(split=SequenceSplit('memory_capped', "
+                "not know: pass it to ScheduleSeq1F1B(split=MemoryCappedSplit("
                 "model_shape=...)), or call seq1f1b.planning.split_search.memory_capped_split"
             )
         allowed = ", ".join(repr(m) for m in SPLIT_MODES)

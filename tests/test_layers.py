@@ -1,0 +1,123 @@
+"""The package's import structure: layers that import only downward, and no circle.
+
+Every import of a ``seq1f1b`` module (lazy ones inside functions included) is read from the
+source and checked against :data:`LAYERS`: a module may import its own folder and anything in
+a lower layer, never a layer above it or a folder beside it on the same layer.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.fast
+
+PACKAGE = Path(__file__).resolve().parent.parent / "seq1f1b"
+
+#: layer of each top-level entry of the package (folders and modules), bottom up
+LAYERS = {
+    "_runtime": 0,  # the seam to torch and its passes on torch's action IR
+    "attention": 1,
+    "orders": 1,
+    "schedules": 2,
+    "chunked_loss": 2,
+    "huggingface": 2,
+    "testing": 2,
+    "bitpipe": 3,
+    "verify": 3,
+    "registry": 4,
+    "planning": 5,
+    "__init__": 6,
+}
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name under seq1f1b (``attention.kv``; ``""`` for the package) -> file."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The seq1f1b modules ``name`` imports (a ``from pkg import module`` counts the module)."""
+    is_pkg = path.name == "__init__.py"
+    package = name.split(".") if is_pkg else name.split(".")[:-1]
+    if name == "":
+        package = []
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            elif node.module and (node.module == "seq1f1b" or node.module.startswith("seq1f1b.")):
+                target = node.module[len("seq1f1b.") :] if node.module != "seq1f1b" else ""
+            else:
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}" if target else alias.name
+                found.add(sub if sub in known else target)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "seq1f1b" or alias.name.startswith("seq1f1b."):
+                    found.add(alias.name[len("seq1f1b.") :] if alias.name != "seq1f1b" else "")
+    found.discard(name)
+    return found
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0] if name else "__init__"
+
+
+def test_every_top_level_entry_has_a_layer_and_there_are_at_most_12() -> None:
+    entries = {
+        p.stem for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()
+    }
+    assert entries == set(LAYERS), entries ^ set(LAYERS)
+    assert len(entries) <= 12
+
+
+def test_imports_point_down_only() -> None:
+    modules = _modules()
+    bad = []
+    for name, path in modules.items():
+        for dep in _imports(name, path, set(modules)):
+            here, there = _top(name), _top(dep)
+            if here == there:
+                continue
+            if LAYERS[there] >= LAYERS[here]:
+                bad.append(f"{name or 'seq1f1b'} (layer {LAYERS[here]}) imports {dep} "
+                           f"(layer {LAYERS[there]})")  # fmt: skip
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_circle() -> None:
+    modules = _modules()
+    graph = {n: _imports(n, p, set(modules)) & set(modules) for n, p in modules.items()}
+    # a package's __init__ re-exporting its own modules is not a circle of modules
+    for n in graph:
+        graph[n] = {d for d in graph[n] if not ((d and n.startswith(d + ".")) or (d == "" and n))}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for d in sorted(graph[n]):
+            if state.get(d) == 1:
+                cycle = [*stack[stack.index(d) :], d]
+                raise AssertionError("import circle: " + " -> ".join(c or "seq1f1b" for c in cycle))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
