@@ -6,9 +6,10 @@ when no accelerator is found) and then assumes the CUDA allocator and NCCL. The 
 made by :func:`install` (called only by the train entry, ``train.run``) and undone by the
 handle it returns:
 
-1. torchtitan is imported while torch reports "cpu" as the available device type, so its own
-   code selects the CPU device and the gloo backend; modules that copied the device choice
-   before are rebound to "cpu" (and back on undo);
+1. torchtitan is imported while torch reports "cpu" as the available device type (the
+   attribute named by ``seq1f1b._runtime.device_type_probe``, reassigned for the length of the
+   import only and restored), so its own code selects the CPU device and the gloo backend;
+   modules that copied the device choice before are rebound to "cpu" (and back on undo);
 2. its device memory monitor reads the process's real resident memory (``/proc/self/status``:
    VmRSS now, VmHWM peak, reset through ``/proc/self/clear_refs``), so the memory metrics are
    measurements, not zeros;
@@ -41,7 +42,7 @@ from typing import Any
 
 import torch
 
-from seq1f1b._runtime import device_type_reported_as, set_pg_timeout
+from seq1f1b._runtime import device_type_probe, set_pg_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -196,10 +197,14 @@ def install() -> CPUSupport | None:
     """
     if torch.cuda.is_available():
         return None
-    with device_type_reported_as("cpu"):
+    importing = CPUSupport()  # patch 1, for the length of torchtitan's import only
+    importing.set(*device_type_probe(), lambda: "cpu")
+    try:
         import torchtitan.distributed.dual_pipe_v  # reads the device at import, like tools.utils
         import torchtitan.tools.utils
         import torchtitan.train
+    finally:
+        importing.uninstall()
     patches = CPUSupport()
     # if torchtitan was imported before us, its modules hold "cuda": rebind them
     rebind_device(patches, _DEVICE_MODULES)

@@ -49,7 +49,8 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 | aten._scaled_dot_product_flash_attention_*    | flash kernels that return the LSE (attention.py) |
 | distributed_c10d._get_default_group,          | BitPipe pair check; torchtitan on gloo (CPU)     |
 |   _set_pg_timeout                             |                                                  |
-| torch._utils._get_available_device_type       | torchtitan picks "cpu" at import (cpu.py)        |
+| torch._utils._get_available_device_type       | named (device_type_probe) for torchtitan 0.2.2's |
+|                                               |   CPU patch list, reassigned during the import   |
 | _composable.replicate_with_fsdp.replicate     | DP-replicate that the pipelining runtime reduces |
 | FSDPModule._get_fsdp_state()                  | ChunkedLoss restores the head's gradient-sync    |
 |   ._fsdp_param_groups[].reduce_grads,         |   and reshard settings (FSDP2 has setters, no    |
@@ -113,7 +114,7 @@ from .ir import (
     add_wait_send,
     default_process_group,
     defer_recv_ops,
-    device_type_reported_as,
+    device_type_probe,
     donated_buffers_enabled,
     flash_cpu_backward,
     flash_cpu_forward,
@@ -177,7 +178,7 @@ __all__ = [
     "add_wait_send",
     "default_process_group",
     "defer_recv_ops",
-    "device_type_reported_as",
+    "device_type_probe",
     "donated_buffers_enabled",
     "flash_cpu_backward",
     "flash_cpu_forward",

@@ -59,15 +59,12 @@ def set_pg_timeout(timeout: Any, group: Any) -> None:
     torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
 
 
-@contextlib.contextmanager
-def device_type_reported_as(device_type: str) -> Iterator[None]:
-    """Make ``torch._utils._get_available_device_type()`` answer ``device_type`` for a while."""
-    original = torch._utils._get_available_device_type
-    torch._utils._get_available_device_type = lambda: device_type
-    try:
-        yield
-    finally:
-        torch._utils._get_available_device_type = original
+def device_type_probe() -> tuple[Any, str]:
+    """Where torch answers "which accelerator is there" (``torch._utils``,
+    ``_get_available_device_type``), as ``(owner, attribute)``: torchtitan reads it once at
+    import to pick its device. The library never reassigns it; an integration's CPU patch
+    list may, for the length of torchtitan's import, and undoes it."""
+    return torch._utils, "_get_available_device_type"
 
 
 def has_compiled_module(module: torch.nn.Module | None) -> bool:
