@@ -68,8 +68,8 @@ that has one, the workaround it retires is not used:
 | ``register_recv_meta_fn`` (5)                 | rewriting ``_RecvInfo.tensor_meta`` per unit     |
 
 Touch points (distinct private torch names, overridden private methods and private attributes
-reached in ir.py + unit.py, counted from their syntax trees): 48 at cf73c1e, 45 now; the 3
-comparison-only passes moved to reference.py (test-only). The per-step stage wrapping is now one
+reached in ir.py + unit.py, counted from their syntax trees): 45; the comparison-only passes
+are in reference.py (test-only). The per-step stage wrapping is one
 composable per-action context (``UnitRuntime.register_action_context``; it wraps the public
 ``forward_one_chunk``/``backward_one_chunk``/``backward_weight_one_chunk``, whatever they are,
 and restores them), the shape of the hook torch would offer.

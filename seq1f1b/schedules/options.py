@@ -3,7 +3,7 @@ sharded over context-parallel ranks (:class:`ContextParallelConfig`).
 
 One object per concern keeps the schedule's signature close to torch's (whose schedules take
 the stages, the microbatch count, the loss and chunk specs) and puts each concern's validation
-next to its data. The flat keyword spellings of earlier releases (``model_shape=``,
+next to its data. The flat keyword spellings (``model_shape=``,
 ``split_multiple_of=``, ``seq_len=``, ``cp_group=``, ``cp_prefix=``, ``cp_reduce_grads=``) are
 folded into these objects by :func:`fold_flat_options`.
 """
