@@ -156,3 +156,18 @@ def test_packed_benchmark_per_sample_split_and_cp_layout_win() -> None:
         head_tail, by_docs = cp[f"{split}/head_tail"], cp[f"{split}/documents"]
         assert by_docs["max_over_mean_worst"] <= 1.05 < head_tail["max_over_mean_worst"]
         assert by_docs["step"] <= head_tail["step"]
+
+
+def test_each_sample_is_cut_for_its_own_documents() -> None:
+    """``split="compute"`` with documents: one list of lengths per sample, each the mask-aware
+    split of that sample's rows alone (a row of short documents is cut near uniformly, a row
+    holding one document like the causal split); without documents every sample is cut alike."""
+    seq_len, k = 4096, 4
+    short = packed_layout(2, seq_len, seed=5, mean_doc=64.0)
+    whole = torch.zeros(2, seq_len, dtype=torch.int64)
+    split = SequenceSplit("compute", model_shape=SHAPE_8B)
+    got = split.sample_lengths(seq_len, k, 2, documents=torch.cat([short, whole]))
+    assert got == [mask_balanced_split(short, k, SHAPE_8B), mask_balanced_split(whole, k, SHAPE_8B)]
+    assert got[0] != got[1]
+    assert split.sample_lengths(seq_len, k, 2) == [split.lengths(seq_len, k)] * 2
+    assert split.sample_lengths(seq_len, k, 2, documents=[short, whole]) == got  # one per sample
