@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 import torch
@@ -174,9 +174,10 @@ class SegmentInfo:
     def end(self) -> int:
         return self.start + self.length
 
-    @property
+    @cached_property
     def local_runs(self) -> Runs:
-        """The absolute position runs this rank holds of the segment (all of it without CP)."""
+        """The absolute position runs this rank holds of the segment (all of it without CP);
+        computed once per unit (a document layout is looked up by the whole document tuple)."""
         if self.cp is None:
             return ((self.start, self.end),)
         return self.cp.runs(self.start, self.end, documents=self.documents)
