@@ -28,9 +28,8 @@ _Key = tuple[int, bool, int, int]  # (stage, backward?, unit, slot)
 class ReceiveSizer:
     """Sizes one schedule's receives per unit (see the module docstring)."""
 
-    def __init__(self, seq_dim: int, seq_chunks: int) -> None:
+    def __init__(self, seq_dim: int) -> None:
         self.seq_dim = seq_dim
-        self.seq_chunks = seq_chunks
         self._base: dict[_Key, tuple[int, int]] = {}  # (positions torch saw, their tokens)
         self._lengths: list[int] = []  # by unit
         self._hooked: set[int] = set()  # stages whose receive hook asks us (patch 5)

@@ -103,7 +103,7 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         args_spec, kwargs_spec, _ = self.chunk_specs
         self.cutter = UnitCutter(m, k, seq_dim, dict(kwargs_seq_dims or {}), ignore_index,
                                  scale_grads, args_spec, kwargs_spec)  # fmt: skip
-        self.receives = ReceiveSizer(seq_dim, k)
+        self.receives = ReceiveSizer(seq_dim)
         self.unit_actions = UnitActions(stage_list, k, self.receives, self._cp, skip_invisible)
         self.register_action_context(self.unit_actions)
         self._inputs: StepInputs | None = None
