@@ -34,7 +34,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from seq1f1b import ChunkedLoss, MemoryCappedSplit, ModelShape, ScheduleBitPipe, SequenceSplit
+from seq1f1b import (
+    ChunkedLoss,
+    ContextParallelConfig,
+    MemoryCappedSplit,
+    ModelShape,
+    ScheduleBitPipe,
+    SequenceSplit,
+)
 from seq1f1b.attention.context_parallel import comm_stats
 from seq1f1b.bitpipe import BitPipeLayout, new_pair_group
 from seq1f1b.registry import ScheduleEntry, lookup
@@ -243,8 +250,7 @@ class _Run:
                 loss_fn,
                 split=run_split(spec, setting.model, _seq_len(setting, spec)),
                 skip_invisible=spec.skip_invisible,
-                cp_group=cp_group,
-                cp_prefix=spec.cp_prefix,
+                context_parallel=ContextParallelConfig(cp_group, spec.cp_prefix),
             )
         else:
             self.sched = cls(stages[0] if entry.single_stage else stages, m, loss_fn=loss_fn)

@@ -10,7 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
 
-from seq1f1b import MemoryCappedSplit, ModelShape, ScheduleSeq1F1B, SequenceSplit, packed_documents
+from seq1f1b import (
+    ContextParallelConfig,
+    MemoryCappedSplit,
+    ModelShape,
+    ScheduleSeq1F1B,
+    SequenceSplit,
+    packed_documents,
+)
 from seq1f1b.attention.kv import document_cp_layout, zigzag_runs
 from seq1f1b.attention.masks import document_runs
 from seq1f1b.orders.order import OrderSpec
@@ -123,20 +130,19 @@ def run_case(rank: int, world: int, case: Case, tol: float = 1e-5) -> None:
     stages = [PipelineStage(mods[s], s, num_stages, dev, group=pp_group) for s in mine]
     split = case.split if isinstance(case.split, str) else list(case.split)
     shape = ModelShape(hidden=CFG.dim, n_heads=CFG.n_heads, n_layers=CFG.n_layers, vocab=CFG.vocab)
-    split_kwargs = (
-        {"split": capped_split(case)}
+    grouped_split = (
+        capped_split(case)
         if case.split == "memory_capped"
-        else {"split": split, "model_shape": shape}
+        else SequenceSplit(split if isinstance(split, str) else tuple(split), model_shape=shape)
     )
     cls = lookup(case.schedule).schedule_class()
-    cp_kwargs = {} if cp_group is None else {"cp_group": cp_group, "cp_prefix": case.cp_prefix}
     sched = cls(
         stages,
         case.n_microbatches,
         case.seq_chunks,
         loss_fn,
-        **split_kwargs,
-        **cp_kwargs,
+        split=grouped_split,
+        context_parallel=ContextParallelConfig(cp_group, case.cp_prefix),
     )
     x, y = data(case)
     losses: list[torch.Tensor] = []
@@ -274,10 +280,10 @@ def run_eval_case(rank: int, world: int, case: Case) -> None:
     dev = torch.device("cpu")
     stages = [PipelineStage(mods[s], s, num_stages, dev, group=pp_group) for s in mine]
     split = case.split if isinstance(case.split, str) else list(case.split)
-    cp_kwargs = {} if cp_group is None else {"cp_group": cp_group}
     sched = ScheduleSeq1F1B(
-        stages, case.n_microbatches, case.seq_chunks, loss_fn, split=split, **cp_kwargs
-    )
+        stages, case.n_microbatches, case.seq_chunks, loss_fn, split=split,
+        context_parallel=ContextParallelConfig(cp_group),
+    )  # fmt: skip
     if cp_group is not None:  # this rank's positions, segment by segment
         lengths = sched.segment_lengths(case.seq_len)
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
@@ -380,7 +386,7 @@ def run_changing_lengths(
     stages = [PipelineStage(mods[s], s, num_stages, dev) for s in mine]
     cls = lookup("Seq1F1B").schedule_class()
     shape = ModelShape(hidden=CFG.dim, n_heads=CFG.n_heads, n_layers=CFG.n_layers, vocab=CFG.vocab)
-    sched = cls(stages, 2, 3, loss_fn, split=split, model_shape=shape)
+    sched = cls(stages, 2, 3, loss_fn, split=SequenceSplit(split, model_shape=shape))
     has_first, has_last = 0 in mine, num_stages - 1 in mine
     for seq_len in seq_lens:
         case = Case(stages_per_rank, 3, 2, seq_len=seq_len, batch=4)
@@ -534,10 +540,10 @@ def run_mask_split_steps(rank: int, world: int, schedule: str, stages_per_rank: 
     shape = ModelShape(hidden=CFG.dim, n_heads=CFG.n_heads, n_layers=CFG.n_layers, vocab=CFG.vocab,
                        window=window, sinks=cfg.sinks,
                        window_layers=CFG.n_layers // 2 if window else None)  # fmt: skip
-    cp_kwargs = {} if cp_group is None else {"cp_group": cp_group}
     sched = lookup(schedule).schedule_class()(
-        stages, m, k, loss_fn, split="compute", model_shape=shape, **cp_kwargs
-    )
+        stages, m, k, loss_fn, split=SequenceSplit("compute", model_shape=shape),
+        context_parallel=ContextParallelConfig(cp_group),
+    )  # fmt: skip
     has_first, has_last = 0 in mine, num_stages - 1 in mine
     causal = compute_balanced_split(seq_len, k, shape, segment_multiple(1, cp))
     seen = []

@@ -13,7 +13,13 @@ from equivalence import CFG, data, loss_fn
 from mockstages import MockStage, mock_stages
 from torch.distributed.pipelining import PipelineStage
 
-from seq1f1b import ModelShape, ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B
+from seq1f1b import (
+    ContextParallelConfig,
+    ModelShape,
+    ScheduleInterleavedSeq1F1B,
+    ScheduleSeq1F1B,
+    SequenceSplit,
+)
 from seq1f1b.attention.kv import StageKVState
 from seq1f1b.testing import build_stages
 
@@ -31,11 +37,11 @@ pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
         ({"split": "balanced"}, "split='balanced' is unknown"),
         ({"split": "compute"}, "needs the model shape"),
         ({"split": [4, 4, 4]}, "split has 3 lengths but seq_chunks=2"),
-        ({"split_multiple_of": 0}, "split_multiple_of must be an integer >= 1"),
-        ({"seq_len": 1}, "seq_len"),
-        ({"seq_len": 10, "split": [3, 3]}, "sum"),
-        ({"seq_len": 6, "split_multiple_of": 4}, "multiple"),
-        ({"cp_prefix": "ring"}, "cp_prefix='ring' is unknown"),
+        ({"split": SequenceSplit(multiple_of=0)}, "split_multiple_of must be an integer >= 1"),
+        ({"split": SequenceSplit(seq_len=1)}, "seq_len"),
+        ({"split": SequenceSplit((3, 3), seq_len=10)}, "sum"),
+        ({"split": SequenceSplit(multiple_of=4, seq_len=6)}, "multiple"),
+        ({"context_parallel": ContextParallelConfig(prefix="ring")}, "cp_prefix='ring' is unknown"),
     ],
 )
 def test_invalid_arguments(kwargs: dict, match: str) -> None:
@@ -46,7 +52,8 @@ def test_invalid_arguments(kwargs: dict, match: str) -> None:
 
 def test_compute_split_validated_at_construction() -> None:
     shape = ModelShape(hidden=32, n_heads=4, n_layers=4, vocab=64)
-    sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split="compute", model_shape=shape, seq_len=64)
+    split = SequenceSplit("compute", model_shape=shape, seq_len=64)
+    sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=split)
     lengths = sched.segment_lengths(64)
     assert sum(lengths) == 64 and lengths == sorted(lengths, reverse=True)
 
@@ -175,17 +182,19 @@ def test_document_ids_on_some_ranks_only_fail_everywhere() -> None:
 def _cp_errors(rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    group = dist.group.WORLD
+    cp = ContextParallelConfig(dist.group.WORLD)
     singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
     mods = build_stages(CFG, 1)
     stage = PipelineStage(mods[0], 0, 1, torch.device("cpu"), group=singles[rank])
     # each segment must split into 2 * cp chunks: refused at construction, naming the fix
     with pytest.raises(ValueError, match=r"multiple of 4 tokens \(context parallelism over 2"):
-        ScheduleSeq1F1B([stage], 1, 2, loss_fn, cp_group=group, seq_len=30)
+        ScheduleSeq1F1B([stage], 1, 2, loss_fn, split=SequenceSplit(seq_len=30),
+                        context_parallel=cp)  # fmt: skip
     with pytest.raises(ValueError, match="split lengths must be a multiple of multiple_of=4"):
-        ScheduleSeq1F1B([stage], 1, 2, loss_fn, cp_group=group, seq_len=24, split=[14, 10])
+        ScheduleSeq1F1B([stage], 1, 2, loss_fn, split=SequenceSplit((14, 10), seq_len=24),
+                        context_parallel=cp)  # fmt: skip
     # ... or at the first step when the length comes with the batch (on every CP rank alike)
-    sched = ScheduleSeq1F1B([stage], 1, 2, loss_fn, cp_group=group)
+    sched = ScheduleSeq1F1B([stage], 1, 2, loss_fn, context_parallel=cp)
     x = torch.zeros(2, 30, dtype=torch.long)
     with pytest.raises(ValueError, match="multiple of 4"):
         sched.step(x, target=x)
@@ -193,7 +202,7 @@ def _cp_errors(rank: int, world: int) -> None:
     plain = PipelineStage(_PlainSDPA(), 0, 1, torch.device("cpu"), group=singles[rank])
     ids = torch.randint(0, 64, (2, 8))
     with pytest.raises(RuntimeError, match="scaled_dot_product_attention directly"):
-        ScheduleSeq1F1B([plain], 1, 1, loss_fn, cp_group=group).step(ids, target=ids)
+        ScheduleSeq1F1B([plain], 1, 1, loss_fn, context_parallel=cp).step(ids, target=ids)
 
 
 def test_context_parallel_errors() -> None:

@@ -1,5 +1,5 @@
-"""The schedule's grouped arguments: ``SequenceSplit`` and ``ContextParallelConfig``, and the
-flat spellings they replace (still accepted, never mixed with their object)."""
+"""The schedule's grouped arguments: ``SequenceSplit`` and ``ContextParallelConfig``, the only
+way to pass a split's or context parallelism's settings."""
 
 from __future__ import annotations
 
@@ -21,17 +21,16 @@ pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
 SHAPE = ModelShape(hidden=64, n_heads=4, n_layers=2, vocab=128)
 
 
-def test_flat_spellings_build_the_same_split() -> None:
-    flat = ScheduleSeq1F1B(mock_stages(2, 1), 2, 3, split="compute", model_shape=SHAPE,
-                           split_multiple_of=2, seq_len=96)  # fmt: skip
-    grouped = ScheduleSeq1F1B(
-        mock_stages(2, 1), 2, 3, split=SequenceSplit("compute", SHAPE, multiple_of=2, seq_len=96)
-    )
-    assert flat.sequence_split == grouped.sequence_split
-    assert flat.segment_lengths(96) == grouped.segment_lengths(96)
-    assert sum(grouped.segment_lengths(96)) == 96
-    assert all(n % 2 == 0 for n in grouped.segment_lengths(96))
-    assert grouped.split == "compute" and flat.split == "compute"
+def test_a_split_mode_alone_is_the_split_object() -> None:
+    by_name = ScheduleSeq1F1B(mock_stages(2, 1), 2, 3, split=[40, 32, 24])
+    grouped = ScheduleSeq1F1B(mock_stages(2, 1), 2, 3, split=SequenceSplit((40, 32, 24)))
+    assert by_name.sequence_split == grouped.sequence_split
+    assert by_name.split == grouped.split == [40, 32, 24]
+    split = SequenceSplit("compute", SHAPE, multiple_of=2, seq_len=96)
+    sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 3, split=split)
+    assert sched.sequence_split is split and sched.split == "compute"
+    lengths = sched.segment_lengths(96)
+    assert sum(lengths) == 96 and all(n % 2 == 0 for n in lengths)
 
 
 def test_each_step_length_gets_its_own_split() -> None:
@@ -42,15 +41,25 @@ def test_each_step_length_gets_its_own_split() -> None:
         assert lengths[0] >= lengths[-1]  # causal: later segments cost more per token
 
 
-def test_mixing_an_object_with_its_flat_spellings_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"\['seq_len'\] inside split=SequenceSplit"):
-        ScheduleSeq1F1B(mock_stages(2, 1), 1, 2, split=SequenceSplit("uniform"), seq_len=8)
-    with pytest.raises(ValueError, match=r"\['cp_prefix'\] inside context_parallel="):
-        ScheduleSeq1F1B(mock_stages(2, 1), 1, 2, context_parallel=ContextParallelConfig(),
-                        cp_prefix="pass_q")  # fmt: skip
+@pytest.mark.parametrize(
+    "flat",
+    [
+        {"model_shape": SHAPE},
+        {"split_multiple_of": 2},
+        {"seq_len": 8},
+        {"cp_group": None},
+        {"cp_prefix": "pass_q"},
+        {"cp_reduce_grads": False},
+    ],
+)
+def test_flat_spellings_are_not_arguments(flat: dict) -> None:
+    """Every argument is spelled out in the signature: the settings of a split or of context
+    parallelism go inside their objects, never beside them."""
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(flat))}'"):
+        ScheduleSeq1F1B(mock_stages(2, 1), 1, 2, **flat)
 
 
-def test_grouped_arguments_are_validated_with_the_flat_messages() -> None:
+def test_grouped_arguments_are_validated() -> None:
     with pytest.raises(ValueError, match="split='compute' needs the model shape"):
         ScheduleSeq1F1B(mock_stages(2, 1), 1, 2, split=SequenceSplit("compute"))
     with pytest.raises(ValueError, match="split has 3 lengths but seq_chunks=2"):

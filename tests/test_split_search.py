@@ -9,7 +9,14 @@ import warnings
 import pytest
 from mockstages import mock_stages
 
-from seq1f1b import MemoryCappedSplit, ModelShape, ScheduleSeq1F1B, ScheduleZBSeq1F1B, resolve_split
+from seq1f1b import (
+    MemoryCappedSplit,
+    ModelShape,
+    ScheduleSeq1F1B,
+    ScheduleZBSeq1F1B,
+    SequenceSplit,
+    resolve_split,
+)
 from seq1f1b.orders.order import OrderSpec, build_orders
 from seq1f1b.planning.simulate import FlopsCosts, simulate
 from seq1f1b.planning.split_search import (
@@ -108,10 +115,11 @@ def test_schedule_uses_its_own_order(cls: type) -> None:
 
 
 def test_errors_name_the_constraint_and_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"needs the model shape.*model_shape=ModelShape"):
+    shape_fix = r"needs the model shape.*MemoryCappedSplit\('memory_capped', model_shape="
+    with pytest.raises(ValueError, match=shape_fix):
         ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=MemoryCappedSplit())
     with pytest.raises(ValueError, match=r"the planning layer does.*MemoryCappedSplit"):
-        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split="memory_capped", model_shape=QUICK)
+        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=SequenceSplit("memory_capped", QUICK))
     with pytest.raises(ValueError, match=r"MemoryCappedSplit has mode 'compute'"):
         ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=MemoryCappedSplit("compute", QUICK))
     for bad in (0, -1.0, "1.2", True, float("nan")):

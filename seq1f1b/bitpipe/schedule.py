@@ -84,6 +84,8 @@ class ScheduleBitPipe(rt.UnitRuntime):
         n_microbatches: M, split along dim 0; replica A runs microbatches ``0..M/2-1``, B the
             rest. Must be even; a multiple of pp gives the published bubble.
         loss_fn: as in torch's schedules; with ``scale_grads=True`` a mean loss.
+        args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads,
+            backward_requires_autograd: as in torch's schedules.
         pair_group: the 2-rank group of this rank and its partner ``pp-1-r``.
 
     Ranks 0 and pp-1 hold both first stages and both last stages, so both get the whole batch
@@ -98,13 +100,13 @@ class ScheduleBitPipe(rt.UnitRuntime):
         stages: Sequence[PipelineStageBase],
         n_microbatches: int,
         loss_fn: Callable[..., torch.Tensor] | None = None,
-        *,
-        pair_group: dist.ProcessGroup | None,
         args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
         kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
         output_merge_spec: dict[str, Any] | tuple[Any] | None = None,
         scale_grads: bool = True,
         backward_requires_autograd: bool = True,
+        *,
+        pair_group: dist.ProcessGroup | None,
     ) -> None:
         stage_list, layout = self._check_stages(stages)
         self._check_microbatches(n_microbatches, layout.pp)

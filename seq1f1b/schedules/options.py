@@ -3,9 +3,7 @@ sharded over context-parallel ranks (:class:`ContextParallelConfig`).
 
 One object per concern keeps the schedule's signature close to torch's (whose schedules take
 the stages, the microbatch count, the loss and chunk specs) and puts each concern's validation
-next to its data. The flat keyword spellings (``model_shape=``,
-``split_multiple_of=``, ``seq_len=``, ``cp_group=``, ``cp_prefix=``, ``cp_reduce_grads=``) are
-folded into these objects by :func:`fold_flat_options`.
+next to its data.
 """
 
 from __future__ import annotations
@@ -23,10 +21,7 @@ from ..orders.order import OrderSpec
 from .mask_split import MaskSplitCache
 from .partition import SPLIT_MODES, ModelShape, resolve_split, segment_multiple
 
-__all__ = ["ContextParallelConfig", "SequenceSplit", "fold_flat_options"]
-
-_SPLIT_FLAT = ("model_shape", "split_multiple_of", "seq_len")
-_CP_FLAT = ("cp_group", "cp_prefix", "cp_reduce_grads")
+__all__ = ["ContextParallelConfig", "SequenceSplit"]
 
 
 def positive_int(name: str, value: Any, fix: str) -> int:
@@ -65,6 +60,11 @@ class SequenceSplit:
         if not isinstance(self.mode, str):
             object.__setattr__(self, "mode", tuple(self.mode))
 
+    @classmethod
+    def of(cls, split: SequenceSplit | str | Sequence[int]) -> SequenceSplit:
+        """``split`` itself, or a SequenceSplit of that mode alone (a name or lengths)."""
+        return split if isinstance(split, SequenceSplit) else cls(split)  # type: ignore[arg-type]
+
     def check(self, seq_chunks: int) -> None:
         """Raise ValueError (naming the fix) if this split cannot serve ``seq_chunks``."""
         positive_int("split_multiple_of", self.multiple_of, "pass 1, or the TP degree")
@@ -76,7 +76,8 @@ class SequenceSplit:
                 )
             if self.mode in ("compute", "memory_capped") and self.model_shape is None:
                 raise ValueError(
-                    f"split={self.mode!r} needs the model shape: pass model_shape=ModelShape(...)"
+                    f"split={self.mode!r} needs the model shape: pass "
+                    f"split={type(self).__name__}({self.mode!r}, model_shape=ModelShape(...))"
                 )
             if self.mode == "memory_capped" and not self.simulates_order:
                 raise ValueError(
@@ -207,44 +208,3 @@ class ContextParallelConfig:
         if size == 1:
             return None
         return ContextParallel(self.group, dist.get_rank(self.group), size, self.prefix)
-
-
-def fold_flat_options(
-    split: SequenceSplit | str | Sequence[int],
-    context_parallel: ContextParallelConfig | None,
-    flat: dict[str, Any],
-) -> tuple[SequenceSplit, ContextParallelConfig]:
-    """Build the grouped arguments, taking the flat spellings out of ``flat`` (in place).
-
-    Refuses to mix a grouped object with its flat spellings, so no setting is silently lost.
-    """
-    split_flat = {k: flat.pop(k) for k in _SPLIT_FLAT if k in flat}
-    cp_flat = {k: flat.pop(k) for k in _CP_FLAT if k in flat}
-    if isinstance(split, SequenceSplit):
-        if split_flat:
-            raise ValueError(
-                f"pass {sorted(split_flat)} inside split=SequenceSplit(...), not beside it"
-            )
-    else:
-        if isinstance(split, str) or split is None:
-            mode: str | tuple[int, ...] = split
-        else:
-            mode = tuple(split)
-        split = SequenceSplit(
-            mode,
-            model_shape=split_flat.get("model_shape"),
-            multiple_of=split_flat.get("split_multiple_of", 1),
-            seq_len=split_flat.get("seq_len"),
-        )
-    if context_parallel is None:
-        context_parallel = ContextParallelConfig(
-            cp_flat.get("cp_group"),
-            cp_flat.get("cp_prefix", "auto"),
-            cp_flat.get("cp_reduce_grads", True),
-        )
-    elif cp_flat:
-        raise ValueError(
-            f"pass {sorted(cp_flat)} inside context_parallel=ContextParallelConfig(...), not "
-            "beside it"
-        )
-    return split, context_parallel

@@ -35,11 +35,17 @@ class ScheduleSeq1F1B(SequencePipelineSchedule):
         seq_chunks: K, segments per sample along ``seq_dim``.
         loss_fn: as in torch's schedules; with ``scale_grads=True`` it must be a mean over
             tokens (e.g. cross entropy), and each unit is weighted by its token share.
-        split: how each sample is cut: a :class:`~seq1f1b.schedules.options.SequenceSplit`, or its
-            mode alone ("uniform", "compute", "memory_capped" or explicit lengths).
-        context_parallel: a :class:`~seq1f1b.schedules.options.ContextParallelConfig` to shard each
-            segment over a CP group (ring attention, see :mod:`seq1f1b.attention.context_parallel`).
+        args_chunk_spec, kwargs_chunk_spec, output_merge_spec: how inputs are split into
+            samples and outputs merged, as in torch's schedules (each sample is then cut
+            along ``seq_dim``).
+        scale_grads, backward_requires_autograd, defer_pp_recv: as in torch's schedules.
         seq_dim: sequence dimension of inputs, targets, per-token kwargs and activations.
+        split: how each sample is cut: a :class:`~seq1f1b.schedules.options.SequenceSplit`
+            (mode, model shape, multiple, fixed length), or its mode alone ("uniform",
+            "compute" needs the model shape, or explicit lengths).
+        context_parallel: a :class:`~seq1f1b.schedules.options.ContextParallelConfig` to shard
+            each segment over a CP group (ring attention, see
+            :mod:`seq1f1b.attention.context_parallel`).
         ignore_index: target value that does not count as a token (as in cross entropy).
         kwargs_seq_dims: per kwarg, the dim to split along the sequence, or None to pass it
             whole to every segment. Default: ``seq_dim`` for every tensor kwarg.
@@ -47,13 +53,9 @@ class ScheduleSeq1F1B(SequencePipelineSchedule):
         skip_invisible: with packed documents / sliding windows, skip (query, key) blocks that
             share no visible pair and cache only what later segments see; False computes every
             block under the mask and caches every segment (the mask-alone baseline).
-        args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads,
-            backward_requires_autograd, defer_pp_recv: as in torch's schedules.
-        **options: torch's runtime options of the installed release (2.15:
-            ``max_active_stages``, ``unshard_lookahead``, ``defer_reduce_grad_wait``,
-            ``max_outstanding_sends``), passed through; and the flat spellings of ``split``
-            (``model_shape``, ``split_multiple_of``, ``seq_len``) and ``context_parallel``
-            (``cp_group``, ``cp_prefix``, ``cp_reduce_grads``).
+        max_active_stages, unshard_lookahead, defer_reduce_grad_wait, max_outstanding_sends:
+            torch 2.15's runtime options, as in its ``ScheduleInterleaved1F1B`` (None / False:
+            torch's default); refused on older torch.
 
     Each step may have its own sequence length (and its own split). A tiny all-reduce per
     step (pp > 1) lets middle stages, which get no input, learn the length and makes bad

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch.distributed.tensor import DTensor
 
 from .. import _runtime as rt
@@ -34,7 +35,7 @@ from ..attention.mixing_probe import mixing_error
 from ..orders.order import OrderSpec
 from ..orders.order_rules import check_order_rules
 from .microbatch import merge_unit_outputs
-from .options import ContextParallelConfig, SequenceSplit, fold_flat_options, positive_int
+from .options import ContextParallelConfig, SequenceSplit, positive_int
 from .preflight import agree_on_step
 from .receives import ReceiveSizer
 from .step_inputs import StepInputs, UnitCutter, check_presplit
@@ -67,16 +68,24 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         n_microbatches: int,
         seq_chunks: int,
         loss_fn: Callable[..., torch.Tensor] | None = None,
+        args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
+        kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
+        output_merge_spec: dict[str, Any] | tuple[Any] | None = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
         *,
+        seq_dim: int = 1,
         split: SequenceSplit | str | Sequence[int] = "uniform",
         context_parallel: ContextParallelConfig | None = None,
-        seq_dim: int = 1,
         ignore_index: int | None = -100,
         kwargs_seq_dims: Mapping[str, int | None] | None = None,
         check_attention: bool = True,
         skip_invisible: bool = True,
-        scale_grads: bool = True,
-        **options: Any,
+        max_active_stages: int | None = None,
+        unshard_lookahead: str | tuple[int, ...] | None = None,
+        defer_reduce_grad_wait: bool = False,
+        max_outstanding_sends: int | None = None,
     ) -> None:
         stage_list = _check_stages(stages, self._placement)
         # torch cannot split a compiled backward into its input and weight halves: split, it
@@ -92,14 +101,27 @@ class SequencePipelineSchedule(rt.UnitRuntime):
                 f"seq_dim must be an integer >= 1 (got {seq_dim!r}): dim 0 is the batch dim "
                 "that n_microbatches splits; pass the sequence dimension, usually 1"
             )
-        self.sequence_split, self.context_parallel = fold_flat_options(
-            split, context_parallel, options
-        )
+        self.sequence_split = SequenceSplit.of(split)
+        self.context_parallel = context_parallel or ContextParallelConfig()
         self.sequence_split.check(k)
         self._cp = self.context_parallel.resolve()
         self.n_samples, self.seq_chunks, self.seq_dim = m, k, seq_dim
-        super().__init__(stages=stage_list, n_microbatches=m * k, loss_fn=loss_fn,
-                         scale_grads=scale_grads, **options)  # fmt: skip
+        # 2.15's runtime options, passed only when set (the seam refuses them on older torch)
+        newer = {"max_active_stages": max_active_stages, "unshard_lookahead": unshard_lookahead,
+                 "defer_reduce_grad_wait": defer_reduce_grad_wait or None,
+                 "max_outstanding_sends": max_outstanding_sends}  # fmt: skip
+        super().__init__(
+            stages=stage_list,
+            n_microbatches=m * k,
+            loss_fn=loss_fn,
+            args_chunk_spec=args_chunk_spec,
+            kwargs_chunk_spec=kwargs_chunk_spec,
+            output_merge_spec=output_merge_spec,
+            scale_grads=scale_grads,
+            backward_requires_autograd=backward_requires_autograd,
+            defer_pp_recv=defer_pp_recv,
+            **{name: value for name, value in newer.items() if value is not None},
+        )
         args_spec, kwargs_spec, _ = self.chunk_specs
         self.cutter = UnitCutter(m, k, seq_dim, dict(kwargs_seq_dims or {}), ignore_index,
                                  scale_grads, args_spec, kwargs_spec)  # fmt: skip
