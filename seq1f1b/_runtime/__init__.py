@@ -22,6 +22,8 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 | schedules._PipelineScheduleRuntime            | base class: torch lowers and runs our orders     |
 | schedules._PipelineContext                    | argument of register_custom_function hooks       |
 | schedules._validate_schedule                  | stage -> rank mapping and torch's order checks   |
+| schedules._get_warmup_ops                     | the interleaved warm-up Seq1F1B's order extends  |
+|                                               |   (orders/upstream.py, patch 6's code verbatim)  |
 | reference.py: schedules._add_send_recv,       | tests/benchmarks compare with torch's passes     |
 |   _simulate_comms_compute,                    |   only through reference.py: lowering and        |
 |   _add_unshard_reshard,                       |   deadlock replay ours must equal, the FSDP pass |
@@ -123,6 +125,7 @@ from .ir import (
     flatten_dense_tensors,
     fsdp_held_unsharded,
     fsdp_replicate,
+    get_warmup_ops,
     has_compiled_module,
     meta_with_length,
     received_tensors,
@@ -187,6 +190,7 @@ __all__ = [
     "flatten_dense_tensors",
     "fsdp_held_unsharded",
     "fsdp_replicate",
+    "get_warmup_ops",
     "has_compiled_module",
     "meta_with_length",
     "received_tensors",

@@ -44,6 +44,7 @@ WAIT_REDUCE_GRAD: ComputationType | None = getattr(ComputationType, "WAIT_REDUCE
 # torch's passes and checks that our runtime uses (the ones tests and benchmarks only compare
 # with live in .reference)
 validate_schedule = _schedules._validate_schedule
+get_warmup_ops = _schedules._get_warmup_ops  # the interleaved warm-up the Seq1F1B order extends
 add_reduce_grad = _schedules._add_reduce_grad
 
 flatten_dense_tensors = torch._utils._flatten_dense_tensors

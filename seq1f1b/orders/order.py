@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from .._runtime import ir as rt
 from .._runtime.ir import Action
+from .upstream import _get_seq1f1b_rank_ops, _get_seq1f1b_rounds, _get_seq1f1b_warmup_ops
 
 F = rt.FORWARD
 B = rt.FULL_BACKWARD
@@ -88,7 +89,7 @@ def seq1f1b_warmup(pp: int, rank: int, n_units: int, seq_chunks: int) -> int:
     The extra ``K - 1`` lets the last stage forward every segment of sample 0 before it runs
     that sample's first (last-segment) backward.
     """
-    return min(pp - rank + seq_chunks - 2, n_units)
+    return _get_seq1f1b_warmup_ops(rank, 1, 0, pp, n_units, seq_chunks)
 
 
 def looped_stage_peak_units(pp: int, n_microbatches: int, seq_chunks: int, stage: int) -> int:
@@ -115,81 +116,29 @@ def backward_unit_order(units: Sequence[int], seq_chunks: int) -> list[int]:
 
 
 def sample_groups(spec: OrderSpec) -> list[list[int]]:
-    """Split the samples into rounds of whole samples with at least ``pp`` units each.
+    """The rounds of the interleaved order, as unit lists: whole samples, ``>= pp`` units each.
 
     Interleaved schedules cycle through their local stages one round at a time; a round needs
     ``>= pp`` units to keep the ring busy, and it must hold whole samples so that the reversed
     segment order of a sample's backward stays inside one round. This is what makes the
     interleaved variant correct for every K and pp (not only when K divides pp).
     """
-    k, m = spec.seq_chunks, spec.n_microbatches
-    per_group = max(1, -(-spec.pp // k))  # ceil(pp / K) samples
-    n_groups = max(1, m // per_group)
-    base, extra = divmod(m, n_groups)
-    groups: list[list[int]] = []
-    sample = 0
-    for g in range(n_groups):
-        n = base + (1 if g < extra else 0)
-        groups.append(list(range(sample * k, (sample + n) * k)))
-        sample += n
-    return groups
-
-
-def _rank_sequences(spec: OrderSpec, rank: int) -> tuple[list[Action], list[Action]]:
-    """The forward and the backward sequence of one rank (each in the order it runs them)."""
-    v, p = spec.stages_per_rank, spec.pp
-    fwd: list[Action] = []
-    bwd: list[Action] = []
-    if v == 1:
-        units = list(range(spec.n_units))
-        fwd = [Action(rank, F, u) for u in units]
-        bwd = [Action(rank, B, u) for u in backward_unit_order(units, spec.seq_chunks)]
-        return fwd, bwd
-    for group in sample_groups(spec):
-        back = backward_unit_order(group, spec.seq_chunks)
-        for local in range(v):
-            fwd.extend(Action(local * p + rank, F, u) for u in group)
-        for local in reversed(range(v)):
-            bwd.extend(Action(local * p + rank, B, u) for u in back)
-    return fwd, bwd
-
-
-def _warmup(spec: OrderSpec, rank: int) -> int:
-    """Warm-up forwards ``W[r]`` of one rank, in closed form (see :func:`rank_order`).
-
-    Single-stage: :func:`seq1f1b_warmup`. Interleaved: ``min((v-1)*R + 2*(pp-r-1) + K-1,
-    v*M*K)`` with ``R`` the units of the first (largest) round of :func:`sample_groups`, i.e.
-    torch's interleaved warm-up ``(v-1)*R + 2*(pp-r-1)`` (``_get_warmup_ops``,
-    ``multiply_factor=2``) plus Seq1F1B's ``K - 1``.
-    """
-    if spec.stages_per_rank == 1:
-        return seq1f1b_warmup(spec.pp, rank, spec.n_units, spec.seq_chunks)
-    n_local_units = spec.n_units * spec.stages_per_rank
-    round_units = len(sample_groups(spec)[0])
-    warm = (spec.stages_per_rank - 1) * round_units + 2 * (spec.pp - rank - 1)
-    return min(warm + spec.seq_chunks - 1, n_local_units)
-
-
-def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
-    """``warmup`` forwards, then forward/backward pairs, then the remaining backwards."""
-    order = list(fwd[:warmup])
-    f, b = warmup, 0
-    while f < len(fwd):
-        order.append(fwd[f])
-        order.append(bwd[b])
-        f += 1
-        b += 1
-    order.extend(bwd[b:])
-    return order
+    k = spec.seq_chunks
+    rounds = _get_seq1f1b_rounds(spec.n_microbatches, k, spec.pp)
+    return [list(range(r.start * k, r.stop * k)) for r in rounds]
 
 
 def rank_order(spec: OrderSpec, rank: int) -> list[Action]:
     """The compute-only Seq1F1B order of one rank, in closed form (no other rank is built).
 
-    1F1B over the rank's forward list (per round of :func:`sample_groups`: each local stage
-    forwards the round's units) and backward list (per round: local stages in reverse, each
-    sample's segments last-first): ``W[r]`` forwards (:func:`_warmup`), then forward/backward
-    pairs, then the remaining backwards; with ``split_backward``, :func:`split_backward`.
+    The code is torch's proposed ``_get_seq1f1b_rank_ops`` (:mod:`.upstream`): 1F1B over the
+    rank's forward list (per round of :func:`sample_groups`: each local stage forwards the
+    round's units) and backward list (per round: local stages in reverse, each sample's
+    segments last-first): ``W[r]`` forwards (``_get_seq1f1b_warmup_ops``: Seq1F1B's
+    :func:`seq1f1b_warmup` for one stage per rank; for several, torch's interleaved warm-up
+    ``(v-1)*R + 2*(pp-r-1)`` over the first round's ``R`` units plus ``K - 1``, capped at
+    ``v*M*K``), then forward/backward pairs, then the remaining backwards; with
+    ``split_backward``, :func:`split_backward`.
 
     Why no rank waits forever (``W[r] >= W[r+1]``: the warm-up shrinks downstream).
     Entry ``i`` of every rank's forward (backward) list is the same (local stage, unit), so a
@@ -213,7 +162,9 @@ def rank_order(spec: OrderSpec, rank: int) -> list[Action]:
     The ``2`` per hop (torch's interleaved ``multiply_factor``) is there for the bubble, not
     for correctness: with equal costs a rank's gradient comes back just as it needs it.
     """
-    order = _one_f_one_b(*_rank_sequences(spec, rank), _warmup(spec, rank))
+    order = _get_seq1f1b_rank_ops(
+        rank, spec.pp, spec.stages_per_rank, spec.n_microbatches, spec.seq_chunks
+    )
     return split_backward(order) if spec.split_backward else order
 
 
