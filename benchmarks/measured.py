@@ -337,7 +337,8 @@ def _memory_step(run: _Run, probe: RankProbe) -> None:
     run.result.peak_activation_rank_bytes = meter.peak_total
     run.result.param_bytes = run.param_bytes
     run.result.peak_rss_bytes = (rss_after - rss_before) * 1024  # ru_maxrss is in KiB on Linux
-    run.result.kv_peak_bytes = getattr(run.sched, "kv_peak_bytes", lambda: 0)()
+    unit_actions = getattr(run.sched, "unit_actions", None)  # Seq1F1B-family schedules
+    run.result.kv_peak_bytes = unit_actions.kv_peak_bytes() if unit_actions else 0
 
 
 def _rank_main(rank: int, world: int, setting: Setting, specs: list[RunSpec]) -> list[RunResult]:

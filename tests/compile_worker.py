@@ -49,7 +49,7 @@ def compiled_schedule_steps(
         x, y = data(case)
         losses: list[torch.Tensor] = []
         scheds[k].step(x, target=y, losses=losses, document_ids=documents(case))
-        assert scheds[k].kv_state_empty()
+        assert scheds[k].unit_actions.kv_state_empty()
         loss = torch.stack(losses).mean().item()
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (case, loss, ref_loss)
         for s in mine:

@@ -154,7 +154,7 @@ def run_case(rank: int, world: int, case: Case, tol: float = 1e-5) -> None:
         losses=losses if has_last else None,
         document_ids=documents(case),
     )
-    assert sched.kv_state_empty(), "K/V state survived step()"
+    assert sched.unit_actions.kv_state_empty(), "K/V state survived step()"
     if has_last:
         assert len(losses) == case.n_microbatches * case.seq_chunks
         assert all(bool(torch.isfinite(x)) for x in losses), losses
@@ -314,7 +314,7 @@ def run_eval_case(rank: int, world: int, case: Case) -> None:
                 losses=losses if has_last else None,
                 document_ids=documents(case),
             )
-        assert sched.kv_state_empty()
+        assert sched.unit_actions.kv_state_empty()
         if has_last:
             assert rel_err(out, ref_logits) <= 1e-5
             loss = torch.stack(losses).mean()

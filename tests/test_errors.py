@@ -136,7 +136,7 @@ def _no_growth(rank: int, world: int) -> None:
     for _ in range(5):
         stage.submod.zero_grad(set_to_none=False)
         sched.step(*((x,) if first else ()), target=y if last else None)
-        assert sched.kv_state_empty() and sched.kv_state_bytes() == 0
+        assert sched.unit_actions.kv_state_empty() and sched.unit_actions.kv_state_bytes() == 0
         gc.collect()
         counts.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
     assert counts[-1] <= counts[1], counts

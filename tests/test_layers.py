@@ -121,3 +121,28 @@ def test_no_import_circle() -> None:
     for n in sorted(graph):
         if n not in state:
             visit(n)
+
+
+def test_no_schedule_class_longer_than_torchs_interleaved_1f1b() -> None:
+    """Schedule classes read like torch's: what is not the schedule (input cutting, checks,
+    K/V bookkeeping, pair sync) lives in collaborators, so no schedule class is longer than
+    torch's ``ScheduleInterleaved1F1B`` of the installed release."""
+    import inspect
+
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    limit = len(inspect.getsourcelines(ScheduleInterleaved1F1B)[0])
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "_runtime":  # the seam's runtime is torch's runtime, not a schedule
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            bases = [getattr(b, "attr", None) or getattr(b, "id", "") for b in
+                     getattr(node, "bases", ())]  # fmt: skip
+            is_schedule = isinstance(node, ast.ClassDef) and any(
+                b.endswith(("UnitRuntime", "PipelineSchedule", "Seq1F1B")) for b in bases
+            )
+            size = node.end_lineno - node.lineno + 1 if is_schedule else 0
+            if size > limit:
+                long.append(f"{path.relative_to(PACKAGE)}: {node.name}, {size} lines > {limit}")
+    assert len(long) == 0, "\n".join(long)

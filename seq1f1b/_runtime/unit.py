@@ -185,6 +185,19 @@ class UnitRuntime(ScheduleRuntime):
                 f"finalize_gradients=False needs torch >= 2.15 (this is {torch.__version__})"
             )
 
+    def begin_step(self, finalize_gradients: bool = True) -> None:
+        """What torch's ``step()`` does before it splits inputs: refuse training under
+        ``no_grad``, take ``finalize_gradients``, and reset every stage for the step."""
+        if self.has_backward and self.backward_requires_autograd and not torch.is_grad_enabled():
+            raise RuntimeError(
+                "step() requires gradients to be enabled for backward computation; "
+                "it should not be used under torch.no_grad() context. Please call eval() instead."
+            )
+        self.set_finalize_gradients(finalize_gradients)
+        for stage in self._stages:
+            stage.has_backward = self.has_backward
+            stage.clear_runtime_states()
+
     def run_microbatches(
         self,
         arg_mbs: list,

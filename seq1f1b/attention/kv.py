@@ -155,6 +155,22 @@ class ContextParallel:
             return zigzag_runs(start, end, rank, self.size)
         return document_cp_layout(start, end, self.size, documents)[rank]
 
+    def average_grads(self, params: Iterator[torch.nn.Parameter]) -> None:
+        """Each CP rank holds the gradient of its shard's loss share: average them in place,
+        one asynchronous all-reduce per gradient (no flat copy of all gradients)."""
+        from torch.distributed import all_reduce
+        from torch.distributed.tensor import DTensor
+
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for p in params
+            if p.grad is not None
+        ]
+        works = [all_reduce(g, group=self.group, async_op=True) for g in grads]
+        for g, work in zip(grads, works, strict=True):
+            work.wait()
+            g.div_(self.size)
+
 
 @dataclass(frozen=True)
 class SegmentInfo:

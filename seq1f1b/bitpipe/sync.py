@@ -19,7 +19,14 @@ import torch.distributed as dist
 from .._runtime import PipelineStageBase, flatten_dense_tensors, unflatten_dense_tensors
 from .layout import BitPipeLayout
 
-__all__ = ["PairGradSync", "broadcast_twins", "new_pair_group", "pair_ranks"]
+__all__ = [
+    "PairGradSync",
+    "broadcast_twins",
+    "exchange_losses",
+    "new_pair_group",
+    "owned_parameters",
+    "pair_ranks",
+]
 
 
 def pair_ranks(pp_ranks: Sequence[int]) -> list[list[int]]:
@@ -144,3 +151,50 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor gradient (FSDP/TP), or the tensor itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def owned_parameters(
+    stages: Sequence[PipelineStageBase], order: list[int]
+) -> dict[int, list[torch.nn.Parameter]]:
+    """Each stage's parameters as registered now (in reduce ``order``); a shared one belongs
+    to the stage reduced last."""
+    by_index = {s.stage_index: s for s in stages}
+    owned: dict[int, list[torch.nn.Parameter]] = {}
+    taken: set[int] = set()
+    for g in reversed(order):
+        params = [p for p in dict.fromkeys(by_index[g].submod.parameters()) if p.requires_grad]
+        owned[g] = [p for p in params if id(p) not in taken]
+        taken.update(id(p) for p in params)
+    return owned
+
+
+def exchange_losses(
+    layout: BitPipeLayout,
+    pair_group: dist.ProcessGroup,
+    replica: int,
+    unit_losses: dict[int, torch.Tensor],
+    n_microbatches: int,
+) -> list[torch.Tensor]:
+    """All M losses on a rank holding a last stage: its replica's (kept as computed) and the
+    partner's (received, detached), in microbatch order."""
+    m = n_microbatches
+    mine = layout.microbatches(replica, m)
+    theirs = layout.microbatches(1 - replica, m)
+    missing = [mb for mb in mine if mb not in unit_losses]
+    if missing:
+        raise RuntimeError(f"BitPipe: no losses for microbatches {missing}")
+    kept = {mb: _plain(unit_losses[mb]) for mb in mine}
+    local = torch.stack([kept[mb].detach() for mb in mine])
+    both = [torch.empty_like(local) for _ in range(2)]
+    dist.all_gather(both, local, group=pair_group)
+    other = both[1 - dist.get_rank(pair_group)]
+    out: dict[int, torch.Tensor] = dict(kept)
+    out.update({mb: other[i] for i, mb in enumerate(theirs)})
+    return [out[mb] for mb in range(m)]
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A DTensor loss (TP's loss parallel) as a plain tensor: c10d collectives and the
+    partner's received losses are plain, and one list must not mix the two."""
+    full = getattr(loss, "full_tensor", None)
+    return full() if callable(full) else loss

@@ -31,6 +31,35 @@ def positive_int(name: str, value: Any, fix: str) -> int:
     return value
 
 
+def check_counts(n_microbatches: Any, seq_chunks: Any, seq_dim: Any) -> tuple[int, int]:
+    """M and K, checked with the schedule's other integer arguments (errors name the fix)."""
+    m = positive_int("n_microbatches", n_microbatches, "pass the number of samples per step")
+    k = positive_int("seq_chunks", seq_chunks, "pass 1 for plain 1F1B, or 2, 4, 8 ...")
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 1:
+        raise ValueError(
+            f"seq_dim must be an integer >= 1 (got {seq_dim!r}): dim 0 is the batch dim "
+            "that n_microbatches splits; pass the sequence dimension, usually 1"
+        )
+    return m, k
+
+
+def runtime_options(
+    max_active_stages: int | None,
+    unshard_lookahead: str | tuple[int, ...] | None,
+    defer_reduce_grad_wait: bool,
+    max_outstanding_sends: int | None,
+) -> dict[str, Any]:
+    """torch 2.15's runtime options that are set (None / False: torch's default), so that an
+    older torch, which has none of them, is handed only those asked for (and refuses them)."""
+    options = {
+        "max_active_stages": max_active_stages,
+        "unshard_lookahead": unshard_lookahead,
+        "defer_reduce_grad_wait": defer_reduce_grad_wait or None,
+        "max_outstanding_sends": max_outstanding_sends,
+    }
+    return {name: value for name, value in options.items() if value is not None}
+
+
 @dataclass(frozen=True)
 class SequenceSplit:
     """How each sample's sequence is cut into ``seq_chunks`` segments.

@@ -1,5 +1,6 @@
-"""The cross-rank pre-flight of a step: every pipeline rank agrees on the sequence length and
-learns whether any rank rejected its inputs, before any pipeline traffic.
+"""The cross-rank pre-flight of a step: every pipeline rank validates and cuts its inputs,
+agrees on the sequence length and learns whether any rank rejected its inputs, before any
+pipeline traffic (:class:`Preflight`).
 
 Middle stages get no input, so they cannot know the length by themselves; and a rank that
 raises on bad input while its peers enter a recv would leave them waiting until the timeout.
@@ -10,10 +11,19 @@ and pp == 1.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree_on_step"]
+from .options import SequenceSplit
+from .step_inputs import Presplit, StepInputs, UnitCutter
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Preflight", "agree_on_step"]
 
 
 def agree_on_step(
@@ -63,3 +73,79 @@ def agree_on_step(
             "unknown: pass seq_len= to ScheduleSeq1F1B"
         )
     return agreed
+
+
+class Preflight:
+    """A schedule's step preparation: this rank's units, the same split on every rank.
+
+    ``lengths_of(seq_len, document_ids)`` is the schedule's per-sample split (each sample's
+    segment lengths); ``cp`` the context-parallel view that places each rank's shards.
+    """
+
+    def __init__(
+        self,
+        split: SequenceSplit,
+        cutter: UnitCutter,
+        lengths_of: Callable[[int, Any], list[list[int]]],
+        cp: Any,
+        group_size: int,
+    ) -> None:
+        self.split, self.cutter, self.lengths_of = split, cutter, lengths_of
+        self.cp, self.group_size = cp, group_size
+        self._last_lengths: list[list[int]] | None = None  # logged when the split changes
+
+    def prepare(
+        self,
+        stage: Any,
+        args: tuple,
+        kwargs: dict,
+        target: Any,
+        presplit: Presplit | None,
+        document_ids: Any,
+        whole_backward: bool,
+    ) -> StepInputs:
+        """This rank's units (with the step's per-sample documents), after the pre-flight: a
+        rank whose inputs are bad raises its error, every other rank a pointer to it, before
+        any pipeline traffic."""
+        fixed = self.split.seq_len
+        local = self.cutter.seq_len(args, kwargs, target, presplit)
+        error: ValueError | None = None
+        inputs, documents = None, None
+        step = (args, kwargs, target, presplit, document_ids)
+        try:
+            if fixed is not None and local and local != fixed:
+                raise ValueError(
+                    f"inputs have sequence length {local} but the schedule was built with "
+                    f"seq_len={fixed}: pass matching inputs or rebuild it"
+                )
+            if document_ids is not None:
+                documents = self.cutter.documents(document_ids, fixed or local)
+            if fixed or local:
+                inputs = self._cut(fixed or local, step, documents)
+        except ValueError as exc:
+            error = exc
+        agreed = agree_on_step(stage.group, self.group_size, stage.device, fixed or local,
+                               error, document_ids is not None, whole_backward)  # fmt: skip
+        if inputs is None:  # a rank without inputs learns the length from the others
+            inputs = self._cut(agreed, step, documents)
+        elif sum(inputs.lengths[0]) != agreed:
+            raise ValueError(
+                f"this rank's inputs have sequence length {sum(inputs.lengths[0])} but another "
+                f"rank's have {agreed}: pass the same sequence length on every rank"
+            )
+        inputs.documents = documents
+        return inputs
+
+    def _cut(self, seq_len: int, step: tuple, documents: list | None) -> StepInputs:
+        """This rank's units; ``documents`` (per sample) place the CP shards."""
+        args, kwargs, target, presplit, document_ids = step
+        lengths = self.lengths_of(seq_len, document_ids)
+        if lengths != self._last_lengths:
+            mode = self.split.mode
+            masked = document_ids is not None and mode == "compute"
+            same = all(ls == lengths[0] for ls in lengths)
+            logger.info("Seq1F1B: segment lengths%s %s (split=%s%s)",
+                        "" if same else " per sample", lengths[0] if same else lengths, mode,
+                        ", by document" if masked else "")  # fmt: skip
+            self._last_lengths = lengths
+        return self.cutter.cut(lengths, args, kwargs, target, presplit, self.cp, documents)

@@ -23,7 +23,14 @@ from .microbatch import (
 )
 from .partition import segment_offsets
 
-__all__ = ["StepInputs", "UnitCutter", "check_presplit", "token_weights"]
+__all__ = [
+    "StepInputs",
+    "UnitCutter",
+    "check_presplit",
+    "split_step_inputs",
+    "token_weights",
+    "weighted_loss",
+]
 
 Presplit = tuple[list, list, list | None]
 
@@ -37,6 +44,7 @@ class StepInputs:
     kwargs: list
     targets: list | None
     weights: list[float]  # each unit's loss weight (its token share; 1.0 without scaling)
+    documents: list | None = None  # each sample's document runs (packed documents), or None
 
     @property
     def unit_lengths(self) -> list[int]:
@@ -65,6 +73,34 @@ def check_presplit(
             )
         out.append(mbs)
     return out[0], out[1], out[2]  # type: ignore[return-value]
+
+
+def split_step_inputs(
+    args: tuple,
+    kwargs: dict,
+    target: Any,
+    arg_mbs: list | None,
+    kwarg_mbs: list | None,
+    target_mbs: list | None,
+    n_samples: int,
+) -> Presplit | None:
+    """The pre-split samples of a step (checked), or None for whole-batch inputs; never both."""
+    if all(x is None for x in (arg_mbs, kwarg_mbs, target_mbs)):
+        return None
+    if args or kwargs or target is not None:
+        raise ValueError(
+            "step(): pass either whole-batch inputs (args, kwargs, target) or pre-split "
+            "samples (arg_mbs, kwarg_mbs, target_mbs), not both"
+        )
+    return check_presplit(arg_mbs, kwarg_mbs, target_mbs, n_samples)
+
+
+def weighted_loss(loss: torch.Tensor, weight: float) -> torch.Tensor:
+    """A unit's mean loss times its token share. A unit without a counted token (all
+    ``ignore_index``) has a 0/0 = NaN mean: it adds nothing, and its gradient is zero."""
+    if weight == 0.0:
+        return torch.where(loss.isnan(), torch.zeros_like(loss), loss) * 0.0
+    return loss * weight if weight != 1.0 else loss
 
 
 def token_weights(tokens: Sequence[int], total: int, cp_size: int) -> list[float]:

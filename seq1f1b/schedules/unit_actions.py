@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -19,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _runtime as rt
 from .._runtime import Action, PipelineStageBase
 from ..attention.kv import ContextParallel, SegmentInfo, StageKVState, UnitContext, activate
-from ..attention.mixing_probe import mixes_positions
+from ..attention.mixing_probe import mixes_positions, mixing_error
 from .partition import segment_offsets
 from .receives import ReceiveSizer
 
@@ -65,6 +66,7 @@ class UnitActions:
         receives: ReceiveSizer,
         cp: ContextParallel | None,
         skip_invisible: bool = True,
+        check_attention: bool = True,
     ) -> None:
         self.seq_chunks = seq_chunks
         self.receives = receives
@@ -81,8 +83,12 @@ class UnitActions:
         self.documents: list | None = None  # per sample: document runs (packed documents)
         self.guard = False  # check for plain SDPA (first step, first step with documents)
         self.mixing: tuple[int, int] | None = None
+        # the guard runs on the first step (units or CP), and on the first with documents
+        self._guard_units = check_attention and (seq_chunks > 1 or cp is not None)
+        self._guard_documents = check_attention
 
-    def begin_step(self, lengths: list[list[int]], documents: list | None, guard: bool) -> None:
+    def begin_step(self, lengths: list[list[int]], documents: list | None) -> None:
+        guard = self._guard_units or (documents is not None and self._guard_documents)
         self.lengths, self.documents, self.guard = lengths, documents, guard
         self.mixing: tuple[int, int] | None = None  # (stage, segment) that mixes positions
         self._unit_lengths = [n for sample in lengths for n in sample]
@@ -95,6 +101,44 @@ class UnitActions:
     def end_step(self) -> None:
         for state in self.kv_states.values():
             state.clear()
+
+    @contextlib.contextmanager
+    def step_scope(self, stage: PipelineStageBase, group_size: int) -> Iterator[None]:
+        """Around a step's actions: after a guarded step, raise on every rank if a stage mixed
+        positions (:meth:`raise_if_positions_mix`); the K/V state is cleared either way."""
+        try:
+            yield
+            if self.guard:
+                self.raise_if_positions_mix(stage, group_size)
+            self._guard_units = False
+            self._guard_documents = self._guard_documents and self.documents is None
+        finally:
+            self.end_step()
+
+    def kv_state_bytes(self) -> int:
+        """Bytes of K/V still cached (0 between steps; for tests and memory checks)."""
+        return sum(s.nbytes() for s in self.kv_states.values())
+
+    def kv_peak_bytes(self) -> int:
+        """Most K/V bytes cached at once on this rank's stages during the last step."""
+        return max((s.peak_bytes for s in self.kv_states.values()), default=0)
+
+    def kv_state_empty(self) -> bool:
+        return all(s.is_empty() for s in self.kv_states.values())
+
+    def raise_if_positions_mix(self, stage: PipelineStageBase, group_size: int) -> None:
+        """After a guarded step: if any rank's stage combined the positions of a later segment
+        without a chunk-aware attention call, every rank raises the same named error (the
+        step's traffic completed; no optimizer step has run on its gradients)."""
+        mixing = self.mixing
+        code = 0 if mixing is None else (mixing[0] + 1) * (self.seq_chunks + 1) + mixing[1]
+        if group_size > 1:
+            t = torch.tensor([code], dtype=torch.int64, device=stage.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=stage.group)
+            code = int(t.item())
+        if code:
+            stage_index, segment = divmod(code, self.seq_chunks + 1)
+            raise mixing_error(stage_index - 1, segment)
 
     def segment_info(self, unit: int) -> SegmentInfo:
         """The unit's place in its sample; built once per step (lengths and bounds are the
