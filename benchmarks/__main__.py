@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .presets import PRESETS
-from .report import markdown_report
+from .harness.presets import PRESETS
+from .output.report import markdown_report
 from .run import run_all
 
 

@@ -20,16 +20,16 @@ from seq1f1b.planning.costmodel import PRESETS as PLANNER_PRESETS
 from seq1f1b.planning.planner import search
 from seq1f1b.registry import is_baseline, lookup
 
-from .budget import budget_rows, verify_rows
-from .calibration import calibrate
-from .context_parallel import longest_sequences, measure_cp
-from .masks import measure_skipping, simulate_masked_splits
-from .measured import RunSpec, Setting, measure, model_shape
-from .orders import ScheduleSpec
-from .presets import Preset
-from .published import memory_vs_published
-from .simtables import PAPER_SHAPE, simulate_spec, simulation_table
-from .trace import write_chrome_trace
+from .cp.seq1f1b_cp import longest_sequences, measure_cp
+from .documents.masked import measure_skipping, simulate_masked_splits
+from .harness.measured import RunSpec, Setting, measure, model_shape
+from .harness.pipeline_orders import ScheduleSpec
+from .harness.presets import Preset
+from .memory.budget import budget_rows, verify_rows
+from .output.trace import write_chrome_trace
+from .planner_models.published import memory_vs_published
+from .planner_models.time_costs import calibrate
+from .step_time.simtables import PAPER_SHAPE, simulate_spec, simulation_table
 from .v_targets import memory_bound_rows, v_targets
 
 __all__ = ["run_all"]
@@ -289,7 +289,7 @@ def _pictures(out: str, results: dict[str, Any], log: Callable[[str], None]) -> 
     except ImportError:
         log("matplotlib is not installed (pip install -e '.[bench]'): no PNGs")
         return []
-    from .pictures import measured_picture, readme_picture, schedule_pictures
+    from .output.pictures import measured_picture, readme_picture, schedule_pictures
 
     paths = schedule_pictures(os.path.join(out, "timelines"))
     readme = os.path.join(out, "timeline_1f1b_vs_seq1f1b.png")
@@ -355,10 +355,10 @@ def run_all(
                 f"{PINNING}. Median of {preset.timed_steps} steps, each the slowest rank's time; "
                 "schedules alternate step by step. `replayed`: the measured CPU time of each "
                 "action run through the simulator in the order each rank ran them (immune to "
-                "other jobs taking the cores; see benchmarks/replay.py). `simulated`: the "
-                "FLOPs cost model for the same shapes. `wall/CPU`: the actions' wall time over "
-                "their CPU time, 1.0 when the ranks have their cores to themselves. Machine "
-                f"load average: {load}. Memory: {MEMORY_DEF}."
+                "other jobs taking the cores; see benchmarks/harness/cpu_replay.py). "
+                "`simulated`: the FLOPs cost model for the same shapes. `wall/CPU`: the actions' "
+                "wall time over their CPU time, 1.0 when the ranks have their cores to "
+                f"themselves. Machine load average: {load}. Memory: {MEMORY_DEF}."
             ),
             "runs": main_runs,
         }

@@ -14,8 +14,8 @@ from seq1f1b.orders.order_v import v_stage_peak_units as v_peak_units
 from seq1f1b.planning.costmodel import PRESETS as PLANNER_PRESETS
 from seq1f1b.registry import lookup
 
-from .orders import ScheduleSpec
-from .simtables import simulate_spec
+from .harness.pipeline_orders import ScheduleSpec
+from .step_time.simtables import simulate_spec
 
 __all__ = ["memory_bound_rows", "simulated_8b_ratios", "v_targets"]
 

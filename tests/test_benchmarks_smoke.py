@@ -132,7 +132,7 @@ def test_pictures(smoke_out: Path) -> None:
 
 
 def test_budget_fit_and_step_down() -> None:
-    from benchmarks.budget import budget_rows, fit_line, verify_rows
+    from benchmarks.memory.budget import budget_rows, fit_line, verify_rows
 
     a, b, worst = fit_line([(1024, 1124.0), (2048, 2148.0), (4096, 4196.0)])
     assert (a, b) == pytest.approx((100.0, 1.0)) and worst < 1e-9
@@ -155,7 +155,7 @@ def test_meter_releases_saved_outputs_of_a_retained_graph() -> None:
     that no collector breaks, and the meter would report it as live until the step ended)."""
     import gc
 
-    from benchmarks.probe import SavedTensorMeter
+    from benchmarks.harness.probe import SavedTensorMeter
 
     w = torch.randn(8, 8, requires_grad=True)
     meter = SavedTensorMeter(exclude=[w])
@@ -172,10 +172,10 @@ def test_meter_releases_saved_outputs_of_a_retained_graph() -> None:
 
 
 def test_gap_measures_and_tabulates() -> None:
-    """``benchmarks.gap`` on tiny sizes: ratios vs 1F1B for each schedule, 1F1B's own 1.0, the
-    simulated ratio below 1 for Seq1F1B (the FLOPs model's bubble saving), and a table row per
-    tree and schedule."""
-    from benchmarks.gap import _table, measure_gap
+    """``benchmarks.step_time.gap`` on tiny sizes: ratios vs 1F1B for each schedule, 1F1B's own
+    1.0, the simulated ratio below 1 for Seq1F1B (the FLOPs model's bubble saving), and a table
+    row per tree and schedule."""
+    from benchmarks.step_time.gap import _table, measure_gap
 
     res = measure_gap([2], steps=1, seq_len=128)
     runs = res["runs"]

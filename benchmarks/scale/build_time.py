@@ -6,7 +6,7 @@ in time linear in the number of actions (:mod:`seq1f1b._runtime.lowering`), with
 Both run on stand-in stages (no process group); the time includes the lowered schedule with
 send/recv that the runtime executes (``pipeline_order_with_comms``).
 
-Run: ``python -m benchmarks.build_time`` (a few minutes: torch runs until its timeout), or
+Run: ``python -m benchmarks.scale.build_time`` (a few minutes: torch runs until its timeout), or
 ``--quick`` for the pp=64, 1024-unit rows only. Seq1F1B: best of 3 per rank, max over rank 0
 and rank pp-1. torch: ``_prepare_schedule_with_comms`` of the same compute order (what
 ``_PipelineScheduleRuntime`` runs on each rank) in a fresh subprocess, stopped after
@@ -59,7 +59,7 @@ def seq1f1b_seconds(pp: int, v: int, m: int, k: int, repeats: int = 3) -> float:
 
 def torch_seconds(pp: int, v: int, m: int, k: int, timeout: float) -> float | None:
     """torch's lowering on rank 0 in a subprocess (fresh heap); None if over ``timeout``."""
-    cmd = [sys.executable, "-m", "benchmarks.build_time", "--torch-child", str(pp), str(v)]
+    cmd = [sys.executable, "-m", "benchmarks.scale.build_time", "--torch-child", str(pp), str(v)]
     cmd += [str(m), str(k)]
     cmd += ["--torch-timeout", str(timeout)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 300, check=True)

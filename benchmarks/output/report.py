@@ -190,7 +190,7 @@ def markdown_report(results: dict[str, Any]) -> str:
 
 def calibration_section(cal: dict[str, Any]) -> list[str]:
     """The calibrated time model's predicted step time vs 1F1B next to the measured one."""
-    from .calibration import table
+    from ..planner_models.time_costs import table
 
     f, b = cal["constants"]["forward"], cal["constants"]["backward"]
     return [
@@ -243,7 +243,7 @@ def published_memory_table(mem: dict[str, Any]) -> list[str]:
         "alone exceeds it); the differences between schedules cancel every term that does not "
         "depend on activations and match; the common offset (fitted on 1F1B) is memory the "
         "model does not count (allocator reserve, CUDA/NCCL context, Megatron's bf16 weight "
-        "copy). See benchmarks/published.py.",
+        "copy). See benchmarks/planner_models/published.py.",
         "",
         *_table(head, rows),
         "",

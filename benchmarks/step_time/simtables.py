@@ -16,7 +16,7 @@ from seq1f1b.planning.simulate import FlopsCosts, SimResult, simulate
 from seq1f1b.registry import is_baseline
 from seq1f1b.schedules.partition import ModelShape, resolve_split
 
-from .orders import ScheduleSpec, pipeline_order
+from ..harness.pipeline_orders import ScheduleSpec, pipeline_order
 
 __all__ = [
     "PAPER_SHAPE",
