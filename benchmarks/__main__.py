@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=["pp2"],
         default=None,
         help="pp2: only the timed pp=2 comparison at the first length, the memory budget, the "
-        "simulations and the targets",
+        "simulations and the headline ratios",
     )
     ap.add_argument(
         "--runs",

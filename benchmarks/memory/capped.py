@@ -133,14 +133,6 @@ def capped_comparison(
         "load_average": load,
         "rows": table,
         "budget_rows": rows,
-        "target": {
-            "wanted": ">= 1.75x of 1F1B's longest sequence and <= 0.75x of its step time",
-            "met_by": [
-                t["label"]
-                for t in table
-                if t["longest_vs_1f1b"] >= 1.75 and t["time_vs_1f1b"] <= 0.75
-            ],
-        },
     }
 
 
@@ -164,8 +156,6 @@ def markdown_table(res: dict[str, Any]) -> str:
             f"{t['simulated_vs_1f1b']:.3f} | {t['wall_over_cpu']:.2f} | {peaks} | "
             f"{t['longest_seq_len']} | {t['longest_vs_1f1b']:.2f}x |"
         )
-    met = res["target"]["met_by"]
-    lines += ["", f"Target ({res['target']['wanted']}): met by {met or 'none'}."]
     return "\n".join(lines)
 
 

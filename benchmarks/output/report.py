@@ -133,16 +133,16 @@ def budget_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     return _table(head, body)
 
 
-def targets_table(targets: Sequence[dict[str, Any]]) -> list[str]:
-    rows = [[t["name"], t["value"], t["target"], "yes" if t["met"] else "no"] for t in targets]
-    return _table(["target", "got", "wanted", "met"], rows)
+def headline_table(rows: Sequence[dict[str, str]]) -> list[str]:
+    """The headline measurements, one row each (their goals: README, "Targets")."""
+    return _table(["measured", "value"], [[r["name"], r["value"]] for r in rows])
 
 
 def markdown_report(results: dict[str, Any]) -> str:
     """All tables, in the order the README uses them."""
     meta = results["meta"]
     out = [f"# Benchmarks ({meta['mode']})", "", f"`{meta['command']}` — {meta['summary']}", ""]
-    out += ["## Targets", "", *targets_table(results["targets"]), ""]
+    out += ["## Headline ratios", "", *headline_table(results["headline"]), ""]
     for setting in results["measured"].values():
         out += [f"## Measured: {setting['title']}", "", setting["note"], ""]
         out += measured_table(setting["runs"], setting["timed"])

@@ -34,7 +34,7 @@ from seq1f1b.orders.order import OrderSpec, build_orders
 # (pp, stages per rank, M, K): units M*K = 16*pp, then a units curve at pp=32
 SCALE = [(pp, v, pp, 16) for v in (1, 2) for pp in (8, 16, 32, 64)]
 CURVE = [(32, v, m, 16) for v in (1, 2) for m in (8, 16, 32, 64, 128)]
-TARGET = [(64, v, 64, 16) for v in (1, 2)]
+PP64 = [(64, v, 64, 16) for v in (1, 2)]
 
 
 class _Timeout(Exception):
@@ -141,7 +141,7 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, torch timeout {timeout:g} s")
     if args.quick:
-        _table("Build time at pp = 64, 1024 units", TARGET, measure, timeout)
+        _table("Build time at pp = 64, 1024 units", PP64, measure, timeout)
         return
     _table("Build time vs pp (units = 16·pp, K = 16)", SCALE, measure, timeout)
     _table("Build time vs units at pp = 32 (K = 16)", CURVE, measure, timeout)
