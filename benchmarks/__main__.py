@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .presets import PRESETS
-from .report import markdown_report
+from .harness.presets import PRESETS
+from .output.report import markdown_report
 from .run import run_all
 
 
@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=["pp2"],
         default=None,
         help="pp2: only the timed pp=2 comparison at the first length, the memory budget, the "
-        "simulations and the targets",
+        "simulations and the headline ratios",
     )
     ap.add_argument(
         "--runs",

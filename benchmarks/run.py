@@ -16,21 +16,21 @@ from typing import Any
 import torch
 
 from seq1f1b.planning.costmodel import GB, Hardware
-from seq1f1b.planning.costmodel import PRESETS as PLANNER_PRESETS
 from seq1f1b.planning.planner import search
 from seq1f1b.registry import is_baseline, lookup
 
-from .budget import budget_rows, verify_rows
-from .calibration import calibrate
-from .context_parallel import longest_sequences, measure_cp
-from .masks import measure_skipping, simulate_masked_splits
-from .measured import RunSpec, Setting, measure, model_shape
-from .orders import ScheduleSpec
-from .presets import Preset
-from .published import memory_vs_published
-from .simtables import PAPER_SHAPE, simulate_spec, simulation_table
-from .trace import write_chrome_trace
-from .v_targets import memory_bound_rows, v_targets
+from .cp.seq1f1b_cp import longest_sequences, measure_cp
+from .documents.masked import measure_skipping, simulate_masked_splits
+from .harness.measured import RunSpec, Setting, measure, model_shape
+from .harness.pipeline_orders import ScheduleSpec
+from .harness.presets import Preset
+from .headline import headline_rows
+from .memory.budget import budget_rows, verify_rows
+from .memory.units_in_flight import memory_bound_rows
+from .output.trace import write_chrome_trace
+from .planner_models.published import memory_vs_published
+from .planner_models.time_costs import calibrate
+from .step_time.simtables import PAPER_SHAPE, simulate_spec, simulation_table
 
 __all__ = ["run_all"]
 
@@ -131,20 +131,6 @@ def _budget(
     }
 
 
-def _formula_target(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    """Largest relative deviation of the equal-cost simulated bubble from the closed form."""
-    dev = max(
-        abs(r["bubble_ratio_equal_cost"] - r["formula_bubble_ratio"]) / r["formula_bubble_ratio"]
-        for r in rows
-    )
-    return {
-        "name": name,
-        "value": f"max deviation {dev:.1%} over {len(rows)} settings",
-        "target": "within 5%",
-        "met": dev <= 0.05,
-    }
-
-
 def _planner_vs_published() -> dict:
     """The planner on the paper's 7B, 32 A100s of 80 GB (pp 8 x tp 4), 8 microbatches, no
     recomputation, next to its published memory: 1F1B 51.4 GB and Seq1F1B 34.3 GB at 64k,
@@ -176,120 +162,13 @@ def _planner_vs_published() -> dict:
     return out
 
 
-def _targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    def rows(schedule: str) -> list[dict[str, Any]]:
-        return [r for r in results["simulation"] if r["schedule"] == schedule and "error" not in r]
-
-    sim = rows("Seq1F1B")
-    out = [
-        _formula_target(sim, "simulated Seq1F1B bubble, equal-cost segments, vs (p-1)/(K*M+p-1)")
-    ]
-    if rows("BitPipe"):
-        name = "simulated BitPipe bubble, t_b = t_f, vs (pp-2)/(4M+pp-2)"
-        out.append(_formula_target(rows("BitPipe"), name))
-    pairs = {}
-    for r in sim:
-        pairs.setdefault((r["pp"], r["microbatches"], r["seq_len"], r["seq_chunks"]), {})[
-            r["split"]
-        ] = r["bubble_ratio"]
-    wins = sum(p["compute"] < p["uniform"] for p in pairs.values())
-    gaps = [p["uniform"] - p["compute"] for p in pairs.values()]
-    out.append(
-        {
-            "name": "simulated bubble with causal costs: compute-balanced vs uniform split",
-            "value": f"compute lower in {wins}/{len(pairs)} settings "
-            f"(by {min(gaps):.3f} to {max(gaps):.3f})",
-            "target": "compute split beats uniform",
-            "met": wins == len(pairs),
-        }
-    )
-    out += _zero_bubble_targets(results)
-    pp4 = results["measured"].get("pp4")
-    if pp4:
-        runs = {r["label"]: r for r in pp4["runs"]}
-        base = runs["1F1B"]["peak_activation_bytes"][0]
-        for split in ("uniform", "compute"):
-            r = runs.get(f"Seq1F1B K=4 {split}")
-            if r:
-                ratio = r["peak_activation_bytes"][0] / base
-                out.append(
-                    {
-                        "name": f"measured stage-0 peak activations, pp=4, K=4 {split}, vs 1F1B",
-                        "value": f"{ratio:.3f}x",
-                        "target": "<= 0.5x",
-                        "met": ratio <= 0.5,
-                    }
-                )
-    for key, setting in results["measured"].items():
-        if not setting["timed"]:
-            continue
-        runs = {r["label"]: r for r in setting["runs"]}
-        base = runs["1F1B"]["step_time_s"]
-        for split in ("compute", "uniform"):
-            r = runs.get(f"Seq1F1B K=4 {split}")
-            if r and setting["seq_len"] >= 4096:
-                ratio = r["step_time_s"] / base
-                replay = r["replay_step_time_s"] / runs["1F1B"]["replay_step_time_s"]
-                out.append(
-                    {
-                        "name": f"measured step time, {key}, K=4 {split}, vs 1F1B",
-                        "value": f"{ratio:.3f}x wall (replayed {replay:.3f}x, simulated "
-                        f"{r['simulated_time_vs_1f1b']:.3f}x; wall/CPU "
-                        f"{r['action_wall_over_cpu']:.2f}, load {setting['load_average']})",
-                        "target": "<= 0.85x (ideal 0.75x)",
-                        "met": ratio <= 0.85,
-                    }
-                )
-    return out
-
-
-def _zero_bubble_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 14's targets: ZBSeq1F1B K=4 at pp=2, M=2, 4096 tokens <= 0.70x 1F1B (wall and
-    replayed), and simulated below ZBV and Seq1F1B at pp=8, M=8 for the 8B shape."""
-    out = []
-    setting = results["measured"].get("pp2_4096")
-    if setting:
-        runs = {r["label"]: r for r in setting["runs"]}
-        zb, base = runs.get("ZBSeq1F1B K=4 compute"), runs["1F1B"]
-        if zb:
-            wall = zb["step_time_s"] / base["step_time_s"]
-            replay = zb["replay_step_time_s"] / base["replay_step_time_s"]
-            seq = runs.get("Seq1F1B K=4 compute")
-            plain = seq["step_time_s"] / base["step_time_s"] if seq else float("nan")
-            out.append(
-                {
-                    "name": "measured step time, pp=2, M=2, 4096 tokens, ZBSeq1F1B K=4 vs 1F1B",
-                    "value": f"{wall:.3f}x wall (replayed {replay:.3f}x; Seq1F1B K=4 "
-                    f"{plain:.3f}x; limit M/(M+p-1) = 0.667x)",
-                    "target": "<= 0.70x wall and replayed",
-                    "met": wall <= 0.70 and replay <= 0.70,
-                }
-            )
-    shape, seq = PLANNER_PRESETS["llama3-8b"], 32768
-    times = {}
-    for name, k in (("1F1B", 1), ("ZBVZeroBubble", 1), ("Seq1F1B", 8), ("ZBSeq1F1B", 8)):
-        res, _ = simulate_spec(ScheduleSpec(name, 8, 8, k), shape, seq)
-        times[name] = res.makespan
-    ratio = {n: t / times["1F1B"] for n, t in times.items()}
-    out.append(
-        {
-            "name": "simulated step time, 8B, pp=8, M=8, 32k: ZBSeq1F1B K=8 vs ZBV and Seq1F1B",
-            "value": f"ZBSeq1F1B {ratio['ZBSeq1F1B']:.3f}x, Seq1F1B K=8 {ratio['Seq1F1B']:.3f}x, "
-            f"ZBV {ratio['ZBVZeroBubble']:.3f}x of 1F1B",
-            "target": "below both",
-            "met": ratio["ZBSeq1F1B"] < min(ratio["Seq1F1B"], ratio["ZBVZeroBubble"]),
-        }
-    )
-    return out
-
-
 def _pictures(out: str, results: dict[str, Any], log: Callable[[str], None]) -> list[str]:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         log("matplotlib is not installed (pip install -e '.[bench]'): no PNGs")
         return []
-    from .pictures import measured_picture, readme_picture, schedule_pictures
+    from .output.pictures import measured_picture, readme_picture, schedule_pictures
 
     paths = schedule_pictures(os.path.join(out, "timelines"))
     readme = os.path.join(out, "timeline_1f1b_vs_seq1f1b.png")
@@ -317,8 +196,8 @@ def run_all(
     """Run every part of the benchmark for ``preset``; write nothing but traces and PNGs.
 
     ``pp2_only``: the simulations, the timed pp=2 comparison at the first length, the memory
-    budget and the targets, without pp=4, documents, CP and the planner example (the full
-    model's pp=2 targets in a quarter of the full run's time)."""
+    budget and the headline ratios, without pp=4, documents, CP and the planner example (the
+    full model's pp=2 numbers in a quarter of the full run's time)."""
     if pp2_only:
         preset = replace(preset, seq_lens=preset.seq_lens[:1])
     os.makedirs(out, exist_ok=True)
@@ -355,10 +234,10 @@ def run_all(
                 f"{PINNING}. Median of {preset.timed_steps} steps, each the slowest rank's time; "
                 "schedules alternate step by step. `replayed`: the measured CPU time of each "
                 "action run through the simulator in the order each rank ran them (immune to "
-                "other jobs taking the cores; see benchmarks/replay.py). `simulated`: the "
-                "FLOPs cost model for the same shapes. `wall/CPU`: the actions' wall time over "
-                "their CPU time, 1.0 when the ranks have their cores to themselves. Machine "
-                f"load average: {load}. Memory: {MEMORY_DEF}."
+                "other jobs taking the cores; see benchmarks/harness/cpu_replay.py). "
+                "`simulated`: the FLOPs cost model for the same shapes. `wall/CPU`: the actions' "
+                "wall time over their CPU time, 1.0 when the ranks have their cores to "
+                f"themselves. Machine load average: {load}. Memory: {MEMORY_DEF}."
             ),
             "runs": main_runs,
         }
@@ -426,7 +305,7 @@ def run_all(
         timings["context_parallel_s"] = time.perf_counter() - t
     first_pp2 = next((s for k, s in results["measured"].items() if k.startswith("pp2_")), None)
     results["memory_bounds"] = memory_bound_rows(first_pp2["runs"] if first_pp2 else [])
-    results["targets"] = _targets(results) + v_targets(results, preset.name)
+    results["headline"] = headline_rows(results)
 
     t = time.perf_counter()
     trace_dir = os.path.join(out, "traces")

@@ -15,6 +15,6 @@ fi
 "$PY" -c "import torch; print('gpu_check:', torch.cuda.get_device_name(0), 'torch', torch.__version__)"
 status=0
 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/ || status=$?
-"$PY" -m benchmarks.segment_overhead --device cuda || status=$?
+"$PY" -m benchmarks.step_time.segment_overhead --device cuda || status=$?
 echo "gpu_check: done (exit $status)"
 exit "$status"

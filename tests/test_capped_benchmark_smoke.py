@@ -1,4 +1,5 @@
-"""Smoke test: ``python -m benchmarks.capped --smoke`` measures every split and writes its table.
+"""Smoke test: ``python -m benchmarks.memory.capped --smoke`` measures every split and writes
+its table.
 
 Benchmarks are not part of the test suite; this only checks the command end to end and that the
 numbers it reports are consistent with each other."""
@@ -24,7 +25,7 @@ def test_capped_benchmark_smoke(tmp_path: Path) -> None:
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.capped", "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.memory.capped", "--smoke", "--out", str(tmp_path)],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -136,11 +136,11 @@ def test_per_step_split_is_exact_four_ranks_and_with_context_parallelism() -> No
 
 @pytest.mark.default_release_only  # simulation only: the same on every torch
 def test_packed_benchmark_per_sample_split_and_cp_layout_win() -> None:
-    """benchmarks.packed on the shipped corpus (8B shape, pp=4, M=8, 32k): the per-sample
+    """benchmarks.documents.packed on the shipped corpus (8B shape, pp=4, M=8, 32k): the per-sample
     mask-aware split is faster than uniform, causal and one cut per step; with CP=2 the
     document layout keeps every unit within 5% of the mean CP work where head-tail does not,
     and is not slower."""
-    from benchmarks.packed import (
+    from benchmarks.documents.packed import (
         SHAPE_8B,
         corpus_document_lengths,
         pack,

@@ -1,7 +1,7 @@
 """Linear-time lowering (seq1f1b._runtime.lowering) equals torch's, and large schedules build and
 run.
 
-The build-time targets themselves live in benchmarks/build_time.py (no timed unit tests).
+Build times are measured by benchmarks/scale/build_time.py (no timed unit tests).
 """
 
 from __future__ import annotations

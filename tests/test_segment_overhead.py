@@ -1,4 +1,4 @@
-"""Smoke test of ``benchmarks.segment_overhead`` (tiny sizes, CPU): it measures the right
+"""Smoke test of ``benchmarks.step_time.segment_overhead`` (tiny sizes, CPU): it measures the right
 computation (the segmented attention equals one unsegmented causal call, outputs and
 gradients) and reports finite, positive ratios in its table and JSON."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import segment_overhead as so
+from benchmarks.step_time import segment_overhead as so
 
 # benchmark tooling: on the default release only (scripts/test_oldest.sh skips it for time)
 pytestmark = pytest.mark.default_release_only

@@ -6,15 +6,15 @@ median step time to compiled (or eager) Schedule1F1B's, and compiled to eager pe
 The first (memory) step of each run compiles; the timed steps that follow interleave the
 schedules, so machine noise falls on all alike.
 
-    python -m benchmarks.compiled [--preset quick|full] [--steps 3]
+    python -m benchmarks.step_time.compiled [--preset quick|full] [--steps 3]
 """
 
 from __future__ import annotations
 
 import argparse
 
-from .measured import RunSpec, Setting, measure
-from .presets import PRESETS
+from ..harness.measured import RunSpec, Setting, measure
+from ..harness.presets import PRESETS
 
 SPECS = (
     RunSpec("1F1B"),

@@ -19,8 +19,8 @@ from seq1f1b.planning.simulate import FlopsCosts, simulate
 from seq1f1b.schedules.partition import ModelShape, uniform_split
 from seq1f1b.testing import TinyConfig
 
-from .measured import RunSpec, Setting, measure
-from .presets import Preset
+from ..harness.measured import RunSpec, Setting, measure
+from ..harness.presets import Preset
 
 __all__ = ["cp_bytes", "longest_sequences", "measure_cp"]
 

@@ -9,8 +9,8 @@ leaves, as its projections would give them) and the library's own entry point
 (:func:`seq1f1b.chunk_aware_attention` inside a unit context, K/V cache included). The
 reference is one ``F.scaled_dot_product_attention(is_causal=True)`` call over the sequence.
 
-``python -m benchmarks.segment_overhead [--device cpu|cuda] [--out DIR]``: the device is CUDA
-when one is present (bf16, the CUDA flash kernels; lengths 4k-32k), else CPU (fp32, the CPU
+``python -m benchmarks.step_time.segment_overhead [--device cpu|cuda] [--out DIR]``: the device is
+CUDA when one is present (bf16, the CUDA flash kernels; lengths 4k-32k), else CPU (fp32, the CPU
 flash kernel; 4k and 8k so that it runs in a few minutes). Prints a markdown table of
 segmented / unsegmented time per length and K; ``--out`` also writes
 ``segment_overhead.json`` and ``segment_overhead.md`` there.
@@ -218,7 +218,7 @@ def _device_name(device: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.segment_overhead", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.step_time.segment_overhead", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if any")
     ap.add_argument("--out", help="directory for segment_overhead.json / .md")

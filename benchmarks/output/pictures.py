@@ -1,7 +1,7 @@
 """Which timelines get drawn: one PNG per simulated schedule, the README figure, measured runs.
 
 Why: keeps the choice of pictures (sizes, titles, file names) apart from how a timeline is
-drawn (:mod:`benchmarks.timeline`) and from running anything.
+drawn (:mod:`benchmarks.output.timeline`) and from running anything.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 from seq1f1b.schedules.partition import ModelShape
 
-from .orders import ScheduleSpec
-from .simtables import PAPER_SHAPE, simulate_spec
+from ..harness.pipeline_orders import ScheduleSpec
+from ..step_time.simtables import PAPER_SHAPE, simulate_spec
 from .timeline import Panel, draw_panels, measured_blocks, simulated_blocks
 
 __all__ = ["measured_picture", "readme_picture", "schedule_pictures"]

@@ -12,19 +12,22 @@ from __future__ import annotations
 from typing import Any
 
 from seq1f1b._runtime import Action, ComputationType
+from seq1f1b.planning.costmodel import PRESETS as PLANNER_PRESETS
 from seq1f1b.planning.simulate import FlopsCosts, SimResult, simulate
-from seq1f1b.registry import is_baseline
+from seq1f1b.registry import is_baseline, lookup
 from seq1f1b.schedules.partition import ModelShape, resolve_split
 
-from .orders import ScheduleSpec, pipeline_order
+from ..harness.pipeline_orders import ScheduleSpec, pipeline_order
 
 __all__ = [
     "PAPER_SHAPE",
+    "ZB_8B",
     "formula_bubble",
     "formula_memory",
     "paper_specs",
     "simulate_spec",
     "simulation_table",
+    "zero_bubble_8b_ratios",
 ]
 
 # 7B-like: Llama-7B widths with the paper's vocabulary and FFN = 4H (REFERENCE section 1).
@@ -137,3 +140,27 @@ def simulation_table(
                         r["time_vs_1f1b"] = r["makespan_flops"] / base
                 rows.extend(group)
     return rows
+
+
+#: the 8B setting of the zero-bubble comparison: pp, microbatches, tokens per sample
+ZB_8B = (8, 8, 32768)
+
+
+def zero_bubble_8b_ratios() -> dict[str, float]:
+    """Simulated step time vs 1F1B at the Llama-3 8B shape (pp=8, M=8, 32k tokens, compute
+    split) of the zero-bubble schedules next to Seq1F1B and torch's ZBV."""
+    pp, m, seq = ZB_8B
+    shape = PLANNER_PRESETS["llama3-8b"]
+    runs = (
+        ("1F1B", 1),
+        ("ZBVZeroBubble", 1),
+        ("Seq1F1B", 8),
+        ("ZBSeq1F1B", 8),
+        ("ZBVSeq1F1B", 8),
+        ("ZBVSeq1F1B", 16),
+    )
+    times = {}
+    for name, k in runs:
+        res, _ = simulate_spec(ScheduleSpec(name, pp, m, k), shape, seq)
+        times[f"{name} K={k}" if lookup(name).seq_chunked else name] = res.makespan
+    return {label: t / times["1F1B"] for label, t in times.items()}

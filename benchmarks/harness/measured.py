@@ -10,8 +10,8 @@ fight; at pp=4 they do (two ranks per core), so such settings report memory only
 
 All schedules of a setting live in the same processes with identical weights and data. Step 0
 of each schedule is its warm-up and the memory step (saved-tensor hooks on, see
-:mod:`benchmarks.probe`); then the timed steps run in rounds that rotate through the schedules,
-so background load drifts over all of them alike. A step's time is the slowest rank's
+:mod:`benchmarks.harness.probe`); then the timed steps run in rounds that rotate through the
+schedules, so background load drifts over all of them alike. A step's time is the slowest rank's
 ``perf_counter`` span from a barrier to the end of ``step()``; we report the median.
 """
 
@@ -47,8 +47,8 @@ from seq1f1b.bitpipe import BitPipeLayout, new_pair_group
 from seq1f1b.registry import ScheduleEntry, lookup
 from seq1f1b.testing import TinyConfig, build_stages
 
+from .cpu_replay import replay_step_time
 from .probe import ActionRecord, ProbedBitPipeStage, ProbedStage, RankProbe, SavedTensorMeter
-from .replay import replay_step_time
 
 __all__ = ["RunSpec", "Setting", "measure", "model_shape", "packed_documents", "run_split"]
 

@@ -133,16 +133,16 @@ def budget_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     return _table(head, body)
 
 
-def targets_table(targets: Sequence[dict[str, Any]]) -> list[str]:
-    rows = [[t["name"], t["value"], t["target"], "yes" if t["met"] else "no"] for t in targets]
-    return _table(["target", "got", "wanted", "met"], rows)
+def headline_table(rows: Sequence[dict[str, str]]) -> list[str]:
+    """The headline measurements, one row each (their goals: README, "Targets")."""
+    return _table(["measured", "value"], [[r["name"], r["value"]] for r in rows])
 
 
 def markdown_report(results: dict[str, Any]) -> str:
     """All tables, in the order the README uses them."""
     meta = results["meta"]
     out = [f"# Benchmarks ({meta['mode']})", "", f"`{meta['command']}` — {meta['summary']}", ""]
-    out += ["## Targets", "", *targets_table(results["targets"]), ""]
+    out += ["## Headline ratios", "", *headline_table(results["headline"]), ""]
     for setting in results["measured"].values():
         out += [f"## Measured: {setting['title']}", "", setting["note"], ""]
         out += measured_table(setting["runs"], setting["timed"])
@@ -190,7 +190,7 @@ def markdown_report(results: dict[str, Any]) -> str:
 
 def calibration_section(cal: dict[str, Any]) -> list[str]:
     """The calibrated time model's predicted step time vs 1F1B next to the measured one."""
-    from .calibration import table
+    from ..planner_models.time_costs import table
 
     f, b = cal["constants"]["forward"], cal["constants"]["backward"]
     return [
@@ -243,7 +243,7 @@ def published_memory_table(mem: dict[str, Any]) -> list[str]:
         "alone exceeds it); the differences between schedules cancel every term that does not "
         "depend on activations and match; the common offset (fitted on 1F1B) is memory the "
         "model does not count (allocator reserve, CUDA/NCCL context, Megatron's bf16 weight "
-        "copy). See benchmarks/published.py.",
+        "copy). See benchmarks/planner_models/published.py.",
         "",
         *_table(head, rows),
         "",

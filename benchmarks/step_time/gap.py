@@ -6,8 +6,8 @@ accumulators, merges, kernel efficiency of short segments). The gap between a me
 simulated step-time ratio (vs Schedule1F1B) is that overhead; comparing two versions of the
 library on a shared machine is only honest when their runs alternate in the same session.
 
-``python -m benchmarks.gap [--chunks 4 8] [--steps 3] [--seq-len 4096]`` measures the current
-tree (pp=2, M=2, the quick preset's model, same harness as ``python -m benchmarks``);
+``python -m benchmarks.step_time.gap [--chunks 4 8] [--steps 3] [--seq-len 4096]`` measures the
+current tree (pp=2, M=2, the quick preset's model, same harness as ``python -m benchmarks``);
 ``--compare OLD_TREE --rounds 3`` runs OLD_TREE's ``seq1f1b`` and this tree's alternately (each
 run a fresh process: a temporary directory links ``seq1f1b`` of the tree under test next to
 this ``benchmarks`` package) and prints a markdown table of the medians, with the load average.
@@ -27,16 +27,16 @@ from typing import Any
 
 __all__ = ["main", "measure_gap"]
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def measure_gap(chunks: Sequence[int], steps: int, seq_len: int) -> dict[str, Any]:
     """One measured run of 1F1B and Seq1F1B K=chunks (compute split) with simulated ratios."""
     import seq1f1b
 
-    from .measured import RunSpec, Setting, measure
-    from .presets import PRESETS
-    from .run import _simulated
+    from ..harness.measured import RunSpec, Setting, measure
+    from ..harness.presets import PRESETS
+    from ..run import _simulated
 
     preset = PRESETS["quick"]
     specs = (RunSpec("1F1B"), *(RunSpec("Seq1F1B", k, "compute") for k in chunks))
@@ -68,7 +68,7 @@ def _run_tree(tree: str, argv: list[str]) -> dict[str, Any]:
         os.symlink(os.path.join(os.path.abspath(tree), "seq1f1b"), os.path.join(tmp, "seq1f1b"))
         os.symlink(os.path.join(HERE, "benchmarks"), os.path.join(tmp, "benchmarks"))
         env = dict(os.environ, PYTHONPATH=tmp, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "benchmarks.gap", "--json", *argv]
+        cmd = [sys.executable, "-m", "benchmarks.step_time.gap", "--json", *argv]
         out = subprocess.run(cmd, cwd=tmp, env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -101,7 +101,7 @@ def _table(results: dict[str, list[dict[str, Any]]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m benchmarks.gap", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.step_time.gap", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--chunks", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--steps", type=int, default=3, help="timed steps per schedule and run")

@@ -10,9 +10,9 @@ the mask-aware split (``split="compute"`` with the step's ``document_ids``,
 :func:`seq1f1b.schedules.mask_split.mask_balanced_split`). Also: synthetic documents of ~2k tokens
 and a long-tailed (log-normal) distribution, and the split's own cost per step at 128k tokens.
 
-    python -m benchmarks.packed [--quick]
-    python -m benchmarks.packed --measured quick|full [--steps 10]
-    python -m benchmarks.packed --snap
+    python -m benchmarks.documents.packed [--quick]
+    python -m benchmarks.documents.packed --measured quick|full [--steps 10]
+    python -m benchmarks.documents.packed --snap
 
 ``--snap``: what moving each mask-aware cut, within 2% of a segment, to a document boundary
 would save (K/V tokens that later segments see across the cut) and cost (simulated step time).
@@ -327,7 +327,7 @@ def unit_works(
     stages), its attention counted under the row's document mask."""
     from seq1f1b.planning.costmodel import Work, action_work
 
-    from .measured import model_shape
+    from ..harness.measured import model_shape
 
     shape = model_shape(cfg)
     layers = cfg.n_layers // pp
@@ -358,7 +358,7 @@ def calibrated_ratios(
     actions only: the other runs are held out."""
     from seq1f1b.planning.calibration import Sample, fit_action_costs
 
-    from .calibration import fastest_trace
+    from ..planner_models.time_costs import fastest_trace
 
     samples = [
         Sample(ev["kind"], works[label][ev["stage"], ev["mb"]], ev["cpu"])
@@ -383,9 +383,9 @@ def measured(preset_name: str, steps: int = 3) -> None:
     """Measured step times of the three splits on packed rows, vs simulated (FLOPs, and this
     CPU's fitted action costs): the corpus, and documents of ~512 tokens (at 4096 tokens the
     corpus gives a row one to three documents)."""
-    from .calibration import replay_fastest
-    from .measured import RunSpec, Setting, measure, model_shape, packed_documents
-    from .presets import PRESETS
+    from ..harness.measured import RunSpec, Setting, measure, model_shape, packed_documents
+    from ..harness.presets import PRESETS
+    from ..planner_models.time_costs import replay_fastest
 
     preset = PRESETS[preset_name]
     shape = model_shape(preset.model)

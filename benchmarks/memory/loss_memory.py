@@ -2,11 +2,11 @@
 
 Under Seq1F1B the last stage holds every segment of a sample between its forward and its
 backward, so the bytes one unit keeps, times K, is what the loss costs that stage. Counted with
-the saved-activation meter (benchmarks/probe.py: storages saved for backward, parameters
+the saved-activation meter (benchmarks/harness/probe.py: storages saved for backward, parameters
 excluded), on a head of ``hidden x vocab`` over one segment, at vocabularies of 32k and 128k
 (a small hidden size, so it runs on a CPU):
 
-    python -m benchmarks.chunked_loss [--hidden 64] [--tokens 1024] [--chunk-tokens 128]
+    python -m benchmarks.memory.loss_memory [--hidden 64] [--tokens 1024] [--chunk-tokens 128]
 
 ``--budget [quick|full]`` measures what that buys a whole pipeline (pp=2, M=2, gloo ranks):
 the longest sequence each schedule fits in 1F1B's activation budget and its step time, with
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from seq1f1b import ChunkedLoss
 
-from .measured import RunSpec
-from .presets import PRESETS
-from .probe import SavedTensorMeter
+from ..harness.measured import RunSpec
+from ..harness.presets import PRESETS
+from ..harness.probe import SavedTensorMeter
 
 #: the schedules of the budget comparison (the best of README's pp=2 table, and 1F1B)
 BUDGET_SPECS = (
@@ -59,7 +59,7 @@ def budget_table(preset_name: str) -> None:
     """Longest sequence in 1F1B's budget and step time vs 1F1B, plain vs chunked loss."""
     from dataclasses import replace
 
-    from .run import _budget, _measure_pp2
+    from ..run import _budget, _measure_pp2
 
     preset = PRESETS[preset_name]
     seq_len = preset.seq_lens[0]

@@ -1,4 +1,4 @@
-"""Does torch's own ``context_parallel`` run on CPU? ``python -m benchmarks.torch_cp_cpu``.
+"""Does torch's own ``context_parallel`` run on CPU? ``python -m benchmarks.cp.torch_cp_cpu``.
 
 Why: it decides whether our ring attention is needed on CPU at all. Two gloo ranks shard a
 sequence with ``torch.distributed.tensor.experimental.context_parallel`` and run a causal SDPA

@@ -25,8 +25,8 @@ from seq1f1b.schedules.partition import (
     uniform_split,
 )
 
-from .measured import RunSpec, Setting, measure, packed_documents
-from .presets import Preset
+from ..harness.measured import RunSpec, Setting, measure, packed_documents
+from ..harness.presets import Preset
 
 __all__ = ["measure_skipping", "simulate_masked_splits"]
 

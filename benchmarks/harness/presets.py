@@ -14,7 +14,7 @@ from .measured import RunSpec
 __all__ = ["PRESETS", "Preset"]
 
 
-# pp=2, M=2: the time target's setting
+# pp=2, M=2: the timed comparison
 PP2_SPECS = (
     RunSpec("1F1B"),
     RunSpec("GPipe"),
@@ -31,7 +31,7 @@ PP2_SPECS = (
     RunSpec("ZBVSeq1F1B", 8, "uniform"),
     RunSpec("BitPipe"),
 )
-# pp=4, M=4: the memory target's setting (Interleaved1F1B and BitPipe need layers % 8 == 0)
+# pp=4, M=4: the memory comparison (Interleaved1F1B and BitPipe need layers % 8 == 0)
 PP4_SPECS = (
     RunSpec("1F1B"),
     RunSpec("GPipe"),

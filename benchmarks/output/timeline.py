@@ -71,7 +71,8 @@ def simulated_blocks(res: SimResult, seq_chunks: int = 1) -> list[Block]:
 
 
 def measured_blocks(trace: Sequence[dict[str, Any]]) -> list[Block]:
-    """Blocks of a measured trace (see :mod:`benchmarks.measured`), time from the first start."""
+    """Blocks of a measured trace (see :mod:`benchmarks.harness.measured`), time from the first
+    start."""
     if not trace:
         return []
     t0 = min(ev["start"] for ev in trace)

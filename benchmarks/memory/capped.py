@@ -1,11 +1,12 @@
-"""``python -m benchmarks.capped [--quick|--smoke] --out DIR``: memory against speed per split.
+"""``python -m benchmarks.memory.capped [--quick|--smoke] --out DIR``: memory against speed
+per split.
 
 Why: the uniform split fits the longest sequence and the compute-balanced split runs fastest;
 ``split="memory_capped"`` searches for the fastest split under the uniform split's activation
 peak (or a multiple of it). This measures all of them in one run, at pp=2, M=2: step time
 against Schedule1F1B, and the longest sequence whose per-stage peak of saved activations fits
-Schedule1F1B's peak at the benchmark length (fitted like :mod:`benchmarks.budget`, then measured
-at the answer and stepped down if over).
+Schedule1F1B's peak at the benchmark length (fitted like :mod:`benchmarks.memory.budget`, then
+measured at the answer and stepped down if over).
 
 It also reports the ceiling no split can pass at pp=2: a sample's last segment runs its forward
 on the last stage before any backward of that sample, so the last stage holds one whole sample,
@@ -26,9 +27,9 @@ from typing import Any
 from seq1f1b.orders.order import OrderSpec
 from seq1f1b.planning.simulate import FlopsCosts, simulate
 
+from ..harness.measured import RunSpec, Setting, measure, model_shape, run_split
+from ..harness.presets import PRESETS, Preset
 from .budget import budget_rows, verify_rows
-from .measured import RunSpec, Setting, measure, model_shape, run_split
-from .presets import PRESETS, Preset
 
 __all__ = ["SPECS", "capped_comparison", "markdown_table"]
 
@@ -47,7 +48,7 @@ PP, M, GRANULE = 2, 2, 64
 
 
 def _log(msg: str) -> None:
-    print(f"[benchmarks.capped] {msg}", flush=True)
+    print(f"[benchmarks.memory.capped] {msg}", flush=True)
 
 
 def _lengths(spec: RunSpec, preset: Preset, seq_len: int) -> list[int]:
@@ -132,14 +133,6 @@ def capped_comparison(
         "load_average": load,
         "rows": table,
         "budget_rows": rows,
-        "target": {
-            "wanted": ">= 1.75x of 1F1B's longest sequence and <= 0.75x of its step time",
-            "met_by": [
-                t["label"]
-                for t in table
-                if t["longest_vs_1f1b"] >= 1.75 and t["time_vs_1f1b"] <= 0.75
-            ],
-        },
     }
 
 
@@ -163,13 +156,11 @@ def markdown_table(res: dict[str, Any]) -> str:
             f"{t['simulated_vs_1f1b']:.3f} | {t['wall_over_cpu']:.2f} | {peaks} | "
             f"{t['longest_seq_len']} | {t['longest_vs_1f1b']:.2f}x |"
         )
-    met = res["target"]["met_by"]
-    lines += ["", f"Target ({res['target']['wanted']}): met by {met or 'none'}."]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.capped", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.memory.capped", description=__doc__)
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="the quick model (default)")
     mode.add_argument("--full", action="store_true", help="REFERENCE's model (slow)")
@@ -180,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     preset = PRESETS["smoke" if a.smoke else "full" if a.full else "quick"]
     os.makedirs(a.out, exist_ok=True)
     res = capped_comparison(preset, verify=not a.smoke, steps=a.steps)
-    res["command"] = "python -m benchmarks.capped " + " ".join(
+    res["command"] = "python -m benchmarks.memory.capped " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
     with open(os.path.join(a.out, "capped.json"), "w") as f:

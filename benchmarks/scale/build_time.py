@@ -6,7 +6,7 @@ in time linear in the number of actions (:mod:`seq1f1b._runtime.lowering`), with
 Both run on stand-in stages (no process group); the time includes the lowered schedule with
 send/recv that the runtime executes (``pipeline_order_with_comms``).
 
-Run: ``python -m benchmarks.build_time`` (a few minutes: torch runs until its timeout), or
+Run: ``python -m benchmarks.scale.build_time`` (a few minutes: torch runs until its timeout), or
 ``--quick`` for the pp=64, 1024-unit rows only. Seq1F1B: best of 3 per rank, max over rank 0
 and rank pp-1. torch: ``_prepare_schedule_with_comms`` of the same compute order (what
 ``_PipelineScheduleRuntime`` runs on each rank) in a fresh subprocess, stopped after
@@ -34,7 +34,7 @@ from seq1f1b.orders.order import OrderSpec, build_orders
 # (pp, stages per rank, M, K): units M*K = 16*pp, then a units curve at pp=32
 SCALE = [(pp, v, pp, 16) for v in (1, 2) for pp in (8, 16, 32, 64)]
 CURVE = [(32, v, m, 16) for v in (1, 2) for m in (8, 16, 32, 64, 128)]
-TARGET = [(64, v, 64, 16) for v in (1, 2)]
+PP64 = [(64, v, 64, 16) for v in (1, 2)]
 
 
 class _Timeout(Exception):
@@ -59,7 +59,7 @@ def seq1f1b_seconds(pp: int, v: int, m: int, k: int, repeats: int = 3) -> float:
 
 def torch_seconds(pp: int, v: int, m: int, k: int, timeout: float) -> float | None:
     """torch's lowering on rank 0 in a subprocess (fresh heap); None if over ``timeout``."""
-    cmd = [sys.executable, "-m", "benchmarks.build_time", "--torch-child", str(pp), str(v)]
+    cmd = [sys.executable, "-m", "benchmarks.scale.build_time", "--torch-child", str(pp), str(v)]
     cmd += [str(m), str(k)]
     cmd += ["--torch-timeout", str(timeout)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 300, check=True)
@@ -141,7 +141,7 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, {os.cpu_count()} cores, torch timeout {timeout:g} s")
     if args.quick:
-        _table("Build time at pp = 64, 1024 units", TARGET, measure, timeout)
+        _table("Build time at pp = 64, 1024 units", PP64, measure, timeout)
         return
     _table("Build time vs pp (units = 16·pp, K = 16)", SCALE, measure, timeout)
     _table("Build time vs units at pp = 32 (K = 16)", CURVE, measure, timeout)

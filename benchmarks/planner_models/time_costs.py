@@ -1,6 +1,6 @@
 """Calibrate the planner's time model on measured actions; predicted vs measured step times.
 
-    python -m benchmarks.calibration [--quick|--smoke] --out DIR
+    python -m benchmarks.planner_models.time_costs [--quick|--smoke] --out DIR
 
 Why: the planner ranks schedules by simulated step time, so its per-action costs decide the
 ranking. This measures every schedule of the pp=2 comparison on real gloo ranks (the same
@@ -39,9 +39,9 @@ from seq1f1b.registry import REGISTRY, is_baseline, lookup
 from seq1f1b.schedules.partition import resolve_split
 from seq1f1b.testing import TinyConfig
 
-from .measured import RunSpec, Setting, measure, model_shape
-from .presets import PP2_SPECS, PRESETS
-from .replay import replay_step_time
+from ..harness.cpu_replay import replay_step_time
+from ..harness.measured import RunSpec, Setting, measure, model_shape
+from ..harness.presets import PP2_SPECS, PRESETS
 
 __all__ = ["CALIBRATION_SPECS", "calibrate", "samples_of_run"]
 
@@ -206,7 +206,9 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.calibration", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.planner_models.time_costs", description=__doc__
+    )
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true")
     mode.add_argument("--smoke", action="store_true")
@@ -246,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fit_action_costs(
                 [s for r in runs for s in samples_of_run(r, preset.model)], "calibration"
             ),
-            source=f"benchmarks.calibration {preset.name} @{seq_len}",
+            source=f"benchmarks.planner_models.time_costs {preset.name} @{seq_len}",
         ),
         os.path.join(a.out, "calibration.json"),
     )

@@ -1,0 +1,3 @@
+"""Packed documents: skipping blocks no document sees (measured) and the mask-aware split
+(simulated, on synthetic and shipped real documents).
+"""
