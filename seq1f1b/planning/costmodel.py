@@ -291,6 +291,10 @@ class MemoryModel:
     # torchtitan 0.3's ChunkedLossWrapper becomes): the last stage keeps the hidden states'
     # fp32 gradient per token instead of fp32 log-probabilities over the vocabulary
     loss_chunk_tokens: int | None = None
+    #: the 1-byte masks of the two dropouts per layer a trainer with dropout keeps (Megatron's
+    #: GPT, hidden dropout 0.1 by default; the ``2sbh`` of Korthikanti et al., "Reducing
+    #: Activation Recomputation in Large Transformer Models", 2022, eq. 1); Llama has none
+    dropout_masks: bool = False
 
     def _full_layer_bytes(self) -> float:
         s, b = self.shape, self.dtype_bytes
@@ -301,7 +305,8 @@ class MemoryModel:
     def layer_bytes_per_token(self, segmented: bool) -> float:
         """Bytes a layer keeps per token of a unit in flight (``segmented``: K > 1)."""
         if not self.recompute:
-            return self._full_layer_bytes() / self.tp
+            masks = 2 * self.shape.hidden if self.dropout_masks else 0
+            return (self._full_layer_bytes() + masks) / self.tp
         s, b = self.shape, self.dtype_bytes
         kv = 2 * b * s.n_kv_heads * s.head_dim if segmented else 0
         return (b * s.hidden + kv) / self.tp

@@ -456,10 +456,12 @@ def price(
     state_bytes_per_param: float = 16.0,
     fsdp_wrapped: bool = False,
     actions: ActionCosts | None = None,
+    dropout_masks: bool = False,
 ) -> Candidate:
     """Price one setting (what :func:`search` does for each): its schedule's real order
     simulated with per-action seconds, memory per rank along that order. ValueError when the
-    schedule has no order for it."""
+    schedule has no order for it. ``dropout_masks``: price the 1-byte masks of a trainer that
+    keeps dropout on (Megatron's GPT; :class:`~seq1f1b.planning.costmodel.MemoryModel`)."""
     k = setting.seq_chunks
     lengths = resolve_split(
         setting.split if k > 1 else "uniform", seq_len, k, shape=shape,
@@ -471,7 +473,7 @@ def price(
     batch = global_batch if global_batch is not None else setting.microbatches * setting.fsdp
     return _price(
         setting, lengths, shape, hardware, order, dtype_bytes, state_bytes_per_param,
-        batch * seq_len, fsdp_wrapped, actions,
+        batch * seq_len, fsdp_wrapped, actions, dropout_masks,
     )  # fmt: skip
 
 
@@ -486,6 +488,7 @@ def _price(
     tokens_per_step: int,
     fsdp_at_degree_1: bool,
     actions: ActionCosts | None = None,
+    dropout_masks: bool = False,
 ) -> Candidate:
     p, k, c = setting.pp, setting.seq_chunks, setting.cp
     entry = setting.entry
@@ -515,6 +518,7 @@ def _price(
         loss_chunk_tokens=(
             -(-sum(lengths) // TITAN_LOSS_CHUNKS) if fsdp_at_degree_1 or k > 1 else None
         ),
+        dropout_masks=dropout_masks,
     )
     seconds = time.cost(lengths, n, seq_chunks=k)
     segmented = k > 1

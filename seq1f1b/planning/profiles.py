@@ -32,13 +32,14 @@ class Efficiency:
     ``linear`` / ``attention``: fraction of the peak bf16 FLOP/s reached by the projections and
     FFN, and by causal flash attention; ``overhead_s``: fixed seconds per pipeline action
     (kernel launches, the pipeline's synchronisation, per-unit bookkeeping; what makes many
-    short segments slower than their FLOPs); ``link``: fraction of a link's peak bandwidth the
-    collectives and sends reach."""
+    short segments slower than their FLOPs); ``nvlink`` / ``inter_node``: fraction of the
+    NVLink and the inter-node peak bandwidth that the collectives and pipeline sends reach."""
 
     linear: float
     attention: float
     overhead_s: float
-    link: float
+    nvlink: float
+    inter_node: float
     source: str
     #: the relative error of a throughput prediction this profile has shown on cells it was
     #: not fitted on; the planner reports predictions closer than this as ties
@@ -84,8 +85,8 @@ class GpuProfile:
             self.memory_gb,
             self.reserve_gb if reserve_gb is None else reserve_gb,
             tflops=self.peak_tflops * eff.linear,
-            tp_gbps=self.nvlink_gbps * eff.link,
-            inter_node_gbps=self.inter_node_gbps * eff.link,
+            tp_gbps=self.nvlink_gbps * eff.nvlink,
+            inter_node_gbps=self.inter_node_gbps * eff.inter_node,
             gpus_per_node=self.gpus_per_node,
         )
 
@@ -96,15 +97,16 @@ class GpuProfile:
 #: Fitted by ``python -m benchmarks.published --refit`` (seq1f1b.planning.published.fit) on the
 #: cells named in seq1f1b.planning.published.FIT_CELLS; the other cells are predicted.
 A100_FIT = Efficiency(
-    linear=0.578,
-    attention=0.30,
-    overhead_s=0.0155,
-    link=0.656,
-    source="fitted on 4 cells of the Seq1F1B paper's 7B table on A100s "
+    linear=0.504,
+    attention=0.312,
+    overhead_s=0.0148,
+    nvlink=1.0,
+    inter_node=0.144,
+    source="fitted on 5 cells of the Seq1F1B paper's 7B table on A100s "
     "(seq1f1b.planning.published.FIT_CELLS)",
-    error=0.07,
-    error_source="the largest error of a held-out schedule-to-baseline TFLOPS ratio of that "
-    "table (6.7%, Seq1F1B-I at 64k; python -m benchmarks.published)",
+    error=0.06,
+    error_source="the largest error of a held-out schedule-to-1F1B TFLOPS ratio of the "
+    "Seq1F1B paper's 7B table, 5.9% (Seq1F1B-I at 64k; python -m benchmarks.published)",
 )
 
 _UNCHECKED = (

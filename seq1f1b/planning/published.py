@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .costmodel import GB, PRESETS
+from .costmodel import GB, PRESETS, Hardware
 from .planner import Candidate, Setting, price
 from .profiles import Efficiency, GpuProfile
 
@@ -35,6 +35,7 @@ __all__ = [
     "fit",
     "megatron_flops",
     "memory_rows",
+    "memory_vs_published",
     "paper_candidate",
     "tflops_rows",
 ]
@@ -87,13 +88,15 @@ class Cell:
 
 
 #: the cells the A100 efficiencies are fitted on: 1F1B's absolute TFLOPS at 32k and 64k (the
-#: kernels' efficiency, linear vs attention by the two lengths), Seq1F1B / 1F1B at 64k and
-#: Seq1F1B-I / 1F1B at 32k (the per-action overhead and the links)
+#: kernels' efficiency, linear vs attention by the two lengths), and as ratios to 1F1B
+#: Seq1F1B at 64k (the per-action overhead), Seq1F1B-I at 32k and 1F1B-I at 64k (the links);
+#: every other cell is held out
 FIT_CELLS = (
     Cell(32768, "1F1B", None),
     Cell(65536, "1F1B", None),
     Cell(65536, "Seq1F1B"),
     Cell(32768, "Seq1F1B-I"),
+    Cell(65536, "1F1B-I"),
 )
 
 
@@ -119,14 +122,24 @@ def megatron_flops(seq_len: int, sequences: int) -> float:
     )
 
 
+#: Megatron's model state per parameter with bf16: bf16 weights (2), fp32 main gradients (4;
+#: Megatron-LM's arguments force ``accumulate_allreduce_grads_in_fp32`` with ``--bf16``), fp32
+#: master weights (4) and Adam's two moments (8); torchtitan's FSDP keeps no bf16 copy (16)
+MEGATRON_STATE_BYTES = 18.0
+
+
 def paper_candidate(
     prof: GpuProfile, seq_len: int, name: str, reserve_gb: float | None = None
 ) -> Candidate:
-    """The planner's price of the paper's setting of schedule ``name`` on ``prof``'s GPUs."""
+    """The planner's price of the paper's setting of schedule ``name`` on ``prof``'s GPUs, with
+    what Megatron keeps on top of torchtitan: the bf16 weight copy and the dropout masks."""
     sched, v, k = SCHEDULES[name]
     setting = Setting(PAPER_PP, PAPER_TP, 1, k, PAPER_M, "compute", False, True, sched, v)
     hw = prof.hardware(PAPER_GPUS, reserve_gb)
-    return price(setting, PRESETS["paper-7b"], seq_len, hw, actions=prof.action_costs())
+    return price(
+        setting, PRESETS["paper-7b"], seq_len, hw, actions=prof.action_costs(),
+        state_bytes_per_param=MEGATRON_STATE_BYTES, dropout_masks=True,
+    )  # fmt: skip
 
 
 def _tflops_of(prof: GpuProfile) -> Callable[[int, str], float]:
@@ -207,17 +220,17 @@ def fit(
     prof: GpuProfile,
     cells: Sequence[Cell] = FIT_CELLS,
     *,
-    rounds: int = 6,
+    rounds: int = 8,
 ) -> Efficiency:
     """Efficiencies of ``prof`` that minimise the squared relative errors of ``cells``: a
-    pattern search in log space over (linear, attention, overhead, link), each bounded to a
-    physical range (fractions in (0, 1], overhead in [0, 0.2] s)."""
-    bounds = ((0.05, 1.0), (0.05, 1.0), (1e-4, 0.2), (0.05, 1.0))
+    pattern search in log space over (linear, attention, overhead, NVLink, inter-node), each
+    bounded to a physical range (fractions in (0, 1], overhead in [0, 0.2] s)."""
+    bounds = ((0.05, 1.0), (0.05, 1.0), (1e-4, 0.2), (0.05, 1.0), (0.01, 1.0))
     e0 = prof.efficiency
-    x = [e0.linear, e0.attention, max(e0.overhead_s, 1e-4), e0.link]
+    x = [0.5, 0.5, 0.01, 0.8, 0.8]  # a neutral start, whatever the profile holds
 
     def loss(v: list[float]) -> float:
-        eff = Efficiency(v[0], v[1], v[2], v[3], "fit")
+        eff = Efficiency(*v, "fit")
         tflops = _tflops_of(prof.with_efficiency(eff))
         return math.fsum((c.predicted(tflops) / c.published() - 1) ** 2 for c in cells)
 
@@ -238,4 +251,39 @@ def fit(
                         x, best, improved = y, val, True
         step /= 2
     names = ", ".join(c.label for c in cells)
-    return Efficiency(x[0], x[1], x[2], x[3], f"fitted on {names}", e0.error, e0.error_source)
+    return Efficiency(*x, f"fitted on {names}", e0.error, e0.error_source)
+
+
+def _offset_model_gb(pp: int, tp: int, name: str) -> float:
+    sched, v, k = SCHEDULES[name]
+    setting = Setting(pp, tp, 1, k, PAPER_M, "compute", False, True, sched, v)
+    cand = price(setting, PRESETS["paper-7b"], 65536, Hardware(PAPER_GPUS, 80.0, reserve_gb=0.0))
+    return cand.max_bytes / GB
+
+
+def memory_vs_published(splits: tuple[tuple[int, int], ...] = ((4, 8), (8, 4))) -> dict[str, Any]:
+    """The torchtitan memory model (no Megatron terms) against the 64k row, at each (pp, tp):
+    per schedule the published GB, the model, and at the first split the model plus the offset
+    fitted on 1F1B, with its error; the differences between schedules cancel every term that
+    does not depend on the activations, so they check the activation model alone."""
+    model = {f"pp{p} x tp{t}": {n: _offset_model_gb(p, t, n) for n in SCHEDULES} for p, t in splits}
+    main = model[f"pp{splits[0][0]} x tp{splits[0][1]}"]
+    offset = PUBLISHED_MEMORY_64K["1F1B"] - main["1F1B"]
+    rows = []
+    for name, published in PUBLISHED_MEMORY_64K.items():
+        sched, v, k = SCHEDULES[name]
+        with_offset = main[name] + offset
+        rows.append(
+            {
+                "schedule": name,
+                "planner": f"{sched}" + (f" v={v}" if v > 1 else "") + (f" K={k}" if k > 1 else ""),
+                "published_gb": published,
+                **{key: round(vals[name], 1) for key, vals in model.items()},
+                "model_plus_offset_gb": round(with_offset, 1),
+                "error": with_offset / published - 1,
+                "error_model_alone": main[name] / published - 1,
+                "diff_vs_1f1b_published": round(published - PUBLISHED_MEMORY_64K["1F1B"], 1),
+                "diff_vs_1f1b_model": round(main[name] - main["1F1B"], 1),
+            }
+        )
+    return {"offset_gb": round(offset, 1), "splits": list(model), "rows": rows}
