@@ -40,8 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"profile {prof.name}: {prof.source}")
     print(
         f"efficiencies: linear {e.linear:.3g}, attention {e.attention:.3g} of "
-        f"{prof.peak_tflops:g} TFLOP/s, {e.overhead_s * 1e3:.3g} ms per action, NVLink "
-        f"{e.nvlink:.3g}, inter-node {e.inter_node:.3g} of peak; {e.source}"
+        f"{prof.peak_tflops:g} TFLOP/s, {e.overhead_s * 1e3:.3g} ms per action, collectives "
+        f"{e.collectives:.3g} and pipeline sends {e.p2p:.3g} of the links' peak; {e.source}"
     )
     print(f"checked: {prof.checked}\n")
     print(f"{'cell':<28} {'published':>9} {'predicted':>9} {'error':>7}")

@@ -134,6 +134,8 @@ class Hardware:
     cp_gbps: float | None = None  # achieved CP ring bandwidth; None: ``tp_gbps``
     inter_node_gbps: float | None = None
     gpus_per_node: int = 8
+    #: pipeline sends reach this fraction of the link the collectives reach
+    p2p_efficiency: float = 1.0
 
     @property
     def budget_bytes(self) -> float:

@@ -498,7 +498,8 @@ def _price(
     if actions is not None and not setting.bf16 and actions.source.startswith("profile"):
         actions = actions.scaled(FP32_SLOWDOWN)  # a profile's constants are bf16 kernels'
     # pp is the mesh's outermost dimension: the pipeline crosses nodes once the world does
-    p2p = hardware.link_gbps(hardware.gpus) if p > 1 else None
+    link = hardware.link_gbps(hardware.gpus) if p > 1 else None
+    p2p = None if link is None else link * hardware.p2p_efficiency
     time = TimeModel(
         hardware, shape, setting.tp, setting.recompute, layers, dtype_bytes, setting.bf16,
         actions, c, p2p,
@@ -882,7 +883,8 @@ def describe(preset: str | None, plan: Plan) -> str:
         )
         + f"TP collectives at {hw.tp_gbps:.3g} GB/s"
         + (
-            f", pipeline sends and FSDP across nodes at {hw.inter_node_gbps:.3g} GB/s"
+            f", across nodes {hw.inter_node_gbps:.3g} GB/s (pipeline sends "
+            f"{hw.inter_node_gbps * hw.p2p_efficiency:.3g})"
             if hw.inter_node_gbps is not None
             else ""
         )

@@ -32,14 +32,15 @@ class Efficiency:
     ``linear`` / ``attention``: fraction of the peak bf16 FLOP/s reached by the projections and
     FFN, and by causal flash attention; ``overhead_s``: fixed seconds per pipeline action
     (kernel launches, the pipeline's synchronisation, per-unit bookkeeping; what makes many
-    short segments slower than their FLOPs); ``nvlink`` / ``inter_node``: fraction of the
-    NVLink and the inter-node peak bandwidth that the collectives and pipeline sends reach."""
+    short segments slower than their FLOPs); ``collectives``: fraction of a link's peak
+    bandwidth the collectives reach (TP, FSDP, the CP ring); ``p2p``: fraction the pipeline's
+    sends reach (they carry the pipeline's synchronisation too, so less)."""
 
     linear: float
     attention: float
     overhead_s: float
-    nvlink: float
-    inter_node: float
+    collectives: float
+    p2p: float
     source: str
     #: the relative error of a throughput prediction this profile has shown on cells it was
     #: not fitted on; the planner reports predictions closer than this as ties
@@ -85,8 +86,9 @@ class GpuProfile:
             self.memory_gb,
             self.reserve_gb if reserve_gb is None else reserve_gb,
             tflops=self.peak_tflops * eff.linear,
-            tp_gbps=self.nvlink_gbps * eff.nvlink,
-            inter_node_gbps=self.inter_node_gbps * eff.inter_node,
+            tp_gbps=self.nvlink_gbps * eff.collectives,
+            inter_node_gbps=self.inter_node_gbps * eff.collectives,
+            p2p_efficiency=eff.p2p / eff.collectives,
             gpus_per_node=self.gpus_per_node,
         )
 
@@ -100,8 +102,8 @@ A100_FIT = Efficiency(
     linear=0.504,
     attention=0.312,
     overhead_s=0.0148,
-    nvlink=1.0,
-    inter_node=0.144,
+    collectives=1.0,
+    p2p=0.144,
     source="fitted on 5 cells of the Seq1F1B paper's 7B table on A100s "
     "(seq1f1b.planning.published.FIT_CELLS)",
     error=0.06,

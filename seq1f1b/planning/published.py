@@ -223,7 +223,7 @@ def fit(
     rounds: int = 8,
 ) -> Efficiency:
     """Efficiencies of ``prof`` that minimise the squared relative errors of ``cells``: a
-    pattern search in log space over (linear, attention, overhead, NVLink, inter-node), each
+    pattern search in log space over (linear, attention, overhead, collectives, p2p), each
     bounded to a physical range (fractions in (0, 1], overhead in [0, 0.2] s)."""
     bounds = ((0.05, 1.0), (0.05, 1.0), (1e-4, 0.2), (0.05, 1.0), (0.01, 1.0))
     e0 = prof.efficiency
