@@ -638,7 +638,9 @@ def format_plan(plan: Plan, top: int = 12) -> str:
         fastest = max(group, key=lambda c: c.tokens_per_second_per_gpu)
         gain = fastest.tokens_per_second_per_gpu / best.tokens_per_second_per_gpu - 1
         lines.append(
-            f"  first of a tie group of {len(group)} (the fastest predicted, "
+            f"  first of a tie group of {len(group)}, and the fastest predicted"
+            if fastest is best
+            else f"  first of a tie group of {len(group)} (the fastest predicted, "
             f"{fastest.setting.label()}, is {gain:.1%} faster: less than the model's error)"
         )
     lines.append(
