@@ -1,71 +1,75 @@
-"""The planner's memory model against the Seq1F1B paper's published 7B table.
+"""The planner against the Seq1F1B paper's published 7B table: predicted vs published.
 
-Why: the memory model decides what fits, so it has to be checked against a measured table.
-The paper gives GB per GPU for its 7B (FFN 4H, vocabulary 50304) on 32 A100s at 64k tokens,
-8 microbatches, no recomputation: 1F1B 51.4, 1F1B-I 62.9, Seq1F1B 34.3, Seq1F1B-I 28.4; it
-states neither the pp x tp split nor K.
+    python -m benchmarks.published [--gpu a100-80gb] [--refit]
 
-What the numbers imply: 1F1B's stage 0 holds pp microbatches of L/pp layers, i.e. one whole
-microbatch of all L layers divided by tp, whatever pp is. At tp = 4 that alone is about 69 GB
-(the model's 72.8 with pp = 8), above the published 51.4, so the paper ran tp = 8 (pp = 4).
-With pp = 4 x tp = 8 and K = 4, the differences between schedules, which cancel every
-activation-independent term, match: 1F1B - Seq1F1B is 17.1 GB published and 17.1 modelled,
-1F1B-I - 1F1B 11.5 vs 12.9. What remains is an offset common to all of them (about 13 GB),
-memory the model does not count: the caching allocator's reserved-but-unused blocks (the
-paper reports what the GPU had reserved), the CUDA context and the NCCL buffers of the TP, PP
-and DP communicators, and Megatron's bf16 parameter copy (2 B per parameter, 0.4 GB here).
-The planner's ``--reserve-gb`` (default 4) is that term; the comparison prints the model
-alone and with the offset fitted on the 1F1B figure.
+Prints every TFLOPS cell (absolute, and as a ratio to the same length's 1F1B) with the
+planner's prediction on the GPU profile and its error, marking the cells the profile's
+efficiencies were fitted on; then which settings fit in memory (the published OOM cells), and
+the 64k memory row. ``--refit`` fits the efficiencies again on the same cells first (about
+half a minute) and prints them. The tables, the fit and the comparison live in
+:mod:`seq1f1b.planning.published`; this only prints them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
+from collections.abc import Sequence
 
-from seq1f1b.planning.costmodel import GB, PRESETS, Hardware
-from seq1f1b.planning.planner import Setting, price
+from seq1f1b.planning.profiles import PROFILES, profile
+from seq1f1b.planning.published import (
+    FIT_CELLS,
+    fit,
+    fits_rows,
+    memory_rows,
+    memory_vs_published,
+    tflops_rows,
+)
 
-__all__ = ["PUBLISHED_7B_64K", "memory_vs_published"]
-
-#: GB per GPU, 7B on 32 A100s, 64k tokens, 8 microbatches (REFERENCE.md section 1)
-PUBLISHED_7B_64K = {"1F1B": 51.4, "1F1B-I": 62.9, "Seq1F1B": 34.3, "Seq1F1B-I": 28.4}
-#: paper name -> (registry schedule, stages per rank, K)
-_SCHEDULES = {
-    "1F1B": ("1F1B", 1, 1),
-    "1F1B-I": ("Interleaved1F1B", 2, 1),
-    "Seq1F1B": ("Seq1F1B", 1, 4),
-    "Seq1F1B-I": ("InterleavedSeq1F1B", 2, 4),
-}
+__all__ = ["main", "memory_vs_published"]
 
 
-def _gb(pp: int, tp: int, name: str) -> float:
-    sched, v, k = _SCHEDULES[name]
-    setting = Setting(pp, tp, 1, k, 8, "compute", False, True, sched, v)
-    cand = price(setting, PRESETS["paper-7b"], 65536, Hardware(32, 80.0, reserve_gb=0.0))
-    return cand.max_bytes / GB
-
-
-def memory_vs_published(splits: tuple[tuple[int, int], ...] = ((4, 8), (8, 4))) -> dict[str, Any]:
-    """Per schedule: published GB, the model at each (pp, tp), and at the first split the
-    model plus the offset fitted on 1F1B, with its error."""
-    model = {f"pp{p} x tp{t}": {n: _gb(p, t, n) for n in _SCHEDULES} for p, t in splits}
-    main = model[f"pp{splits[0][0]} x tp{splits[0][1]}"]
-    offset = PUBLISHED_7B_64K["1F1B"] - main["1F1B"]
-    rows = []
-    for name, published in PUBLISHED_7B_64K.items():
-        sched, v, k = _SCHEDULES[name]
-        with_offset = main[name] + offset
-        rows.append(
-            {
-                "schedule": name,
-                "planner": f"{sched}" + (f" v={v}" if v > 1 else "") + (f" K={k}" if k > 1 else ""),
-                "published_gb": published,
-                **{key: round(vals[name], 1) for key, vals in model.items()},
-                "model_plus_offset_gb": round(with_offset, 1),
-                "error": with_offset / published - 1,
-                "error_model_alone": main[name] / published - 1,
-                "diff_vs_1f1b_published": round(published - PUBLISHED_7B_64K["1F1B"], 1),
-                "diff_vs_1f1b_model": round(main[name] - main["1F1B"], 1),
-            }
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.published", description=__doc__)
+    ap.add_argument("--gpu", default="a100-80gb", choices=sorted(PROFILES))
+    ap.add_argument("--refit", action="store_true", help="fit the efficiencies again first")
+    a = ap.parse_args(argv)
+    prof = profile(a.gpu)
+    if a.refit:
+        prof = prof.with_efficiency(fit(prof))
+    e = prof.efficiency
+    print(f"profile {prof.name}: {prof.source}")
+    print(
+        f"efficiencies: linear {e.linear:.3g}, attention {e.attention:.3g} of "
+        f"{prof.peak_tflops:g} TFLOP/s, {e.overhead_s * 1e3:.3g} ms per action, collectives "
+        f"{e.collectives:.3g} and pipeline sends {e.p2p:.3g} of the links' peak; {e.source}"
+    )
+    print(f"checked: {prof.checked}\n")
+    print(f"{'cell':<28} {'published':>9} {'predicted':>9} {'error':>7}")
+    held = []
+    for r in tflops_rows(prof, FIT_CELLS):
+        mark = "  (fitted)" if r["fitted"] else ""
+        print(
+            f"{r['cell']:<28} {r['published']:>9.3f} {r['predicted']:>9.3f} "
+            f"{r['error']:>+7.1%}{mark}"
         )
-    return {"offset_gb": round(offset, 1), "splits": list(model), "rows": rows}
+        if not r["fitted"] and r["ratio_to"]:
+            held.append(abs(r["error"]))
+    print(f"largest held-out ratio error: {max(held):.1%} (target 5%)\n")
+    print(f"{'length':>7} {'schedule':<10} {'published':>9} {'predicted':>16}")
+    for r in fits_rows(prof):
+        pub = "runs" if r["published_runs"] else "OOM"
+        pred = f"{r['predicted_gb']:.1f}/{r['budget_gb']:.0f} GB " + (
+            "fits" if r["predicted_fits"] else "OOM"
+        )
+        print(f"{r['seq_len']:>7} {r['schedule']:<10} {pub:>9} {pred:>16}")
+    print(f"\n64k memory, GB per GPU (model + the profile's {prof.reserve_gb:g} GB reserve)")
+    for r in memory_rows(prof):
+        print(
+            f"{r['schedule']:<10} published {r['published_gb']:>5.1f}  model "
+            f"{r['model_gb']:>5.1f}  + reserve {r['with_reserve_gb']:>5.1f}  {r['error']:+.1%}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

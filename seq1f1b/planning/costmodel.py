@@ -47,9 +47,18 @@ attention at the segment's position, and on the last stage the output layer) ove
 ``t * flops_per_gpu`` (``Hardware.tflops`` in bf16, ``Hardware.fp32_throughput`` in fp32);
 backward = 2 forwards, plus one forward with full recomputation; plus the tensor-parallel
 collectives, not overlapped: 4 per layer per pass (2 all-gathers, 2 reduce-scatters of
-``b*H`` per token) each moving ``(t-1)/t`` of its bytes at ``tp_bandwidth``. FSDP's
-all-gathers / reduce-scatters are assumed overlapped with compute, pipeline p2p is ignored (a
-few MB per unit).
+``b*H`` per token) each moving ``(t-1)/t`` of its bytes at ``tp_bandwidth``. With a GPU
+profile (:mod:`seq1f1b.planning.profiles`) three more terms are priced:
+
+* pipeline send/receive: each forward not on the last stage sends its output and each
+  backward not on the first stage its input gradient, ``b*H`` bytes per token divided by
+  ``t`` (sequence parallelism scatters them), at ``Hardware.p2p_gbps`` (the inter-node link
+  when the pipeline spans nodes), added to the sending action (the sender's stream waits);
+* FSDP all-gather (bf16 weights) and reduce-scatter (fp32 gradients), overlapped with compute
+  as torchtitan runs them (:func:`fsdp_exposed_seconds`): only what the overlapping compute
+  cannot hide is added to the step;
+* a fixed overhead per action (launches, synchronisation, the per-unit bookkeeping) that
+  makes many small segments slower than their FLOPs: ``ActionCosts``' ``overhead``.
 
 Per action (what the planner simulates): an action's work is split into linear FLOPs (the
 projections, the FFN and, on the last stage, the output layer ``2*s*H*V``), attention FLOPs
@@ -70,6 +79,7 @@ forward's bytes. Ring traffic is not assumed overlapped (conservative).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -87,6 +97,7 @@ __all__ = [
     "TimeModel",
     "Work",
     "action_work",
+    "fsdp_exposed_seconds",
 ]
 
 GB = 1e9
@@ -105,7 +116,13 @@ PRESETS: dict[str, ModelShape] = {
 
 @dataclass(frozen=True)
 class Hardware:
-    """What one GPU offers; defaults are an H100 SXM at a typical 40% of its bf16 peak."""
+    """What one GPU offers; defaults are an H100 SXM at a typical 40% of its bf16 peak.
+
+    ``inter_node_gbps``: achieved bandwidth per GPU between nodes of ``gpus_per_node``; with
+    it the pipeline's send/receive and FSDP's collectives are priced (:meth:`link_gbps`),
+    without it (the assumed-constants model) they are not. A GPU profile
+    (:meth:`seq1f1b.planning.profiles.GpuProfile.hardware`) sets it from its links.
+    """
 
     gpus: int
     memory_gb: float
@@ -115,6 +132,10 @@ class Hardware:
     #: achieved fp32 TFLOP/s for settings that run in fp32; None: ``tflops / FP32_SLOWDOWN``
     fp32_tflops: float | None = None
     cp_gbps: float | None = None  # achieved CP ring bandwidth; None: ``tp_gbps``
+    inter_node_gbps: float | None = None
+    gpus_per_node: int = 8
+    #: pipeline sends reach this fraction of the link the collectives reach
+    p2p_efficiency: float = 1.0
 
     @property
     def budget_bytes(self) -> float:
@@ -128,6 +149,14 @@ class Hardware:
     def fp32_throughput(self) -> float:
         """Achieved fp32 TFLOP/s: given, or the bf16 figure scaled by the hardware ratio."""
         return self.fp32_tflops if self.fp32_tflops is not None else self.tflops / FP32_SLOWDOWN
+
+    def link_gbps(self, span: int) -> float | None:
+        """Achieved bandwidth of a group whose ranks lie ``span`` consecutive ranks apart or
+        within (inside a node: ``tp_gbps``; across nodes: ``inter_node_gbps``); None when
+        links are not priced."""
+        if self.inter_node_gbps is None:
+            return None
+        return self.tp_gbps if span <= self.gpus_per_node else self.inter_node_gbps
 
 
 @dataclass(frozen=True)
@@ -264,6 +293,10 @@ class MemoryModel:
     # torchtitan 0.3's ChunkedLossWrapper becomes): the last stage keeps the hidden states'
     # fp32 gradient per token instead of fp32 log-probabilities over the vocabulary
     loss_chunk_tokens: int | None = None
+    #: the 1-byte masks of the two dropouts per layer a trainer with dropout keeps (Megatron's
+    #: GPT, hidden dropout 0.1 by default; the ``2sbh`` of Korthikanti et al., "Reducing
+    #: Activation Recomputation in Large Transformer Models", 2022, eq. 1); Llama has none
+    dropout_masks: bool = False
 
     def _full_layer_bytes(self) -> float:
         s, b = self.shape, self.dtype_bytes
@@ -274,7 +307,8 @@ class MemoryModel:
     def layer_bytes_per_token(self, segmented: bool) -> float:
         """Bytes a layer keeps per token of a unit in flight (``segmented``: K > 1)."""
         if not self.recompute:
-            return self._full_layer_bytes() / self.tp
+            masks = 2 * self.shape.hidden if self.dropout_masks else 0
+            return (self._full_layer_bytes() + masks) / self.tp
         s, b = self.shape, self.dtype_bytes
         kv = 2 * b * s.n_kv_heads * s.head_dim if segmented else 0
         return (b * s.hidden + kv) / self.tp
@@ -337,6 +371,7 @@ class TimeModel:
     bf16: bool = True  # False: the matmuls run at ``hardware.fp32_throughput``
     actions: ActionCosts | None = None  # calibrated constants (per GPU, this precision)
     cp: int = 1
+    p2p_gbps: float | None = None  # pipeline send/receive bandwidth; None: not priced
 
     @property
     def _flops_per_second(self) -> float:
@@ -407,6 +442,14 @@ class TimeModel:
             return compute + comm, 3 * compute + 2 * comm
         return compute + comm, 2 * compute + comm
 
+    def p2p_seconds(self, tokens: int) -> float:
+        """One pipeline send of a segment of ``tokens``: ``b*H`` bytes per token, split over
+        the TP (sequence parallel) and CP ranks."""
+        if self.p2p_gbps is None:
+            return 0.0
+        sent = tokens * self.dtype_bytes * self.shape.hidden / (self.tp * self.cp)
+        return sent / (self.p2p_gbps * GB)
+
     def cost(
         self,
         lengths: Sequence[int],
@@ -416,20 +459,66 @@ class TimeModel:
     ) -> Callable[[Action], float]:
         """A :func:`seq1f1b.planning.simulate.simulate` cost callback in seconds: unit ``u`` is
         segment ``u % K`` of ``lengths``, stage ``g`` is chunk ``g % model_stages`` of the model
-        (equal layers; the last chunk adds the output layer and the loss)."""
+        (equal layers; the last chunk adds the output layer and the loss). A forward not on the
+        last chunk and a backward not on the first also send their result to the next stage."""
         k = seq_chunks or len(lengths)
         layers = self.shape.n_layers // model_stages
-        table: dict[tuple[bool, int, rt.ComputationType], float] = {}
+        table: dict[tuple[bool, bool, int, rt.ComputationType], float] = {}
         end = 0
         for seg, n in enumerate(lengths):
             end += n
-            for last in (False, True):
+            send = self.p2p_seconds(n) if model_stages > 1 else 0.0
+            for first, last in itertools.product((False, True), repeat=2):
                 work = action_work(self.shape, layers, last, n, end)
                 for kind in (rt.FORWARD, rt.FULL_BACKWARD, rt.BACKWARD_INPUT, rt.BACKWARD_WEIGHT):
-                    table[(last, seg, kind)] = self.seconds(kind, work, n, layers, end - n)
+                    t = self.seconds(kind, work, n, layers, end - n)
+                    sends = (kind == rt.FORWARD and not last) or (
+                        kind in (rt.FULL_BACKWARD, rt.BACKWARD_INPUT) and not first
+                    )
+                    table[(first, last, seg, kind)] = t + (send if sends else 0.0)
 
         def seconds(a: Action) -> float:
-            last = a.stage_index % model_stages == model_stages - 1
-            return table[(last, (a.microbatch_index or 0) % k, a.computation_type)]
+            pos = a.stage_index % model_stages
+            key = (pos == 0, pos == model_stages - 1, (a.microbatch_index or 0) % k)
+            return table[(*key, a.computation_type)]
 
         return seconds
+
+
+def fsdp_exposed_seconds(
+    params: float,
+    fsdp: int,
+    gbps: float | None,
+    layers: int,
+    *,
+    pipelined: bool,
+    microbatches: int,
+    forward: float,
+    backward: float,
+) -> float:
+    """Seconds of FSDP communication a rank's compute cannot hide, per step.
+
+    ``params``: the rank's parameters (after TP); ``forward`` / ``backward``: seconds of one
+    forward / backward of a unit on its stage(s). FSDP moves bf16 weights in its all-gathers and
+    fp32 gradients in its reduce-scatters (torchtitan's mixed-precision policy), ``(f-1)/f`` of
+    them per rank, one layer ahead of the compute (prefetch), so each layer's traffic hides
+    behind the compute it overlaps and only the first layer's gather and the last layer's
+    reduction are exposed:
+
+    * under a pipeline the stage stays gathered for the whole step: one all-gather before the
+      first forward, one reduce-scatter after the last backward, each overlapping that action;
+    * without one, every microbatch gathers each layer for its forward and again for its
+      backward, and reduce-scatters it after the backward.
+    """
+    if fsdp <= 1 or gbps is None or params <= 0:
+        return 0.0
+    share = (fsdp - 1) / fsdp / (gbps * GB)
+    gather, reduce = 2 * params * share, 4 * params * share
+    if pipelined:
+        first = gather / layers + max(0.0, gather - forward)
+        last = reduce / layers + max(0.0, reduce - backward)
+        return first + last
+    per_layer = max(0.0, (gather - forward) / layers) + max(
+        0.0, (gather + reduce - backward) / layers
+    )
+    return microbatches * (layers * per_layer + (gather + reduce) / layers)

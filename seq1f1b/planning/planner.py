@@ -24,14 +24,25 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 
 from .._runtime import ir as rt
 from .._runtime.ir import Action
 from ..registry import REGISTRY, ScheduleEntry, is_baseline, lookup
 from ..schedules.partition import ModelShape, resolve_split, segment_multiple
-from .costmodel import GB, PRESETS, ActionCosts, Hardware, MemoryModel, TimeModel, action_work
+from .costmodel import (
+    FP32_SLOWDOWN,
+    GB,
+    PRESETS,
+    ActionCosts,
+    Hardware,
+    MemoryModel,
+    TimeModel,
+    action_work,
+    fsdp_exposed_seconds,
+)
+from .profiles import PROFILES, profile
 from .simulate import simulate
 
 __all__ = [
@@ -177,25 +188,53 @@ class Plan:
     global_batch: int
     candidates: list[Candidate]
     skipped: list[str] = field(default_factory=list)  # degree combinations ruled out, and why
-    tolerance: float = 0.02
+    #: relative error of the time model: predictions closer than this are a tie
+    error: float = 0.02
+    error_source: str = "assumed (the --tflops constants are not checked against measurements)"
     precision: str = "bf16"  # the trainer the settings were priced for (:func:`runs_in_bf16`)
     time_model: str = "hardware"  # where the per-action constants come from
 
     @property
+    def groups(self) -> list[list[Candidate]]:
+        """The fitting candidates as tie groups, in rank order (:func:`tie_groups`)."""
+        return tie_groups([c for c in self.candidates if c.fits], self.error)
+
+    @property
     def best(self) -> Candidate | None:
-        """The recommendation: among fitting settings within ``tolerance`` of the fastest, the
-        one with the most memory headroom (the models are estimates; headroom is real)."""
-        fitting = [c for c in self.candidates if c.fits]
-        if not fitting:
-            return None
-        floor = fitting[0].tokens_per_second_per_gpu * (1 - self.tolerance)
-        return min(
-            (c for c in fitting if c.tokens_per_second_per_gpu >= floor), key=lambda c: c.max_bytes
-        )
+        """The recommendation: the first of the fastest tie group (:data:`TIE_RULE`)."""
+        groups = self.groups
+        return groups[0][0] if groups else None
 
     def best_where(self, pred: object) -> Candidate | None:
         """The best fitting candidate whose setting satisfies ``pred`` (a callable)."""
         return next((c for c in self.candidates if c.fits and pred(c.setting)), None)  # type: ignore[operator]
+
+
+#: how a tie group is ordered, as the output states it
+TIE_RULE = "less memory (to 1 GB), then fewer ranks per stage (tp x cp), then no interleaving"
+
+
+def _tie_key(c: Candidate) -> tuple[int, int, bool, float]:
+    s = c.setting
+    return (
+        round(c.max_bytes / GB),
+        s.tp * s.cp,
+        s.stages_per_rank > 1,
+        -c.tokens_per_second_per_gpu,
+    )
+
+
+def tie_groups(candidates: Sequence[Candidate], error: float) -> list[list[Candidate]]:
+    """Candidates in groups the time model cannot tell apart: from the fastest left, every one
+    predicted within ``error`` (relative) of it; each group ordered by :data:`TIE_RULE`."""
+    rest = sorted(candidates, key=lambda c: -c.tokens_per_second_per_gpu)
+    groups: list[list[Candidate]] = []
+    while rest:
+        floor = rest[0].tokens_per_second_per_gpu * (1 - error)
+        group = [c for c in rest if c.tokens_per_second_per_gpu >= floor]
+        rest = rest[len(group) :]
+        groups.append(sorted(group, key=_tie_key))
+    return groups
 
 
 def _divisors(n: int) -> list[int]:
@@ -261,6 +300,7 @@ def search(
     precision: str = "bf16",
     schedules: Iterable[str] | None = None,
     actions: ActionCosts | None = None,
+    error: tuple[float, str] | None = None,
 ) -> Plan:
     """Price every (pp, tp, cp, fsdp, schedule, stages per rank, K, split, recompute) on
     ``hardware.gpus`` GPUs; rank them.
@@ -279,7 +319,9 @@ def search(
     (``dtype_bytes`` activations) and which in fp32 (4-byte activations,
     ``hardware.fp32_throughput``), and whether FSDP wraps at degree 1. The default prices every
     setting in bf16; the CLI defaults to torchtitan 0.3. ``actions``: calibrated per-action
-    constants replacing the hardware figures (:mod:`seq1f1b.planning.calibration`).
+    constants replacing the hardware figures (:mod:`seq1f1b.planning.calibration`, or a GPU
+    profile's, :mod:`seq1f1b.planning.profiles`). ``error``: the time model's relative error
+    and where it comes from; candidates closer than it are ranked as ties (:func:`tie_groups`).
     """
     if global_batch < 1 or seq_len < 1 or hardware.gpus < 1:
         raise ValueError(
@@ -363,15 +405,25 @@ def search(
     cands.sort(
         key=lambda c: (not c.fits, -c.tokens_per_second_per_gpu, c.setting.seq_chunks, c.max_bytes)
     )
+    err = error or (Plan.error, Plan.error_source)
+    fitting = [c for g in tie_groups([c for c in cands if c.fits], err[0]) for c in g]
     return Plan(
         shape,
         seq_len,
         hardware,
         global_batch,
-        cands,
+        fitting + [c for c in cands if not c.fits],
         skipped,
+        error=err[0],
+        error_source=err[1],
         precision=precision,
-        time_model="hardware" if actions is None else f"calibrated ({actions.source})",
+        time_model=(
+            "hardware"
+            if actions is None
+            else actions.source
+            if actions.source.startswith("profile")
+            else f"calibrated ({actions.source})"
+        ),
     )
 
 
@@ -404,10 +456,12 @@ def price(
     state_bytes_per_param: float = 16.0,
     fsdp_wrapped: bool = False,
     actions: ActionCosts | None = None,
+    dropout_masks: bool = False,
 ) -> Candidate:
     """Price one setting (what :func:`search` does for each): its schedule's real order
     simulated with per-action seconds, memory per rank along that order. ValueError when the
-    schedule has no order for it."""
+    schedule has no order for it. ``dropout_masks``: price the 1-byte masks of a trainer that
+    keeps dropout on (Megatron's GPT; :class:`~seq1f1b.planning.costmodel.MemoryModel`)."""
     k = setting.seq_chunks
     lengths = resolve_split(
         setting.split if k > 1 else "uniform", seq_len, k, shape=shape,
@@ -419,7 +473,7 @@ def price(
     batch = global_batch if global_batch is not None else setting.microbatches * setting.fsdp
     return _price(
         setting, lengths, shape, hardware, order, dtype_bytes, state_bytes_per_param,
-        batch * seq_len, fsdp_wrapped, actions,
+        batch * seq_len, fsdp_wrapped, actions, dropout_masks,
     )  # fmt: skip
 
 
@@ -434,15 +488,21 @@ def _price(
     tokens_per_step: int,
     fsdp_at_degree_1: bool,
     actions: ActionCosts | None = None,
+    dropout_masks: bool = False,
 ) -> Candidate:
     p, k, c = setting.pp, setting.seq_chunks, setting.cp
     entry = setting.entry
     n = entry.model_stages(p, setting.stages_per_rank) if entry is not None else 1
     layers = shape.n_layers // n
     dtype_bytes = dtype_bytes if setting.bf16 else 4  # fp32 activations and TP collectives
+    if actions is not None and not setting.bf16 and actions.source.startswith("profile"):
+        actions = actions.scaled(FP32_SLOWDOWN)  # a profile's constants are bf16 kernels'
+    # pp is the mesh's outermost dimension: the pipeline crosses nodes once the world does
+    link = hardware.link_gbps(hardware.gpus) if p > 1 else None
+    p2p = None if link is None else link * hardware.p2p_efficiency
     time = TimeModel(
         hardware, shape, setting.tp, setting.recompute, layers, dtype_bytes, setting.bf16,
-        actions, c,
+        actions, c, p2p,
     )  # fmt: skip
     memory = MemoryModel(
         shape,
@@ -459,6 +519,7 @@ def _price(
         loss_chunk_tokens=(
             -(-sum(lengths) // TITAN_LOSS_CHUNKS) if fsdp_at_degree_1 or k > 1 else None
         ),
+        dropout_masks=dropout_masks,
     )
     seconds = time.cost(lengths, n, seq_chunks=k)
     segmented = k > 1
@@ -477,6 +538,7 @@ def _price(
         res = simulate(order, seconds, activation=saved, replicas=entry.replicas if entry else 1)
         makespan, bubble = res.makespan, res.bubble_ratio
         peak_act, stage_to_rank = res.peak_activation_rank, res.stage_to_rank
+    makespan += _fsdp_seconds(setting, shape, hardware, layers, n, seconds)
     peaks = []
     unit = max(lengths) / c
     for r in range(p):
@@ -499,6 +561,35 @@ def _price(
     )
 
 
+def _fsdp_seconds(
+    setting: Setting,
+    shape: ModelShape,
+    hardware: Hardware,
+    layers: int,
+    model_stages: int,
+    seconds: Callable[[Action], float],
+) -> float:
+    """FSDP traffic the compute cannot hide on rank 0 (its stages' parameters, after TP),
+    over the FSDP x CP group: torchtitan's mesh puts it inside ``fsdp * cp * tp`` ranks."""
+    shards = setting.fsdp * setting.cp
+    span = shards * setting.tp
+    stages = setting.stages_per_rank if setting.pp > 1 else 1
+    first_and_last = model_stages == 1
+    params = stages * layers * shape.params_per_layer + shape.vocab * shape.hidden * (
+        1 + int(first_and_last)
+    )
+    return fsdp_exposed_seconds(
+        params / setting.tp,
+        shards,
+        hardware.link_gbps(span),
+        stages * layers,
+        pipelined=setting.pp > 1,
+        microbatches=setting.microbatches,
+        forward=seconds(Action(0, rt.FORWARD, 0)),
+        backward=seconds(Action(0, rt.FULL_BACKWARD, 0)),
+    )
+
+
 def _is_baseline(s: Setting) -> bool:
     return s.pp > 1 and is_baseline(s.schedule)
 
@@ -506,20 +597,26 @@ def _is_baseline(s: Setting) -> bool:
 def format_plan(plan: Plan, top: int = 12) -> str:
     """Ranked table (fitting settings first), the recommendation and what it beats."""
     hw = plan.hardware
+    tie = {id(c): i for i, g in enumerate(plan.groups, 1) for c in g}
     lines = [
-        f"{'#':>3}  {'pp':>2} {'tp':>2} {'cp':>2} {'fsdp':>4} {'M':>3} {'schedule':<34} {'AC':<4} "
-        f"{'step s':>7} {'tok/s/GPU':>9}  why"
+        f"{'#':>3}  {'tie':>3} {'pp':>2} {'tp':>2} {'cp':>2} {'fsdp':>4} {'M':>3} "
+        f"{'schedule':<34} {'AC':<4} {'step s':>7} {'tok/s/GPU':>9}  why"
     ]
     for i, c in enumerate(plan.candidates[:top], 1):
         s = c.setting
         sched = s.schedule_text() if s.pp > 1 else "none (FSDP/TP/CP)"
         mark = "*" if c is plan.best else " "
+        group = str(tie[id(c)]) if id(c) in tie else "-"
         lines.append(
-            f"{i:>2}{mark}  {s.pp:>2} {s.tp:>2} {s.cp:>2} {s.fsdp:>4} {s.microbatches:>3} "
-            f"{sched:<34} "
+            f"{i:>2}{mark}  {group:>3} {s.pp:>2} {s.tp:>2} {s.cp:>2} {s.fsdp:>4} "
+            f"{s.microbatches:>3} {sched:<34} "
             f"{'full' if s.recompute else 'none':<4} {c.step_seconds:>7.2f} "
             f"{c.tokens_per_second_per_gpu:>9.0f}  {c.why()}"
         )
+    lines.append(
+        f"tie: rows of one group are predicted within {plan.error:.0%} of its fastest, the "
+        f"time model's error ({plan.error_source}); inside a group: {TIE_RULE}"
+    )
     n_fit = sum(c.fits for c in plan.candidates)
     lines.append(
         f"({n_fit} of {len(plan.candidates)} settings fit {hw.memory_gb:g} GB minus "
@@ -536,11 +633,15 @@ def format_plan(plan: Plan, top: int = 12) -> str:
         )
         return "\n".join(lines)
     lines.append(f"Recommendation (*): {best.setting.label()}")
-    if best is not plan.candidates[0]:
-        first = plan.candidates[0]
+    group = plan.groups[0]
+    if len(group) > 1:
+        fastest = max(group, key=lambda c: c.tokens_per_second_per_gpu)
+        gain = fastest.tokens_per_second_per_gpu / best.tokens_per_second_per_gpu - 1
         lines.append(
-            f"  within {plan.tolerance:.0%} of the fastest (#1) and "
-            f"{(first.max_bytes - best.max_bytes) / GB:.1f} GB further from the budget"
+            f"  first of a tie group of {len(group)}, and the fastest predicted"
+            if fastest is best
+            else f"  first of a tie group of {len(group)} (the fastest predicted, "
+            f"{fastest.setting.label()}, is {gain:.1%} faster: less than the model's error)"
         )
     lines.append(
         f"  predicted {best.step_seconds:.2f} s per step of {plan.global_batch} x "
@@ -589,7 +690,15 @@ def build_parser(prog: str = "python -m seq1f1b.planning.planner") -> argparse.A
     ap.add_argument("--gated-ffn", action="store_true", help="SwiGLU FFN (three matrices)")
     ap.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     ap.add_argument("--gpus", type=int, required=True, help="GPUs in total")
-    ap.add_argument("--gpu-memory-gb", type=float, required=True, help="memory per GPU (1e9 B)")
+    ap.add_argument(
+        "--gpu",
+        choices=sorted(PROFILES),
+        help="GPU profile (seq1f1b/planning/profiles.py): specifications and fitted efficiencies "
+        "for the time model, the GPU's memory; replaces --tflops and --tp-gbps",
+    )
+    ap.add_argument(
+        "--gpu-memory-gb", type=float, help="memory per GPU (1e9 B); required without --gpu"
+    )
     ap.add_argument(
         "--global-batch", type=int, help="sequences per optimizer step (default 2 x GPUs)"
     )
@@ -629,15 +738,18 @@ def build_parser(prog: str = "python -m seq1f1b.planning.planner") -> argparse.A
         default=4096,
         help="shortest average segment (tokens) to consider",
     )
-    ap.add_argument("--reserve-gb", type=float, default=4.0, help="memory kept free per GPU")
     ap.add_argument(
-        "--tflops", type=float, default=400.0, help="achieved bf16 TFLOP/s per GPU (time model)"
+        "--reserve-gb", type=float, help="memory kept free per GPU (default: the profile's, or 4)"
+    )
+    ap.add_argument(
+        "--tflops",
+        type=float,
+        help="achieved bf16 TFLOP/s per GPU (assumed-constants time model; default 400)",
     )
     ap.add_argument(
         "--tp-gbps",
         type=float,
-        default=300.0,
-        help="achieved TP collective bandwidth, GB/s (time model)",
+        help="achieved TP collective bandwidth, GB/s (assumed-constants time model; default 300)",
     )
     ap.add_argument(
         "--fp32-tflops",
@@ -667,6 +779,34 @@ def _ints(text: str | None, flag: str) -> list[int] | None:
         raise ValueError(f"{flag} takes comma-separated integers (got {text!r})") from None
 
 
+def _hardware_from_args(
+    a: argparse.Namespace,
+) -> tuple[Hardware, ActionCosts | None, tuple[float, str] | None]:
+    """The GPUs the arguments describe: a profile's (``--gpu``), or the assumed constants."""
+    if a.gpu is None:
+        if a.gpu_memory_gb is None:
+            raise ValueError("give --gpu (one of " + ", ".join(sorted(PROFILES)) + ") or "
+                             "--gpu-memory-gb with the assumed --tflops / --tp-gbps")  # fmt: skip
+        reserve = 4.0 if a.reserve_gb is None else a.reserve_gb
+        tflops = 400.0 if a.tflops is None else a.tflops
+        tp_gbps = 300.0 if a.tp_gbps is None else a.tp_gbps
+        return (
+            Hardware(a.gpus, a.gpu_memory_gb, reserve, tflops, tp_gbps, a.fp32_tflops),
+            None,
+            None,
+        )
+    if a.tflops is not None or a.tp_gbps is not None:
+        raise ValueError("--gpu sets the time model: drop --tflops / --tp-gbps, or drop --gpu")
+    prof = profile(a.gpu)
+    hw = prof.hardware(a.gpus, a.reserve_gb)
+    if a.gpu_memory_gb is not None:
+        hw = replace(hw, memory_gb=a.gpu_memory_gb)
+    if a.fp32_tflops is not None:
+        hw = replace(hw, fp32_tflops=a.fp32_tflops)
+    eff = prof.efficiency
+    return hw, prof.action_costs(), (eff.error, eff.error_source)
+
+
 def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
     """Run the search the arguments describe; returns (preset name or None, plan)."""
     widths = (a.hidden, a.heads, a.layers, a.vocab)
@@ -689,12 +829,12 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
             n_kv_heads=a.kv_heads,
             gated_ffn=a.gated_ffn,
         )
-    hw = Hardware(a.gpus, a.gpu_memory_gb, a.reserve_gb, a.tflops, a.tp_gbps, a.fp32_tflops)
-    actions = None
+    hw, actions, error = _hardware_from_args(a)
     if a.calibration:
         from .calibration import load_action_costs
 
         actions = load_action_costs(a.calibration)
+        error = None
     schedules = [x.strip() for x in a.schedules.split(",") if x.strip()] if a.schedules else None
     for name in schedules or ():
         lookup(name)  # an unknown name fails with the known ones listed
@@ -713,6 +853,7 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
         recompute={"none": (False,), "full": (True,), "both": (False, True)}[a.ac],
         min_segment=a.min_segment,
         precision=a.precision,
+        error=error,
     )
     if not plan.candidates:
         raise ValueError(
@@ -742,7 +883,14 @@ def describe(preset: str | None, plan: Plan) -> str:
             if plan.time_model == "hardware"
             else f"time model: {plan.time_model}, "
         )
-        + f"TP collectives at {hw.tp_gbps:g} GB/s; memory and time formulas: "
+        + f"TP collectives at {hw.tp_gbps:.3g} GB/s"
+        + (
+            f", across nodes {hw.inter_node_gbps:.3g} GB/s (pipeline sends "
+            f"{hw.inter_node_gbps * hw.p2p_efficiency:.3g})"
+            if hw.inter_node_gbps is not None
+            else ""
+        )
+        + "; memory and time formulas: "
         "seq1f1b/planning/costmodel.py\n"
         f"precision: {_PRECISION_TEXT[plan.precision]}\n"
     )

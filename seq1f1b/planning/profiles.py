@@ -1,0 +1,163 @@
+"""GPU profiles: what the planner's time and memory models assume about one kind of GPU.
+
+Why: a ranking of schedules is only as good as the time constants behind it. A profile keeps
+the figures that come from a public specification (peak dense bf16 FLOP/s, memory, NVLink and
+inter-node bandwidth) apart from the few that no specification gives (what fraction of the
+peak the matmuls and the attention kernel reach, a fixed cost per pipeline action, what
+fraction of a link's peak the collectives reach), which are fitted to published measurements
+(:mod:`seq1f1b.planning.published`). Each constant carries its source.
+
+Only the A100 profile is checked against measurements (the Seq1F1B paper's 7B table, all on
+A100s). H100 and H200 reuse its fitted fractions and overhead on their own specifications:
+an assumption, stated in :attr:`GpuProfile.checked`, until someone measures them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .costmodel import ActionCosts, Coefficients, Hardware
+
+__all__ = ["FLASH_BACKWARD_FLOPS", "PROFILES", "Efficiency", "GpuProfile", "profile"]
+
+#: FlashAttention's backward runs 2.5 times its forward FLOPs (5 matmuls to the forward's 2;
+#: Dao, "FlashAttention-2", 2023, section 4.1); the projections' backward runs 2 times.
+FLASH_BACKWARD_FLOPS = 2.5
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """What a GPU achieves of its specification, fitted (:func:`seq1f1b.planning.published.fit`).
+
+    ``linear`` / ``attention``: fraction of the peak bf16 FLOP/s reached by the projections and
+    FFN, and by causal flash attention; ``overhead_s``: fixed seconds per pipeline action
+    (kernel launches, the pipeline's synchronisation, per-unit bookkeeping; what makes many
+    short segments slower than their FLOPs); ``collectives``: fraction of a link's peak
+    bandwidth the collectives reach (TP, FSDP, the CP ring); ``p2p``: fraction the pipeline's
+    sends reach (they carry the pipeline's synchronisation too, so less)."""
+
+    linear: float
+    attention: float
+    overhead_s: float
+    collectives: float
+    p2p: float
+    source: str
+    #: the relative error of a throughput prediction this profile has shown on cells it was
+    #: not fitted on; the planner reports predictions closer than this as ties
+    error: float = 0.07
+    error_source: str = "not demonstrated"
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """One GPU model: public specifications (with sources) and fitted efficiencies."""
+
+    name: str
+    memory_gb: float
+    peak_tflops: float  # dense bf16 (no sparsity)
+    nvlink_gbps: float  # per GPU, one direction
+    inter_node_gbps: float  # per GPU, one direction (the node's compute NICs / GPUs)
+    efficiency: Efficiency
+    source: str  # where the specifications come from
+    checked: str  # which measurements the profile's predictions were compared with
+    gpus_per_node: int = 8
+    #: memory no formula counts (CUDA context and kernel libraries' workspaces, NCCL buffers,
+    #: allocator slack); the planner's default ``--reserve-gb``
+    reserve_gb: float = 4.0
+
+    def action_costs(self) -> ActionCosts:
+        """Per-GPU seconds of each action: FLOPs at the fitted fractions of the peak (backward:
+        2 times the projections', :data:`FLASH_BACKWARD_FLOPS` times the attention's), plus
+        the fixed overhead per action."""
+        peak = self.peak_tflops * 1e12
+        lin = 1 / (peak * self.efficiency.linear)
+        att = 1 / (peak * self.efficiency.attention)
+        o = self.efficiency.overhead_s
+        forward = Coefficients(lin, att, overhead=o)
+        backward = Coefficients(2 * lin, FLASH_BACKWARD_FLOPS * att, overhead=o)
+        return ActionCosts(forward, backward, source=f"profile {self.name}")
+
+    def hardware(self, gpus: int, reserve_gb: float | None = None) -> Hardware:
+        """The planner's :class:`~seq1f1b.planning.costmodel.Hardware` for ``gpus`` of these,
+        links at the fitted fraction of their peak."""
+        eff = self.efficiency
+        return Hardware(
+            gpus,
+            self.memory_gb,
+            self.reserve_gb if reserve_gb is None else reserve_gb,
+            tflops=self.peak_tflops * eff.linear,
+            tp_gbps=self.nvlink_gbps * eff.collectives,
+            inter_node_gbps=self.inter_node_gbps * eff.collectives,
+            p2p_efficiency=eff.p2p / eff.collectives,
+            gpus_per_node=self.gpus_per_node,
+        )
+
+    def with_efficiency(self, efficiency: Efficiency) -> GpuProfile:
+        return replace(self, efficiency=efficiency)
+
+
+#: Fitted by ``python -m benchmarks.published --refit`` (seq1f1b.planning.published.fit) on the
+#: cells named in seq1f1b.planning.published.FIT_CELLS; the other cells are predicted.
+A100_FIT = Efficiency(
+    linear=0.504,
+    attention=0.312,
+    overhead_s=0.0148,
+    collectives=1.0,
+    p2p=0.144,
+    source="fitted on 5 cells of the Seq1F1B paper's 7B table on A100s "
+    "(seq1f1b.planning.published.FIT_CELLS)",
+    error=0.06,
+    error_source="the largest error of a held-out schedule-to-1F1B TFLOPS ratio of the "
+    "Seq1F1B paper's 7B table, 5.9% (Seq1F1B-I at 64k; python -m benchmarks.published)",
+)
+
+_UNCHECKED = (
+    "not checked against any measurement: A100's fitted efficiencies and overhead on this "
+    "GPU's specifications"
+)
+
+PROFILES: dict[str, GpuProfile] = {
+    "a100-80gb": GpuProfile(
+        "a100-80gb",
+        memory_gb=80.0,
+        peak_tflops=312.0,
+        nvlink_gbps=300.0,
+        inter_node_gbps=25.0,
+        efficiency=A100_FIT,
+        source="NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOPS dense BF16, 80 GB HBM2e, NVLink "
+        "600 GB/s both directions); DGX A100 datasheet (8 ConnectX-6 HDR 200 Gb/s for 8 GPUs)",
+        checked="the Seq1F1B paper's 7B table on 32 A100s (seq1f1b.planning.published)",
+    ),
+    "h100-80gb": GpuProfile(
+        "h100-80gb",
+        memory_gb=80.0,
+        peak_tflops=989.0,
+        nvlink_gbps=450.0,
+        inter_node_gbps=50.0,
+        efficiency=A100_FIT,
+        source="NVIDIA H100 datasheet (SXM5: 989 TFLOPS dense BF16, 80 GB HBM3, NVLink 900 GB/s "
+        "both directions); DGX H100 datasheet (8 ConnectX-7 400 Gb/s for 8 GPUs)",
+        checked=_UNCHECKED,
+    ),
+    "h200": GpuProfile(
+        "h200",
+        memory_gb=141.0,
+        peak_tflops=989.0,
+        nvlink_gbps=450.0,
+        inter_node_gbps=50.0,
+        efficiency=A100_FIT,
+        source="NVIDIA H200 datasheet (SXM: 989 TFLOPS dense BF16, 141 GB HBM3e, NVLink 900 "
+        "GB/s both directions); DGX H200 datasheet (8 ConnectX-7 400 Gb/s for 8 GPUs)",
+        checked=_UNCHECKED,
+    ),
+}
+
+
+def profile(name: str) -> GpuProfile:
+    """The profile called ``name``; ValueError naming the known ones otherwise."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown GPU profile {name!r}: use one of {', '.join(sorted(PROFILES))}"
+        ) from None

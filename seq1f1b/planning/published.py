@@ -1,0 +1,289 @@
+"""The Seq1F1B paper's published 7B results, the planner's predictions of them, and the fit of a
+GPU profile's efficiencies to a few of them.
+
+Why: these are the only GPU measurements of these schedules available (REFERENCE.md section 1:
+"Seq1F1B", arXiv 2406.03488, 7B on 32 A100s). A profile's efficiencies are fitted on a few
+cells (:data:`FIT_CELLS`) and every other cell is predicted, so the comparison says how far the
+planner can be trusted on cells it never saw.
+
+The paper's setting, as the memory table decides it (benchmarks' published check): pp 4 x tp 8
+(sequence parallel), 8 microbatches of one sequence, K = 4, two stages per rank for the
+interleaved schedules, no recomputation, bf16 with Megatron's fp32 master weights. Its TFLOPS
+are taken as Megatron's formula counts them (Narayanan et al., SC21, eq. 3 without
+recomputation: ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``, full, not causal, attention): the
+paper's code is a Megatron-LM fork, which logs that figure. Ratios between schedules at the
+same length do not depend on that choice; absolute TFLOPS do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .costmodel import GB, PRESETS, Hardware
+from .planner import Candidate, Setting, price
+from .profiles import Efficiency, GpuProfile
+
+__all__ = [
+    "FIT_CELLS",
+    "PUBLISHED_MEMORY_64K",
+    "PUBLISHED_TFLOPS",
+    "SCHEDULES",
+    "Cell",
+    "fit",
+    "megatron_flops",
+    "memory_rows",
+    "memory_vs_published",
+    "paper_candidate",
+    "tflops_rows",
+]
+
+#: TFLOPS per GPU, 7B on 32 A100s, 8 microbatches (REFERENCE.md section 1); None: OOM
+PUBLISHED_TFLOPS: dict[int, dict[str, float | None]] = {
+    32768: {"1F1B": 99.7, "1F1B-I": 109.6, "Seq1F1B": 110.6, "Seq1F1B-I": 97.7},
+    65536: {"1F1B": 107.5, "1F1B-I": 120.0, "Seq1F1B": 124.6, "Seq1F1B-I": 117.8},
+    131072: {"1F1B": None, "1F1B-I": None, "Seq1F1B": 136.7, "Seq1F1B-I": 135.1},
+}
+#: GB per GPU, 7B on 32 A100s, 64k tokens (REFERENCE.md section 1)
+PUBLISHED_MEMORY_64K = {"1F1B": 51.4, "1F1B-I": 62.9, "Seq1F1B": 34.3, "Seq1F1B-I": 28.4}
+#: paper name -> (registry schedule, stages per rank, K)
+SCHEDULES = {
+    "1F1B": ("1F1B", 1, 1),
+    "1F1B-I": ("Interleaved1F1B", 2, 1),
+    "Seq1F1B": ("Seq1F1B", 1, 4),
+    "Seq1F1B-I": ("InterleavedSeq1F1B", 2, 4),
+}
+PAPER_PP, PAPER_TP, PAPER_M, PAPER_GPUS = 4, 8, 8, 32
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One published TFLOPS cell: absolute (``ratio_to`` None) or as a ratio to another
+    schedule at the same length (1F1B, or Seq1F1B at 128k where 1F1B did not fit)."""
+
+    seq_len: int
+    schedule: str
+    ratio_to: str | None = "1F1B"
+
+    @property
+    def label(self) -> str:
+        base = f"{self.schedule} @{self.seq_len // 1024}k"
+        return base + (f" / {self.ratio_to}" if self.ratio_to else " TFLOPS")
+
+    def published(self) -> float:
+        row = PUBLISHED_TFLOPS[self.seq_len]
+        value = row[self.schedule]
+        assert value is not None, f"{self.label}: published as OOM"
+        if self.ratio_to is None:
+            return value
+        base = row[self.ratio_to]
+        assert base is not None
+        return value / base
+
+    def predicted(self, tflops: Callable[[int, str], float]) -> float:
+        value = tflops(self.seq_len, self.schedule)
+        return value if self.ratio_to is None else value / tflops(self.seq_len, self.ratio_to)
+
+
+#: the cells the A100 efficiencies are fitted on: 1F1B's absolute TFLOPS at 32k and 64k (the
+#: kernels' efficiency, linear vs attention by the two lengths), and as ratios to 1F1B
+#: Seq1F1B at 64k (the per-action overhead), Seq1F1B-I at 32k and 1F1B-I at 64k (the links);
+#: every other cell is held out
+FIT_CELLS = (
+    Cell(32768, "1F1B", None),
+    Cell(65536, "1F1B", None),
+    Cell(65536, "Seq1F1B"),
+    Cell(32768, "Seq1F1B-I"),
+    Cell(65536, "1F1B-I"),
+)
+
+
+def _all_cells() -> list[Cell]:
+    cells = []
+    for seq_len, row in PUBLISHED_TFLOPS.items():
+        base = "1F1B" if row["1F1B"] is not None else "Seq1F1B"
+        for name, value in row.items():
+            if value is None:
+                continue
+            cells.append(Cell(seq_len, name, None))
+            if name != base:
+                cells.append(Cell(seq_len, name, base))
+    return cells
+
+
+def megatron_flops(seq_len: int, sequences: int) -> float:
+    """Model FLOPs of a step of ``sequences`` as Megatron counts them (module docstring)."""
+    s = PRESETS["paper-7b"]
+    h, layers, v = s.hidden, s.n_layers, s.vocab
+    return (
+        72 * sequences * seq_len * layers * h * h * (1 + seq_len / (6 * h) + v / (12 * h * layers))
+    )
+
+
+#: Megatron's model state per parameter with bf16: bf16 weights (2), fp32 main gradients (4;
+#: Megatron-LM's arguments force ``accumulate_allreduce_grads_in_fp32`` with ``--bf16``), fp32
+#: master weights (4) and Adam's two moments (8); torchtitan's FSDP keeps no bf16 copy (16)
+MEGATRON_STATE_BYTES = 18.0
+
+
+def paper_candidate(
+    prof: GpuProfile, seq_len: int, name: str, reserve_gb: float | None = None
+) -> Candidate:
+    """The planner's price of the paper's setting of schedule ``name`` on ``prof``'s GPUs, with
+    what Megatron keeps on top of torchtitan: the bf16 weight copy and the dropout masks."""
+    sched, v, k = SCHEDULES[name]
+    setting = Setting(PAPER_PP, PAPER_TP, 1, k, PAPER_M, "compute", False, True, sched, v)
+    hw = prof.hardware(PAPER_GPUS, reserve_gb)
+    return price(
+        setting, PRESETS["paper-7b"], seq_len, hw, actions=prof.action_costs(),
+        state_bytes_per_param=MEGATRON_STATE_BYTES, dropout_masks=True,
+    )  # fmt: skip
+
+
+def _tflops_of(prof: GpuProfile) -> Callable[[int, str], float]:
+    cache: dict[tuple[int, str], float] = {}
+
+    def tflops(seq_len: int, name: str) -> float:
+        if (seq_len, name) not in cache:
+            step = paper_candidate(prof, seq_len, name).step_seconds
+            flops = megatron_flops(seq_len, PAPER_M)
+            cache[(seq_len, name)] = flops / (step * PAPER_GPUS) / 1e12
+        return cache[(seq_len, name)]
+
+    return tflops
+
+
+def tflops_rows(prof: GpuProfile, fitted: Iterable[Cell] = FIT_CELLS) -> list[dict[str, Any]]:
+    """Every published TFLOPS cell (absolute, and as a ratio to the length's baseline),
+    predicted on ``prof``, with its error and whether it was fitted on."""
+    tflops = _tflops_of(prof)
+    fit_set = set(fitted)
+    rows = []
+    for cell in _all_cells():
+        pred, pub = cell.predicted(tflops), cell.published()
+        rows.append(
+            {
+                "cell": cell.label,
+                "seq_len": cell.seq_len,
+                "schedule": cell.schedule,
+                "ratio_to": cell.ratio_to,
+                "published": pub,
+                "predicted": pred,
+                "error": pred / pub - 1,
+                "fitted": cell in fit_set,
+            }
+        )
+    return rows
+
+
+def fits_rows(prof: GpuProfile) -> list[dict[str, Any]]:
+    """Every (length, schedule) of the table: published to run or OOM, predicted to fit or not
+    (the profile's memory and reserve)."""
+    rows = []
+    for seq_len, row in PUBLISHED_TFLOPS.items():
+        for name, value in row.items():
+            cand = paper_candidate(prof, seq_len, name)
+            rows.append(
+                {
+                    "seq_len": seq_len,
+                    "schedule": name,
+                    "published_runs": value is not None,
+                    "predicted_fits": cand.fits,
+                    "predicted_gb": cand.max_bytes / GB,
+                    "budget_gb": cand.budget_bytes / GB,
+                }
+            )
+    return rows
+
+
+def memory_rows(prof: GpuProfile) -> list[dict[str, Any]]:
+    """The published 64k memory row against the planner's peak (without the reserve) and
+    with the profile's reserve added."""
+    rows = []
+    for name, published in PUBLISHED_MEMORY_64K.items():
+        model = paper_candidate(prof, 65536, name, reserve_gb=0.0).max_bytes / GB
+        rows.append(
+            {
+                "schedule": name,
+                "published_gb": published,
+                "model_gb": model,
+                "with_reserve_gb": model + prof.reserve_gb,
+                "error": (model + prof.reserve_gb) / published - 1,
+            }
+        )
+    return rows
+
+
+def fit(
+    prof: GpuProfile,
+    cells: Sequence[Cell] = FIT_CELLS,
+    *,
+    rounds: int = 8,
+) -> Efficiency:
+    """Efficiencies of ``prof`` that minimise the squared relative errors of ``cells``: a
+    pattern search in log space over (linear, attention, overhead, collectives, p2p), each
+    bounded to a physical range (fractions in (0, 1], overhead in [0, 0.2] s)."""
+    bounds = ((0.05, 1.0), (0.05, 1.0), (1e-4, 0.2), (0.05, 1.0), (0.01, 1.0))
+    e0 = prof.efficiency
+    x = [0.5, 0.5, 0.01, 0.8, 0.8]  # a neutral start, whatever the profile holds
+
+    def loss(v: list[float]) -> float:
+        eff = Efficiency(*v, "fit")
+        tflops = _tflops_of(prof.with_efficiency(eff))
+        return math.fsum((c.predicted(tflops) / c.published() - 1) ** 2 for c in cells)
+
+    best = loss(x)
+    step = 0.5
+    for _ in range(rounds):
+        improved = True
+        while improved:
+            improved = False
+            for i, (lo, hi) in enumerate(bounds):
+                for sign in (1.0, -1.0):
+                    y = list(x)
+                    y[i] = min(hi, max(lo, x[i] * math.exp(sign * step)))
+                    if y[i] == x[i]:
+                        continue
+                    val = loss(y)
+                    if val < best - 1e-12:
+                        x, best, improved = y, val, True
+        step /= 2
+    names = ", ".join(c.label for c in cells)
+    return Efficiency(*x, f"fitted on {names}", e0.error, e0.error_source)
+
+
+def _offset_model_gb(pp: int, tp: int, name: str) -> float:
+    sched, v, k = SCHEDULES[name]
+    setting = Setting(pp, tp, 1, k, PAPER_M, "compute", False, True, sched, v)
+    cand = price(setting, PRESETS["paper-7b"], 65536, Hardware(PAPER_GPUS, 80.0, reserve_gb=0.0))
+    return cand.max_bytes / GB
+
+
+def memory_vs_published(splits: tuple[tuple[int, int], ...] = ((4, 8), (8, 4))) -> dict[str, Any]:
+    """The torchtitan memory model (no Megatron terms) against the 64k row, at each (pp, tp):
+    per schedule the published GB, the model, and at the first split the model plus the offset
+    fitted on 1F1B, with its error; the differences between schedules cancel every term that
+    does not depend on the activations, so they check the activation model alone."""
+    model = {f"pp{p} x tp{t}": {n: _offset_model_gb(p, t, n) for n in SCHEDULES} for p, t in splits}
+    main = model[f"pp{splits[0][0]} x tp{splits[0][1]}"]
+    offset = PUBLISHED_MEMORY_64K["1F1B"] - main["1F1B"]
+    rows = []
+    for name, published in PUBLISHED_MEMORY_64K.items():
+        sched, v, k = SCHEDULES[name]
+        with_offset = main[name] + offset
+        rows.append(
+            {
+                "schedule": name,
+                "planner": f"{sched}" + (f" v={v}" if v > 1 else "") + (f" K={k}" if k > 1 else ""),
+                "published_gb": published,
+                **{key: round(vals[name], 1) for key, vals in model.items()},
+                "model_plus_offset_gb": round(with_offset, 1),
+                "error": with_offset / published - 1,
+                "error_model_alone": main[name] / published - 1,
+                "diff_vs_1f1b_published": round(published - PUBLISHED_MEMORY_64K["1F1B"], 1),
+                "diff_vs_1f1b_model": round(main[name] - main["1F1B"], 1),
+            }
+        )
+    return {"offset_gb": round(offset, 1), "splits": list(model), "rows": rows}
