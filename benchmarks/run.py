@@ -28,8 +28,8 @@ from .headline import headline_rows
 from .memory.budget import budget_rows, verify_rows
 from .memory.units_in_flight import memory_bound_rows
 from .output.trace import write_chrome_trace
-from .planner_models.published import memory_vs_published
 from .planner_models.time_costs import calibrate
+from .planner_models.vs_published import memory_vs_published
 from .step_time.simtables import PAPER_SHAPE, simulate_spec, simulation_table
 
 __all__ = ["run_all"]

@@ -375,7 +375,7 @@ def test_published_7b_memory_differences_are_reproduced() -> None:
     """Paper, 7B on 32 GPUs at 64k, M = 8 (GB per GPU): 1F1B 51.4, 1F1B-I 62.9, Seq1F1B 34.3.
     At pp 8 x tp 4 1F1B alone is far above 51.4 (one microbatch of all layers / tp), so the
     paper ran tp 8; there the differences between schedules, free of every term that does not
-    depend on activations, match the published ones (benchmarks/planner_models/published.py)."""
+    depend on activations, match the published ones (benchmarks/planner_models/vs_published.py)."""
     hw = Hardware(32, 80.0, reserve_gb=0.0)
 
     def gb(pp: int, tp: int, name: str, v: int = 1, k: int = 1) -> float:

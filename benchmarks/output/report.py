@@ -243,7 +243,7 @@ def published_memory_table(mem: dict[str, Any]) -> list[str]:
         "alone exceeds it); the differences between schedules cancel every term that does not "
         "depend on activations and match; the common offset (fitted on 1F1B) is memory the "
         "model does not count (allocator reserve, CUDA/NCCL context, Megatron's bf16 weight "
-        "copy). See benchmarks/planner_models/published.py.",
+        "copy). See benchmarks/planner_models/vs_published.py.",
         "",
         *_table(head, rows),
         "",

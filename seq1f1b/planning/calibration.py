@@ -6,7 +6,7 @@ they overrate many small units. Measuring the actions of a real run and fitting,
 action (F, B, I, W), seconds per linear FLOP, per attention FLOP, per element of elementwise
 work, per module run and a fixed overhead (:class:`seq1f1b.planning.costmodel.Coefficients`) gives a
 time model whose predictions can be checked against measured step times
-(``python -m benchmarks.calibration``).
+(``python -m benchmarks.planner_models.time_costs``).
 
 The fit is non-negative least squares on relative errors (every action counts alike, short or
 long): with five constants, every subset of them is solved exactly and the best one whose

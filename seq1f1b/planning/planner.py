@@ -717,8 +717,8 @@ def build_parser(prog: str = "python -m seq1f1b.planning.planner") -> argparse.A
     )
     ap.add_argument(
         "--calibration",
-        help="JSON of measured per-action constants (python -m benchmarks.calibration) "
-        "replacing the --tflops time model",
+        help="JSON of measured per-action constants (python -m "
+        "benchmarks.planner_models.time_costs) replacing the --tflops time model",
     )
     ap.add_argument(
         "--chunks",

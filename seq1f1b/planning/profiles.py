@@ -96,8 +96,9 @@ class GpuProfile:
         return replace(self, efficiency=efficiency)
 
 
-#: Fitted by ``python -m benchmarks.published --refit`` (seq1f1b.planning.published.fit) on the
-#: cells named in seq1f1b.planning.published.FIT_CELLS; the other cells are predicted.
+#: Fitted by ``python -m benchmarks.planner_models.vs_published --refit``
+#: (seq1f1b.planning.published.fit) on the cells named in
+#: seq1f1b.planning.published.FIT_CELLS; the other cells are predicted.
 A100_FIT = Efficiency(
     linear=0.504,
     attention=0.312,
@@ -108,7 +109,8 @@ A100_FIT = Efficiency(
     "(seq1f1b.planning.published.FIT_CELLS)",
     error=0.06,
     error_source="the largest error of a held-out schedule-to-1F1B TFLOPS ratio of the "
-    "Seq1F1B paper's 7B table, 5.9% (Seq1F1B-I at 64k; python -m benchmarks.published)",
+    "Seq1F1B paper's 7B table, 5.9% (Seq1F1B-I at 64k; "
+    "python -m benchmarks.planner_models.vs_published)",
 )
 
 _UNCHECKED = (

@@ -1,6 +1,6 @@
 """The planner against the Seq1F1B paper's published 7B table: predicted vs published.
 
-    python -m benchmarks.published [--gpu a100-80gb] [--refit]
+    python -m benchmarks.planner_models.vs_published [--gpu a100-80gb] [--refit]
 
 Prints every TFLOPS cell (absolute, and as a ratio to the same length's 1F1B) with the
 planner's prediction on the GPU profile and its error, marking the cells the profile's
@@ -29,7 +29,8 @@ __all__ = ["main", "memory_vs_published"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.published", description=__doc__)
+    prog = "python -m benchmarks.planner_models.vs_published"
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__)
     ap.add_argument("--gpu", default="a100-80gb", choices=sorted(PROFILES))
     ap.add_argument("--refit", action="store_true", help="fit the efficiencies again first")
     a = ap.parse_args(argv)
