@@ -134,18 +134,23 @@ def test_cpu_patches_are_undone_and_redone() -> None:
     import torchtitan.components.metrics as metrics
     import torchtitan.distributed.utils as dist_utils
 
+    before = object()  # what a scope finds is what it leaves
+    saved, dist_utils.set_pg_timeouts = dist_utils.set_pg_timeouts, before
+    try:
+        with applied(patches.CPU):
+            assert dist_utils.set_pg_timeouts is cpu.set_pg_timeouts
+            assert issubclass(metrics.DeviceMemoryMonitor, cpu.CPUMemoryMonitor)
+        assert dist_utils.set_pg_timeouts is before
+    finally:
+        dist_utils.set_pg_timeouts = saved
     patched = (metrics.DeviceMemoryMonitor, dist_utils.set_pg_timeouts)
-    with applied(patches.CPU):
-        assert metrics.DeviceMemoryMonitor not in patched  # installed again, on top
-        assert issubclass(metrics.DeviceMemoryMonitor, cpu.CPUMemoryMonitor)
-    # leaving the block restores what was there before it (the module-level install)
-    assert (metrics.DeviceMemoryMonitor, dist_utils.set_pg_timeouts) == patched
     installed = patches.install_cpu()
     assert installed is not None  # no CUDA here
     installed.uninstall()
     installed.uninstall()  # twice is harmless
     assert (metrics.DeviceMemoryMonitor, dist_utils.set_pg_timeouts) == patched
     assert issubclass(metrics.DeviceMemoryMonitor, cpu.CPUMemoryMonitor)  # module-level one
+    assert metrics.DeviceMemoryMonitor().get_peak_stats().max_active_gib > 0  # VmHWM, in GiB
 
 
 def test_cpu_peak_flops_is_measured() -> None:

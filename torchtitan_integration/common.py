@@ -86,6 +86,22 @@ def no_pp_loss_warning(*args: Any, **kwargs: Any) -> None:
     del args, kwargs
 
 
+def fsdp_reductions_for_gloo(model: torch.nn.Module, sum_only: bool = False) -> None:
+    """FSDP reductions gloo can run, after torchtitan's ``parallelize_fn``: a gradient divide
+    factor becomes ``ReduceOp.PREMUL_SUM``, which gloo lacks; summing gives the same numbers.
+    ``sum_only``: also no division at all (DP replicate through FSDP2's ``replicate``, whose
+    loss is already divided by the global token count)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    gloo = dist.is_initialized() and dist.get_backend() == "gloo"
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            if sum_only:
+                m.set_gradient_divide_factor(1.0)
+            if gloo:
+                m.set_force_sum_reduction_for_comms(True)
+
+
 class LossBroadcast:
     """The last stage's loss on every PP rank (:func:`loss_on_every_pp_rank`); the source
     rank (the last one looped, rank 0 in a V) is found once, at the first call."""

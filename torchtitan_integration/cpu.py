@@ -33,10 +33,10 @@ class CPUMemoryMonitor:
     """torchtitan's DeviceMemoryMonitor interface over the process's resident memory
     (VmRSS now, VmHWM peak), so the memory metrics are measurements, not zeros.
 
-    ``stats_type`` is torchtitan's ``DeviceMemStats`` (set by :func:`memory_monitor`).
+    ``stats`` names torchtitan's ``DeviceMemStats`` (set by :func:`memory_monitor`).
     """
 
-    stats_type: Any = None
+    stats: Any = None  # a patches.Target
 
     def __init__(self, device: str = "cpu") -> None:
         del device
@@ -50,7 +50,7 @@ class CPUMemoryMonitor:
     def get_peak_stats(self) -> Any:
         now, peak = _proc_status_bytes("VmRSS"), _proc_status_bytes("VmHWM")
         gib = 1024**3
-        return self.stats_type(
+        return self.stats.get()(
             now / gib,
             100 * now / self.device_capacity,
             peak / gib,
@@ -67,9 +67,10 @@ class CPUMemoryMonitor:
             pass
 
 
-def memory_monitor(stats_type: Any) -> type[CPUMemoryMonitor]:
-    """:class:`CPUMemoryMonitor` reporting in ``stats_type`` (torchtitan's ``DeviceMemStats``)."""
-    return type("CPUMemoryMonitor", (CPUMemoryMonitor,), {"stats_type": stats_type})
+def memory_monitor(stats: Any) -> type[CPUMemoryMonitor]:
+    """:class:`CPUMemoryMonitor` reporting in the type ``stats`` names (a seam's ``Target`` of
+    torchtitan's ``DeviceMemStats``)."""
+    return type("CPUMemoryMonitor", (CPUMemoryMonitor,), {"stats": stats})
 
 
 def measured_peak_flops(device_name: str = "cpu", size: int = 512, seconds: float = 0.2) -> float:

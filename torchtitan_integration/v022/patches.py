@@ -50,17 +50,15 @@ def _torch_device_probe() -> Target:
     return Target(owner.__name__, attr)
 
 
-def _cpu_memory_monitor(_original: Any) -> Any:
-    return memory_monitor(_titan.MEMORY_STATS.get())
-
-
 #: patch 1, for the length of torchtitan's import
 WHILE_IMPORTING = (Patch.to(_torch_device_probe(), lambda: "cpu"),)
 
+_MEMORY_MONITOR = memory_monitor(_titan.MEMORY_STATS)  # patch 2
+
 #: patches 1-4, for the run (no GPU)
 CPU = (
-    Patch(_titan.BUILD_MEMORY_MONITOR, _cpu_memory_monitor),
-    Patch(_titan.MEMORY_MONITOR, _cpu_memory_monitor, optional=True),
+    Patch.to(_titan.BUILD_MEMORY_MONITOR, _MEMORY_MONITOR),
+    Patch.to(_titan.MEMORY_MONITOR, _MEMORY_MONITOR, optional=True),
     Patch.to(_titan.SET_PG_TIMEOUTS, set_pg_timeouts),
     Patch.to(_titan.PEAK_FLOPS, measured_peak_flops),
     # patch 1, last: the modules imported by the patches above are rebound too

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..common import fsdp_reductions_for_gloo
 from ..patches import applied
 from . import _titan, patches
 from .model import block_causal, make_chunk_aware
@@ -111,15 +112,7 @@ def parallelize_with_pp_replicate(parallelize_fn: Any) -> Any:
                 _replicate(model, parallel_dims.get_mesh("dp_replicate"))
             else:
                 model = parallelize_fn(model, parallel_dims, job_config)
-        gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
-        from torch.distributed.fsdp import FSDPModule
-
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                if own_replicate:
-                    m.set_gradient_divide_factor(1.0)
-                if gloo:
-                    m.set_force_sum_reduction_for_comms(True)
+        fsdp_reductions_for_gloo(model, sum_only=own_replicate)
         return model
 
     return wrapped

@@ -31,8 +31,6 @@ Checked against torchtitan 0.3.0.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..bitpipe import clip_counting_each_chunk_once
@@ -41,15 +39,12 @@ from ..cpu import cpu_device, measured_peak_flops, memory_monitor, set_pg_timeou
 from ..patches import Installed, Patch, Target, install_cpu_support
 from . import _titan
 
-
-def _cpu_memory_monitor(_original: Any) -> Any:
-    return memory_monitor(_titan.MEMORY_STATS.get())
-
+_MEMORY_MONITOR = memory_monitor(_titan.MEMORY_STATS)  # patch 2
 
 #: patches 1-5, while the trainer lives (no GPU)
 CPU = (
-    Patch(_titan.BUILD_MEMORY_MONITOR, _cpu_memory_monitor),
-    Patch(_titan.MEMORY_MONITOR, _cpu_memory_monitor, optional=True),
+    Patch.to(_titan.BUILD_MEMORY_MONITOR, _MEMORY_MONITOR),
+    Patch.to(_titan.MEMORY_MONITOR, _MEMORY_MONITOR, optional=True),
     Patch.to(_titan.SET_PG_TIMEOUTS, set_pg_timeouts),
     Patch.to(_titan.PEAK_FLOPS, measured_peak_flops),
     Patch.to(_titan.LOCAL_DEVICE, cpu_device),

@@ -24,7 +24,7 @@ from seq1f1b import packed_documents
 from seq1f1b.registry import lookup
 
 from .. import assets
-from ..common import TrainerCore
+from ..common import TrainerCore, fsdp_reductions_for_gloo
 from ..config import Seq1F1B
 from ..patches import applied
 from ..pipeline import check_schedule_name, check_world_size
@@ -43,12 +43,7 @@ def _parallelize_chunk_aware(parallelize_fn: Any, convert: bool) -> Any:
         if convert:
             make_chunk_aware(model)
         model = parallelize_fn(model, **kwargs)
-        if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
-            from torch.distributed.fsdp import FSDPModule
-
-            for m in model.modules():
-                if isinstance(m, FSDPModule):  # PREMUL_SUM is not in gloo; SUM is the same
-                    m.set_force_sum_reduction_for_comms(True)
+        fsdp_reductions_for_gloo(model)
         return model
 
     return wrapped
