@@ -46,6 +46,7 @@ def run() -> None:
     """Train with the command line's config; the only place that installs the CPU patches."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    argv = sys.argv
     cpu = patches.install_cpu()  # before torchtitan is imported
     try:
         from torchtitan.train import main
@@ -55,9 +56,10 @@ def run() -> None:
         assets.ensure_assets()
         assets.register_dataset(_titan.DATASET_CONFIG.get(), _titan.DATASETS.get())
         spec.register()
-        sys.argv = [sys.argv[0], *with_config_module(sys.argv[1:])]
+        sys.argv = [argv[0], *with_config_module(argv[1:])]  # torchtitan's main parses it
         with process_groups_destroyed():  # torchtitan destroys them only after a success
             main(Seq1F1BTrainer)
     finally:
+        sys.argv = argv
         if cpu is not None:
             cpu.uninstall()
