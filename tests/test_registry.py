@@ -72,7 +72,7 @@ _COMPARE = re.compile(
 def test_no_schedule_name_compared_outside_the_registry() -> None:
     offenders = []
     paths = [*ROOT.glob("seq1f1b/**/*.py"), *ROOT.glob("benchmarks/**/*.py")]
-    paths += ROOT.glob("torchtitan_integration/*.py")
+    paths += ROOT.glob("torchtitan_integration/**/*.py")
     for path in sorted(p for p in paths if p.name != "registry.py"):
         offenders += [
             f"{path.relative_to(ROOT)}:{n}: {line.strip()}"

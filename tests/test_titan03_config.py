@@ -220,7 +220,8 @@ def test_start_check_names_positions_taken_from_the_segment() -> None:
     from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
 
     from torchtitan_integration.config import Seq1F1B
-    from torchtitan_integration.verify import check_titan03, run_start_check, titan03_debug_model
+    from torchtitan_integration.v03.validate import check_titan03, titan03_debug_model
+    from torchtitan_integration.verify import run_start_check
 
     check_titan03(SimpleNamespace(seq1f1b=Seq1F1B(seq_chunks=4)), 2)
     build, n_layers = titan03_debug_model()

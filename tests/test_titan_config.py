@@ -17,19 +17,18 @@ if importlib.util.find_spec("torchtitan") is None or titan_generation() != TITAN
     )
 
 from torchtitan_integration import cpu
+from torchtitan_integration.patches import applied
+from torchtitan_integration.v022 import patches
 
-_CPU = cpu.install()  # torchtitan must see "cpu" when it is first imported (undone below)
+_CPU = patches.install_cpu()  # torchtitan must see "cpu" when first imported (undone below)
 
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.models.llama3 import llama3_args  # noqa: E402
 
 from torchtitan_integration.bitpipe import check_bitpipe  # noqa: E402
-from torchtitan_integration.pipeline import (  # noqa: E402
-    check_config,
-    check_schedule_name,
-    model_shape,
-    validate_before_start,
-)
+from torchtitan_integration.pipeline import check_config, check_schedule_name  # noqa: E402
+from torchtitan_integration.v022.pipeline import model_shape  # noqa: E402
+from torchtitan_integration.v022.validate import validate_before_start  # noqa: E402
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "train_configs").glob("*.toml"))
 
@@ -135,17 +134,23 @@ def test_cpu_patches_are_undone_and_redone() -> None:
     import torchtitan.components.metrics as metrics
     import torchtitan.distributed.utils as dist_utils
 
+    before = object()  # what a scope finds is what it leaves
+    saved, dist_utils.set_pg_timeouts = dist_utils.set_pg_timeouts, before
+    try:
+        with applied(patches.CPU):
+            assert dist_utils.set_pg_timeouts is cpu.set_pg_timeouts
+            assert issubclass(metrics.DeviceMemoryMonitor, cpu.CPUMemoryMonitor)
+        assert dist_utils.set_pg_timeouts is before
+    finally:
+        dist_utils.set_pg_timeouts = saved
     patched = (metrics.DeviceMemoryMonitor, dist_utils.set_pg_timeouts)
-    with cpu.cpu_support() as patches:
-        assert patches is not None  # no CUDA here
-        assert metrics.DeviceMemoryMonitor is cpu.CPUMemoryMonitor
-    # leaving the block restores what was there before it (the module-level install)
+    installed = patches.install_cpu()
+    assert installed is not None  # no CUDA here
+    installed.uninstall()
+    installed.uninstall()  # twice is harmless
     assert (metrics.DeviceMemoryMonitor, dist_utils.set_pg_timeouts) == patched
-    patches = cpu.install()
-    assert patches is not None
-    patches.uninstall()
-    patches.uninstall()  # twice is harmless
-    assert metrics.DeviceMemoryMonitor is cpu.CPUMemoryMonitor  # the module-level one remains
+    assert issubclass(metrics.DeviceMemoryMonitor, cpu.CPUMemoryMonitor)  # module-level one
+    assert metrics.DeviceMemoryMonitor().get_peak_stats().max_active_gib > 0  # VmHWM, in GiB
 
 
 def test_cpu_peak_flops_is_measured() -> None:

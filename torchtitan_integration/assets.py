@@ -15,6 +15,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Any
 
 DEFAULT_DIR = Path("assets")
 DATASET_NAME = "pycode"
@@ -102,11 +103,12 @@ def ensure_assets(root: Path | str = DEFAULT_DIR) -> Path:
     return root
 
 
-def register_dataset(root: Path | str = DEFAULT_DIR) -> None:
+def register_dataset(
+    dataset_config: Any, registry: dict[str, Any], root: Path | str = DEFAULT_DIR
+) -> None:
     """Make ``[training] dataset = "pycode"`` (and ``"pycode_blocks"``) load the local corpus
-    (offline)."""
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets.text_datasets import DATASETS
+    (offline): entries in torchtitan's dataset ``registry`` (its ``DATASETS``), made
+    with its ``DatasetConfig`` (both from the version's seam)."""
 
     def load(path: str):
         from datasets import load_dataset
@@ -123,11 +125,11 @@ def register_dataset(root: Path | str = DEFAULT_DIR) -> None:
         return load(path).map(split, batched=True, remove_columns=["text"])
 
     path = str(Path(root) / "pycode")
-    DATASETS[DATASET_NAME] = DatasetConfig(
+    registry[DATASET_NAME] = dataset_config(
         path=path, loader=load, sample_processor=lambda s: s["text"]
     )
     # many short documents (tens of tokens): packed-document masking has work to do
-    DATASETS[BLOCKS_DATASET_NAME] = DatasetConfig(
+    registry[BLOCKS_DATASET_NAME] = dataset_config(
         path=path, loader=load_blocks, sample_processor=lambda s: s["text"]
     )
 

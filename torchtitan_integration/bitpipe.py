@@ -5,14 +5,15 @@ In torchtitan the model is built on the meta device and initialised (or loaded) 
 pipelining function returns, so the twins cannot be made identical at build time: the trainer
 copies each chunk from its replica-A copy to its B copy once, before the first step
 (:func:`sync_twins`). Gradient clipping must count each chunk once, not twice
-(:func:`clip_counting_each_chunk_once`), so that grad_norm and clipping match an unpipelined run.
+(:func:`clip_counting_each_chunk_once`, which each version's patch list puts in place of
+torchtitan's ``clip_grad_norm_`` for a BitPipe train step), so that grad_norm and clipping
+match an unpipelined run. Each version's ``pipeline.py`` cuts the model its own way and hands
+the chunks to :func:`build_bitpipe`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -24,59 +25,13 @@ from seq1f1b.bitpipe.layout import BitPipeLayout, BitPipeStage
 from seq1f1b.bitpipe.sync import broadcast_twins, new_pair_group
 
 
-def _prune(model: nn.Module, keep: list[str]) -> nn.Module:
-    """A copy of ``model`` holding only the modules named in ``keep`` (torchtitan's FQNs)."""
-    part = copy.deepcopy(model)
-    kept_layers = {n.split(".", 1)[1] for n in keep if n.startswith("layers.")}
-    for name, child in list(part.named_children()):
-        if name == "layers":
-            for key in list(child.keys()):
-                if key not in kept_layers:
-                    del child[key]
-        elif name not in keep:
-            setattr(part, name, None)
-    return part
-
-
 def check_bitpipe(parallel_dims: Any) -> None:
+    """BitPipe's pairing needs an even PP degree (names the TOML key)."""
     if parallel_dims.pp % 2:
         raise ValueError(
             f"[parallelism] pipeline_parallel_degree = {parallel_dims.pp}: BitPipe pairs rank r "
             "with rank pp-1-r, so the PP degree must be even"
         )
-
-
-def pipeline_bitpipe(
-    model: nn.Module,
-    parallel_dims: Any,
-    job_config: Any,
-    device: torch.device,
-    model_args: Any,
-    parallelize_fn: Any,
-    loss_fn: Any,
-) -> tuple[Any, list[nn.Module], bool, bool]:
-    """torchtitan 0.2.2's pipelining_fn for BitPipe (two V-shaped replicas over the pp ranks)."""
-    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
-
-    check_bitpipe(parallel_dims)
-    par = job_config.parallelism
-    names = generate_llm_fqn_per_model_part(
-        BitPipeLayout(parallel_dims.pp).replica_stages,
-        model_args.n_layers,
-        par.pipeline_parallel_first_stage_less_layers,
-        par.pipeline_parallel_last_stage_less_layers,
-    )
-    return build_bitpipe(
-        model,
-        names,
-        group=parallel_dims.get_mesh("pp").get_group(),
-        device=device,
-        split=_prune,
-        parallelize=lambda part: parallelize_fn(part, parallel_dims, job_config),
-        n_microbatches=job_config.training.local_batch_size
-        // par.pipeline_parallel_microbatch_size,
-        loss_fn=loss_fn,
-    )
 
 
 def build_bitpipe(
@@ -123,7 +78,7 @@ def sync_twins(schedule: ScheduleBitPipe) -> None:
 def clip_counting_each_chunk_once(
     clip: Callable[..., torch.Tensor], schedule: ScheduleBitPipe
 ) -> Callable:
-    """torchtitan's clip_grad_norm_, with the norm taken over replica A's chunks only.
+    """torchtitan's clip_grad_norm_ (``clip``), with the norm taken over replica A's chunks.
 
     Every chunk exists on two ranks with identical (summed) gradients; counting both would
     report and clip at sqrt(2) times the model's gradient norm.
@@ -144,22 +99,3 @@ def clip_counting_each_chunk_once(
         return norm
 
     return clip_grad_norm_
-
-
-@contextlib.contextmanager
-def clipping_each_chunk_once(schedule: ScheduleBitPipe) -> Iterator[None]:
-    """torchtitan's ``clip_grad_norm_`` (``torchtitan.distributed.utils``, which both versions'
-    trainers call through the module) counting each chunk once, for one train step.
-
-    Reassigns the module attribute while the step runs (patch 5 of ``cpu.py``'s list: neither
-    torchtitan version has a hook for it). Upstream hook that would remove it: a
-    ``clip_grad_norm_`` the trainer takes from its model spec or the pipelining function.
-    """
-    import torchtitan.distributed.utils as dist_utils
-
-    original = dist_utils.clip_grad_norm_
-    dist_utils.clip_grad_norm_ = clip_counting_each_chunk_once(original, schedule)
-    try:
-        yield
-    finally:
-        dist_utils.clip_grad_norm_ = original

@@ -1,8 +1,11 @@
-"""pipelining_fn for the Seq1F1B schedules; every other schedule name goes to torchtitan's.
+"""The version-free half of the Seq1F1B pipelining functions: settings checks, the split,
+stage placement and the schedule (no torchtitan import).
 
-It follows torchtitan's ``pipeline_llm`` (same module split, same per-part ``parallelize_fn``)
-but places stages the Seq1F1B way (one per rank, or ``stages_per_rank`` looped for the
-interleaved variant) and builds :class:`seq1f1b.ScheduleSeq1F1B` with the ``[seq1f1b]`` section.
+Each version's ``pipeline.py`` follows that torchtitan's ``pipeline_llm`` (same module split,
+same per-part ``parallelize_fn``) but places stages the Seq1F1B way (one per rank, or
+``stages_per_rank`` looped for the interleaved variant) and hands them here; the schedule is
+built from the registry with the ``[seq1f1b]`` section. Every config read here has the same
+field names in 0.2.2's JobConfig and 0.3's ``Trainer.Config``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import torch
 from torch import nn
 
 from seq1f1b import (
-    ChunkedLoss,
     ContextParallelConfig,
     ModelShape,
     SequenceSplit,
@@ -23,8 +25,6 @@ from seq1f1b import (
     segment_multiple,
 )
 from seq1f1b.registry import ScheduleEntry, lookup, schedule_names
-
-from .model import block_causal, make_chunk_aware, skip_output_head
 
 logger = logging.getLogger(__name__)
 
@@ -51,36 +51,6 @@ def parse_split(split: str) -> str | list[int]:
             f"[seq1f1b] split = {split!r} is not understood: use 'uniform', 'compute' or "
             "comma-separated segment lengths such as '1024,768,768,512'"
         ) from None
-
-
-def model_shape(model_args: Any, model: nn.Module | None = None) -> ModelShape:
-    """The FLOPs-model shape of a torchtitan Llama3: grouped-query heads, SwiGLU FFN.
-
-    The FFN width is read off the built module, or off a meta-device ``FeedForward`` built
-    from the same arguments before the model exists, so torchtitan's rounding rule is its own.
-    """
-    layers = getattr(model, "layers", None)
-    if layers is not None and len(layers):
-        ffn = next(iter(layers.values())).feed_forward.w1.out_features
-    else:
-        from torchtitan.models.llama3.model.model import FeedForward
-
-        with torch.device("meta"):
-            ffn = FeedForward(
-                model_args.dim,
-                4 * model_args.dim,
-                model_args.multiple_of,
-                model_args.ffn_dim_multiplier,
-            ).w1.out_features
-    return ModelShape(
-        hidden=model_args.dim,
-        n_heads=model_args.n_heads,
-        n_layers=model_args.n_layers,
-        vocab=model_args.vocab_size,
-        ffn_hidden=ffn,
-        n_kv_heads=getattr(model_args, "n_kv_heads", None) or model_args.n_heads,
-        gated_ffn=True,
-    )
 
 
 def stages_per_rank(job_config: Any, n_layers: int, pp: int) -> int:
@@ -172,25 +142,6 @@ def check_loss_chunks(loss_chunks: Any) -> None:
             "sequence's output head and loss run in (8 as torchtitan 0.3's ChunkedLossWrapper; "
             "0 = the plain loss)"
         )
-
-
-def chunked_head_loss(
-    job_config: Any, stages: list[Any], parts: list[nn.Module], loss_fn: Any
-) -> Any:
-    """torchtitan 0.2.2 with ``[seq1f1b] loss_chunks = N``: the last stage's ``output`` head
-    skipped in its forward and run by :class:`seq1f1b.ChunkedLoss` in chunks of
-    ``ceil(seq_len / N)`` tokens over each segment (the chunk length of 0.3's
-    ``ChunkedLossWrapper`` with ``num_chunks = N``). ``loss_fn`` as given otherwise."""
-    n = job_config.seq1f1b.loss_chunks
-    last = next((part for part, stage in zip(parts, stages, strict=True) if stage.is_last), None)
-    if n <= 0 or last is None:
-        return loss_fn
-    chunk = -(-job_config.training.seq_len // n)
-    logger.info(
-        "Seq1F1B: output head + loss per segment in chunks of %d tokens (ChunkedLoss)", chunk
-    )
-    # the loss divides its token sum by global_valid_tokens itself: no normalisation here
-    return ChunkedLoss(skip_output_head(last), loss_fn, chunk_tokens=chunk, normalize="none")
 
 
 def check_config(
@@ -330,107 +281,3 @@ def pipelining_result(
         any(s.is_first for s in stages),
         any(s.is_last for s in stages),
     )
-
-
-def pipeline_seq1f1b(
-    model: nn.Module,
-    parallel_dims: Any,
-    job_config: Any,
-    device: torch.device,
-    model_args: Any,
-    parallelize_fn: Any,
-    loss_fn: Any,
-) -> tuple[Any, list[nn.Module], bool, bool]:
-    """torchtitan pipelining_fn: Seq1F1B for our schedule names, torchtitan's otherwise."""
-    from torchtitan.distributed.pipeline_parallel import (
-        generate_llm_fqn_per_model_part,
-        pipeline_llm,
-        pipeline_module_split,
-    )
-
-    entry = check_schedule_name(job_config.parallelism.pipeline_parallel_schedule)
-    if entry.replicas == 2:
-        from .bitpipe import pipeline_bitpipe
-
-        return pipeline_bitpipe(
-            model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn
-        )
-    if not entry.seq_chunked:
-        return pipeline_llm(
-            model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn
-        )
-
-    pp, tp, cp = parallel_dims.pp, parallel_dims.tp, parallel_dims.cp
-    n_layers = model_args.n_layers
-    shape = model_shape(model_args, model)
-    lengths = check_config(job_config, pp, n_layers, tp, shape, cp, warn=False)
-    v = stages_per_rank(job_config, n_layers, pp)
-    par = job_config.parallelism
-    names = par.module_fqns_per_model_part or generate_llm_fqn_per_model_part(
-        pp * v,
-        n_layers,
-        par.pipeline_parallel_first_stage_less_layers,
-        par.pipeline_parallel_last_stage_less_layers,
-    )
-    make_chunk_aware(model, block_causal(model_args))
-    stages, parts = pipeline_module_split(
-        model, parallel_dims.get_mesh("pp"), split_style_schedule(entry, v), device, names
-    )
-    for i, part in enumerate(parts):
-        parts[i] = parallelize_fn(part, parallel_dims, job_config)
-        stages[i].submod = parts[i]
-    loss_fn = chunked_head_loss(job_config, stages, parts, loss_fn)
-    return pipelining_result(
-        entry, stages, parts, job_config, lengths, loss_fn, parallel_dims, shape, v
-    )
-
-
-def validate_before_start(job_config: Any, parallel_dims: Any, model_args: Any) -> None:
-    """The start-up checks of this module, before torchtitan builds anything for the run.
-
-    Uses the model's configured widths (the same shape the build uses), so it refuses exactly
-    the settings that cannot run.
-    """
-    entry = check_schedule_name(job_config.parallelism.pipeline_parallel_schedule)
-    check_loss_chunks(job_config.seq1f1b.loss_chunks)
-    if job_config.seq1f1b.loss_chunks and not (parallel_dims.pp_enabled and entry.seq_chunked):
-        logger.warning(
-            "[seq1f1b] loss_chunks = %d applies under the Seq1F1B schedules only: this run "
-            "(%s) computes the plain loss on torchtitan 0.2.2",
-            job_config.seq1f1b.loss_chunks,
-            job_config.parallelism.pipeline_parallel_schedule
-            if parallel_dims.pp_enabled
-            else "no pipeline parallelism",
-        )
-    if not parallel_dims.pp_enabled:
-        return
-    if block_causal(model_args) and not entry.seq_chunked:
-        raise ValueError(
-            f"[model] flavor {job_config.model.flavor!r} masks attention by document "
-            f"(block_causal), which [parallelism] pipeline_parallel_schedule = "
-            f"{job_config.parallelism.pipeline_parallel_schedule!r} cannot pass to its stages "
-            "here: use pipeline_parallel_schedule = 'Seq1F1B' (or 'InterleavedSeq1F1B'), or an "
-            "sdpa flavor"
-        )
-    if parallel_dims.cp_enabled and not entry.seq_chunked and not torch.cuda.is_available():
-        raise ValueError(
-            f"[parallelism] context_parallel_degree = {parallel_dims.cp} with "
-            f"pipeline_parallel_schedule = "
-            f"{job_config.parallelism.pipeline_parallel_schedule!r}: torch's context_parallel "
-            "(which torch's schedules use) has no CPU attention kernels; on CPU, context "
-            "parallelism runs with the Seq1F1B schedules' own ring attention: use 'Seq1F1B', "
-            "'InterleavedSeq1F1B', 'ZBSeq1F1B' or 'ZBVSeq1F1B'"
-        )
-    if entry.replicas == 2:
-        from .bitpipe import check_bitpipe
-
-        check_bitpipe(parallel_dims)
-    elif entry.seq_chunked:
-        shape = model_shape(model_args)
-        pd = parallel_dims
-        check_config(job_config, pd.pp, model_args.n_layers, pd.tp, shape, pd.cp)
-        if job_config.seq1f1b.verify:
-            from .verify import check_titan022
-
-            v = stages_per_rank(job_config, model_args.n_layers, pd.pp)
-            check_titan022(job_config, pd.pp * v, block_causal(model_args))

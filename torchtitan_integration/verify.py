@@ -7,7 +7,9 @@ document masking), cut into the run's number of stages as torchtitan cuts (by mo
 over a short sequence with the run's ``seq_chunks``. It compares the loss and every gradient
 with the unpipelined model and fails start-up, naming the stage, the segment and the likely
 cause, if they differ: what a torchtitan release that changed its model code would break.
-The run's own sizes do not matter to that check, and would make it slow.
+The run's own sizes do not matter to that check, and would make it slow. This module is
+version-free: each version's ``validate.py`` builds its debug model and stage names and calls
+:func:`run_start_check`.
 """
 
 from __future__ import annotations
@@ -95,51 +97,3 @@ def run_start_check(
             "torchtitan (0.2.2 or 0.3.0) or report it"
         )
     logger.info("[seq1f1b] verify: %s (debug model, %d stages)", report, len(stages))
-
-
-def check_titan022(job_config: Any, num_stages: int, documents: bool) -> None:
-    """The start-up check on torchtitan 0.2.2's Llama3 (``Transformer``)."""
-    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
-    from torchtitan.models.llama3 import Transformer, llama3_args
-
-    from .model import make_chunk_aware
-
-    args = copy.deepcopy(llama3_args["debugmodel_flex_attn" if documents else "debugmodel"])
-
-    def build() -> nn.Module:
-        model = Transformer(args)
-        with torch.no_grad():
-            model.init_weights()
-        make_chunk_aware(model, documents)
-        return model
-
-    stages = min(num_stages, args.n_layers)
-    names = generate_llm_fqn_per_model_part(stages, args.n_layers)
-    run_start_check(build, names, job_config.seq1f1b.seq_chunks, documents, positions_kwarg=False)
-
-
-def titan03_debug_model() -> tuple[Callable[[], nn.Module], int]:
-    """0.3's Llama3 debug flavor, chunk-aware: a builder and its number of layers."""
-    from torchtitan.models.llama3 import model_registry
-
-    from .v03.model import make_chunk_aware
-
-    spec = model_registry("debugmodel")
-
-    def build() -> nn.Module:
-        model = spec.model.build()
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
-        make_chunk_aware(model)
-        return model
-
-    return build, len(spec.model.layers)
-
-
-def check_titan03(config: Any, num_stages: int) -> None:
-    """The start-up check on torchtitan 0.3's Llama3 (``Decoder``; packed documents always)."""
-    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
-
-    build, n_layers = titan03_debug_model()
-    names = _generate_llm_fqn_per_model_part(min(num_stages, n_layers), n_layers)
-    run_start_check(build, names, config.seq1f1b.seq_chunks, True, positions_kwarg=True)

@@ -9,5 +9,6 @@ Entry points (all build :class:`.trainer.Seq1F1BTrainer`):
   (:mod:`.toml`).
 
 Importing these modules patches nothing; the trainer installs CPU/gloo support for its own
-lifetime when there is no GPU (:mod:`.cpu`).
+lifetime when there is no GPU (:mod:`.patches`, every reassignment by scope). The private
+torchtitan names used are in :mod:`._titan`.
 """

@@ -5,10 +5,9 @@ and has no schedule registry, so the trainer wraps the model spec's ``pipelining
 :func:`pipeline_seq1f1b`, bound to the ``seq1f1b`` config section. Our names build stages the
 Seq1F1B way with torchtitan's own split and ``parallelize_fn``; every other name goes to the
 spec's original function (``pipeline_llm``). The settings checks, split and schedule
-construction are shared with 0.2.2 (:mod:`torchtitan_integration.pipeline`).
-
-torchtitan privates used (0.3.0; no public stage-split API): ``_pipeline_module_split``,
-``_generate_llm_fqn_per_model_part``, ``_build_get_mesh_callback``.
+construction are the core's (:mod:`torchtitan_integration.pipeline`), BitPipe's stages and
+schedule too (:mod:`torchtitan_integration.bitpipe`). The stage split is torchtitan's private
+one, through the seam (:mod:`._titan`).
 """
 
 from __future__ import annotations
@@ -19,7 +18,9 @@ import torch
 from torch import nn
 
 from seq1f1b import ChunkedLoss, ModelShape
+from seq1f1b.bitpipe.layout import BitPipeLayout
 
+from ..bitpipe import build_bitpipe, check_bitpipe
 from ..pipeline import (
     check_config,
     check_schedule_name,
@@ -27,6 +28,7 @@ from ..pipeline import (
     split_style_schedule,
     stages_per_rank,
 )
+from . import _titan
 from .model import make_chunk_aware
 
 
@@ -104,32 +106,26 @@ def pipeline_seq1f1b(
             parallelize_fn=parallelize_fn,
             loss_fn=loss_fn,
         )
-    from torchtitan.distributed.pipeline_parallel import (
-        _build_get_mesh_callback,
-        _generate_llm_fqn_per_model_part,
-        _pipeline_module_split,
-    )
-
     config = config_view(trainer_config, parallelism, training)
     pp, tp, cp = parallel_dims.pp, parallel_dims.tp, parallel_dims.cp
     n_layers = len(model_config.layers)
     shape = model_shape(model_config)
     lengths = check_config(config, pp, n_layers, tp, shape, cp, warn=False)
     v = stages_per_rank(config, n_layers, pp)
-    names = parallelism.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(
+    names = parallelism.module_fqns_per_model_part or _titan.FQNS_PER_PART.get()(
         pp * v,
         n_layers,
         parallelism.pipeline_parallel_first_stage_less_layers,
         parallelism.pipeline_parallel_last_stage_less_layers,
     )
     make_chunk_aware(model)
-    stages, parts = _pipeline_module_split(
+    stages, parts = _titan.MODULE_SPLIT.get()(
         model,
         parallel_dims.get_mesh("pp"),
         split_style_schedule(entry, v),
         device,
         names,
-        get_mesh=_build_get_mesh_callback(parallel_dims),
+        get_mesh=_titan.MESH_CALLBACK.get()(parallel_dims),
     )
     for i, part in enumerate(parts):
         parts[i] = parallelize_fn(part, **spmd)
@@ -153,17 +149,9 @@ def _pipeline_bitpipe(
 ) -> tuple[Any, list[nn.Module], bool, bool]:
     """BitPipe through 0.3's contract: every model part this rank holds (both replicas'),
     split by torchtitan's own ``_split_module``, chunk-aware, each parallelized by 0.3."""
-    from torchtitan.distributed.pipeline_parallel import (
-        _build_get_mesh_callback,
-        _generate_llm_fqn_per_model_part,
-        _split_module,
-    )
-
-    from ..bitpipe import BitPipeLayout, build_bitpipe, check_bitpipe
-
     parallel_dims, parallelism = spmd["parallel_dims"], spmd["parallelism"]
     check_bitpipe(parallel_dims)
-    names = parallelism.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(
+    names = parallelism.module_fqns_per_model_part or _titan.FQNS_PER_PART.get()(
         BitPipeLayout(parallel_dims.pp).replica_stages,
         len(model_config.layers),
         parallelism.pipeline_parallel_first_stage_less_layers,
@@ -176,11 +164,11 @@ def _pipeline_bitpipe(
         names,
         group=parallel_dims.get_mesh("pp").get_group(),
         device=device,
-        split=_split_module,
+        split=_titan.SPLIT_MODULE.get(),
         parallelize=lambda part: parallelize_fn(part, **spmd),
         n_microbatches=training.local_batch_size // parallelism.pipeline_parallel_microbatch_size,
         loss_fn=loss_fn,
-        stage_kwargs={"get_mesh": _build_get_mesh_callback(parallel_dims)},
+        stage_kwargs={"get_mesh": _titan.MESH_CALLBACK.get()(parallel_dims)},
     )
     for stage in schedule.local_stages:
         if not stage.is_last:

@@ -20,19 +20,15 @@ from typing import Any
 import torch
 from torchtitan.trainer import Trainer
 
-from seq1f1b import ScheduleBitPipe, packed_documents
+from seq1f1b import packed_documents
 from seq1f1b.registry import lookup
 
 from .. import assets
-from ..bitpipe import clipping_each_chunk_once, sync_twins
-from ..common import (
-    last_stage_rank,
-    loss_on_every_pp_rank,
-    torchtitan_metrics_for_this_trainer,
-)
+from ..common import TrainerCore, fsdp_reductions_for_gloo
 from ..config import Seq1F1B
+from ..patches import applied
 from ..pipeline import check_schedule_name, check_world_size
-from . import cpu
+from . import _titan, patches
 from .model import default_positions, document_ids_from_positions, make_chunk_aware
 from .pipeline import pipeline_seq1f1b
 from .validate import check_torch_for_parallelism, loss_with_chunks, validate_before_start
@@ -47,12 +43,7 @@ def _parallelize_chunk_aware(parallelize_fn: Any, convert: bool) -> Any:
         if convert:
             make_chunk_aware(model)
         model = parallelize_fn(model, **kwargs)
-        if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
-            from torch.distributed.fsdp import FSDPModule
-
-            for m in model.modules():
-                if isinstance(m, FSDPModule):  # PREMUL_SUM is not in gloo; SUM is the same
-                    m.set_force_sum_reduction_for_comms(True)
+        fsdp_reductions_for_gloo(model)
         return model
 
     return wrapped
@@ -70,15 +61,16 @@ def _chunk_aware_validator(validator: Any) -> Any:
     return Seq1F1BValidator.Config(**fields)
 
 
-class Seq1F1BTrainer(Trainer):
-    """0.3's Trainer running the Seq1F1B schedules (and everything else unchanged)."""
+class Seq1F1BTrainer(TrainerCore, Trainer):
+    """0.3's Trainer running the Seq1F1B schedules (and everything else unchanged; BitPipe's
+    train step and the loss on every PP rank: :class:`..common.TrainerCore`)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         seq1f1b: Seq1F1B = field(default_factory=Seq1F1B)
         """Seq1F1B: segments per sample, how to split, stages per rank (interleaved)."""
 
-    _twins_synced = False
+    patch_list = patches
 
     def __init__(self, config: Config) -> None:
         if config.model_spec is None:
@@ -106,13 +98,11 @@ class Seq1F1BTrainer(Trainer):
             ),
         )
         assets.ensure_assets()  # the offline tokenizer and corpus, once, in ./assets
-        assets.register_dataset()  # dataset "pycode" (and "pycode_blocks") for the dataloader
-        self._patches = cpu.install()
+        # dataset "pycode" (and "pycode_blocks") for the dataloader
+        assets.register_dataset(_titan.DATASET_CONFIG.get(), _titan.DATASETS.get())
+        self._patches = patches.install_cpu()  # patches 1-5 until close()
         try:
-            import torchtitan.components.metrics as metrics
-            import torchtitan.trainer as titan_trainer
-
-            with torchtitan_metrics_for_this_trainer(metrics, titan_trainer):
+            with applied(patches.TRAINER_INIT):  # patch 7
                 super().__init__(config)
         except BaseException:
             self._undo_patches()
@@ -128,18 +118,6 @@ class Seq1F1BTrainer(Trainer):
     def _ours(self) -> bool:
         """The attention is chunk-aware: PP = 1, or PP with one of our schedules."""
         return not self.parallel_dims.pp_enabled or self._chunk_aware(self.config)
-
-    def train_step(self, data_iterator: Any) -> None:
-        """torchtitan's; under BitPipe the twins start identical and clipping counts each
-        chunk once."""
-        schedule = getattr(self, "pp_schedule", None)
-        if not isinstance(schedule, ScheduleBitPipe):
-            return super().train_step(data_iterator)
-        if not self._twins_synced:
-            sync_twins(schedule)  # replicas identical after torchtitan's init/load
-            self._twins_synced = True
-        with clipping_each_chunk_once(schedule):
-            return super().train_step(data_iterator)
 
     def _undo_patches(self) -> None:
         patches, self._patches = getattr(self, "_patches", None), None
@@ -188,15 +166,13 @@ class Seq1F1BTrainer(Trainer):
     ) -> torch.Tensor:
         """0.3's step contract (pre-split microbatches, ``loss_kwargs``) plus the documents;
         the loss is returned on every PP rank."""
-        group = self.parallel_dims.get_mesh("pp").get_group()
         if not self._ours:  # torch's schedules: torchtitan's step, the loss on every PP rank
             loss = super().pp_forward_backward_step(
                 input_dict_mbs=input_dict_mbs,
                 label_mbs=label_mbs,
                 global_valid_tokens=global_valid_tokens,
             )
-            mine = loss.reshape(()) if self.pp_has_last_stage else None
-            return loss_on_every_pp_rank(mine, group, self.device, self._loss_src(group))
+            return self.pp_loss()(loss.reshape(()) if self.pp_has_last_stage else None)
         arg_mbs, kwarg_mbs, target_mbs, docs = [], [], [], []
         for input_dict, labels in zip(input_dict_mbs, label_mbs, strict=True):
             inputs, labels, extra_kwargs = self.post_dataloading_process(input_dict, labels)
@@ -216,14 +192,7 @@ class Seq1F1BTrainer(Trainer):
                 return_outputs=False,
                 document_ids=docs,
             )
-        loss = torch.sum(torch.stack(losses)).to(self.device) if losses is not None else None
-        return loss_on_every_pp_rank(loss, group, self.device, self._loss_src(group))
-
-    def _loss_src(self, group: Any) -> int:
-        """The PP rank holding the last stage (the last rank looped, rank 0 in a V), once."""
-        if getattr(self, "_pp_loss_src", None) is None:
-            self._pp_loss_src = last_stage_rank(group, self.pp_has_last_stage, self.device)
-        return self._pp_loss_src
+        return self.pp_loss().of_units(losses)
 
     def close(self) -> None:
         try:

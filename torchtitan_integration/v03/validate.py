@@ -1,14 +1,21 @@
-"""Start-up checks on a 0.3 ``Seq1F1BTrainer.Config``, before torchtitan builds anything."""
+"""Start-up checks on a 0.3 ``Seq1F1BTrainer.Config``, before torchtitan builds anything;
+``seq1f1b.verify`` runs the core's self-check (:mod:`torchtitan_integration.verify`) on 0.3's
+Llama3."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
-from ..pipeline import check_config, check_loss_chunks, check_schedule_name
+from ..pipeline import check_config, check_loss_chunks, check_schedule_name, stages_per_rank
+from ..verify import run_start_check
+from . import _titan
+from .model import make_chunk_aware
 
 #: torchtitan 0.3's FSDP and TP (its full-DTensor ``fully_shard(..., dp_mesh_dims=...)``) need
 #: torch 2.15: torch 2.13's fully_shard rejects the plain-tensor parameters 0.3 hands it
@@ -68,9 +75,6 @@ def validate_before_start(config: Any) -> None:
         par.context_parallel_degree,
     )
     if config.seq1f1b.verify:
-        from ..pipeline import stages_per_rank
-        from ..verify import check_titan03
-
         pp = par.pipeline_parallel_degree
         check_titan03(config, pp * stages_per_rank(config, shape.n_layers, pp))
 
@@ -112,3 +116,26 @@ def check_bitpipe_settings(par: Any, training: Any) -> None:
             "BitPipe runs half of them on each replica, so it needs an even number >= 2 "
             f"(a multiple of pp = {pp} gives the published bubble)"
         )
+
+
+def titan03_debug_model() -> tuple[Callable[[], nn.Module], int]:
+    """0.3's Llama3 debug flavor, chunk-aware: a builder and its number of layers."""
+    from torchtitan.models.llama3 import model_registry
+
+    spec = model_registry("debugmodel")
+
+    def build() -> nn.Module:
+        model = spec.model.build()
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        make_chunk_aware(model)
+        return model
+
+    return build, len(spec.model.layers)
+
+
+def check_titan03(config: Any, num_stages: int) -> None:
+    """The start-up check on torchtitan 0.3's Llama3 (``Decoder``; packed documents always)."""
+    build, n_layers = titan03_debug_model()
+    names = _titan.FQNS_PER_PART.get()(min(num_stages, n_layers), n_layers)
+    run_start_check(build, names, config.seq1f1b.seq_chunks, True, positions_kwarg=True)

@@ -20,7 +20,7 @@ from torchtitan.components.validate import Validator
 
 from seq1f1b import packed_documents
 
-from ..common import last_stage_rank, loss_on_every_pp_rank
+from ..common import LossBroadcast
 from .model import default_positions, document_ids_from_positions
 
 
@@ -34,7 +34,7 @@ class _EvalWithDocuments:
     ) -> None:
         self._schedule, self._documents = schedule, documents
         self._has_last, self._group = has_last, group
-        self._src: int | None = None  # the PP rank with the last stage (V placements: 0)
+        self._broadcast: LossBroadcast | None = None
 
     def eval(self, *, target_mbs: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
         docs, self._documents[:] = list(self._documents), []
@@ -46,11 +46,9 @@ class _EvalWithDocuments:
             document_ids=docs,
         )
         if losses is not None:
-            total = torch.stack(own).sum() if own else None
-            device = _device(kwargs)
-            if self._src is None:
-                self._src = last_stage_rank(self._group, self._has_last, device)
-            losses.append(loss_on_every_pp_rank(total, self._group, device, self._src))
+            if self._broadcast is None:
+                self._broadcast = LossBroadcast(self._group, self._has_last, _device(kwargs))
+            losses.append(self._broadcast.of_units(own))
         return out
 
     def __getattr__(self, name: str) -> Any:

@@ -1,4 +1,5 @@
-"""The ``llama3`` train spec with Seq1F1B pipelining, a PP-correct loss and gloo-safe FSDP.
+"""torchtitan 0.2.2: the ``llama3`` train spec with Seq1F1B pipelining, a PP-correct loss
+and gloo-safe FSDP.
 
 Registered under torchtitan's own name ``llama3`` (extra specs are looked up before built-in
 models), so existing TOML files keep ``[model] name = "llama3"``.
@@ -9,14 +10,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..common import fsdp_reductions_for_gloo
+from ..patches import applied
+from . import _titan, patches
 from .model import block_causal, make_chunk_aware
-from .pipeline import pipeline_seq1f1b, validate_before_start
+from .pipeline import pipeline_seq1f1b
+from .validate import validate_before_start
 
 
 def validated_metrics_processor(
@@ -74,34 +78,6 @@ def schedule_shards_cp(parallel_dims: Any, job_config: Any) -> bool:
     return lookup(job_config.parallelism.pipeline_parallel_schedule).seq_chunked
 
 
-@contextlib.contextmanager
-def _without_torch_cp() -> Iterator[None]:
-    """torchtitan's parallelize_fn without its CP step (patch 6 in cpu.py's list): its
-    ``apply_cp_to_attention_module`` would route our attention's q/k/v through torch's CP
-    dispatcher; the schedule shards the sequence and runs the ring itself. Upstream hook that
-    would remove this: a per-model switch for how CP reaches the attention."""
-    import torchtitan.models.llama3.infra.parallelize as par
-
-    from .model import ChunkAwareSDPA
-
-    original = par.apply_cp_to_attention_module
-
-    def check_only(modules: Any, cp_mesh: Any, attention_type: str) -> None:
-        del cp_mesh, attention_type
-        for m in modules:
-            if not isinstance(m, ChunkAwareSDPA):
-                raise ValueError(
-                    f"{type(m).__name__} is not chunk-aware attention: Seq1F1B's context "
-                    "parallelism needs every attention layer converted (make_chunk_aware)"
-                )
-
-    par.apply_cp_to_attention_module = check_only
-    try:
-        yield
-    finally:
-        par.apply_cp_to_attention_module = original
-
-
 def parallelize_with_pp_replicate(parallelize_fn: Any) -> Any:
     """Wrap torchtitan's parallelize_fn for two compositions it lacks in 0.2.2.
 
@@ -127,7 +103,8 @@ def parallelize_with_pp_replicate(parallelize_fn: Any) -> Any:
             and parallel_dims.world_size != parallel_dims.dp_replicate
         )
         our_cp = schedule_shards_cp(parallel_dims, job_config)
-        with _without_torch_cp() if our_cp else contextlib.nullcontext():
+        # patch 6: torchtitan's CP step only checks the attention (the schedule shards)
+        with applied(patches.PARALLELIZE_WITHOUT_CP) if our_cp else contextlib.nullcontext():
             if own_replicate:
                 without_dp = copy.copy(parallel_dims)
                 without_dp.dp_replicate = 1
@@ -135,15 +112,7 @@ def parallelize_with_pp_replicate(parallelize_fn: Any) -> Any:
                 _replicate(model, parallel_dims.get_mesh("dp_replicate"))
             else:
                 model = parallelize_fn(model, parallel_dims, job_config)
-        gloo = torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
-        from torch.distributed.fsdp import FSDPModule
-
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                if own_replicate:
-                    m.set_gradient_divide_factor(1.0)
-                if gloo:
-                    m.set_force_sum_reduction_for_comms(True)
+        fsdp_reductions_for_gloo(model, sum_only=own_replicate)
         return model
 
     return wrapped
@@ -153,7 +122,7 @@ def register() -> None:
     """Install the spec (idempotent)."""
     from torchtitan.protocols import train_spec as ts
 
-    if "llama3" in ts._extra_train_specs:
+    if "llama3" in _titan.EXTRA_TRAIN_SPECS.get():
         return
     base = ts.get_train_spec("llama3")
     ts.register_train_spec(

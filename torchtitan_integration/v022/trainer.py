@@ -1,4 +1,5 @@
-"""torchtitan's Trainer with Seq1F1B's PP step (imports torchtitan: load after CPU support)."""
+"""torchtitan 0.2.2's Trainer with Seq1F1B's PP step (imports torchtitan: load after the CPU
+patches)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from typing import Any
 import torch
 from torchtitan.train import Trainer
 
-from seq1f1b import ScheduleBitPipe, packed_documents
+from seq1f1b import packed_documents
 
-from .bitpipe import clipping_each_chunk_once, sync_twins
-from .common import last_stage_rank, loss_on_every_pp_rank, torchtitan_metrics_for_this_trainer
+from ..common import TrainerCore
+from ..patches import applied
+from ..pipeline import check_world_size
+from . import patches
 from .model import block_causal, document_ids_from_eos
-from .pipeline import check_world_size
 from .spec import schedule_shards_cp
 
 
@@ -42,19 +44,17 @@ def warn_if_fp32(job_config: Any, parallel_dims: Any) -> None:
         )
 
 
-class Seq1F1BTrainer(Trainer):
-    """torchtitan's Trainer with a PP step that backpropagates the token-mean loss."""
+class Seq1F1BTrainer(TrainerCore, Trainer):
+    """torchtitan's Trainer with a PP step that backpropagates the token-mean loss (BitPipe's
+    train step and the loss on every PP rank: :class:`..common.TrainerCore`)."""
 
-    _twins_synced = False
+    patch_list = patches
 
     def __init__(self, job_config: Any) -> None:
         import os
 
-        import torchtitan.components.metrics as metrics
-        import torchtitan.train as titan_train
-
         check_world_size(job_config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
-        with torchtitan_metrics_for_this_trainer(metrics, titan_train):
+        with applied(patches.TRAINER_INIT):  # patch 7
             super().__init__(job_config)
         warn_if_fp32(job_config, self.parallel_dims)
 
@@ -101,9 +101,6 @@ class Seq1F1BTrainer(Trainer):
                     input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
                 )
         schedule = self.pp_schedule
-        if isinstance(schedule, ScheduleBitPipe) and not self._twins_synced:
-            sync_twins(schedule)  # replicas identical after torchtitan's init/load
-            self._twins_synced = True
         inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
             input_dict, labels
         )
@@ -131,19 +128,4 @@ class Seq1F1BTrainer(Trainer):
                     return_outputs=False,
                     loss_kwargs=loss_kwargs,
                 )
-        # each unit's loss is already (token-sum / global tokens): the sum is the mean loss
-        loss = torch.sum(torch.stack(losses)).to(self.device) if last else None
-        return self._loss_on_every_pp_rank(loss)
-
-    def _loss_on_every_pp_rank(self, loss: torch.Tensor | None) -> torch.Tensor:
-        group = self.parallel_dims.get_mesh("pp").get_group()
-        if getattr(self, "_pp_loss_src", None) is None:  # last rank looped, rank 0 in a V
-            self._pp_loss_src = last_stage_rank(group, self.pp_has_last_stage, self.device)
-        return loss_on_every_pp_rank(loss, group, self.device, self._pp_loss_src)
-
-    def train_step(self, data_iterator: Any) -> None:
-        schedule = getattr(self, "pp_schedule", None)
-        if not isinstance(schedule, ScheduleBitPipe):
-            return super().train_step(data_iterator)
-        with clipping_each_chunk_once(schedule):  # the model's norm, each chunk once
-            return super().train_step(data_iterator)
+        return self.pp_loss().of_units(losses)

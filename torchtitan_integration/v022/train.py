@@ -1,0 +1,65 @@
+"""The train entry on torchtitan 0.2.2 (``torchtitan_integration.train`` dispatches here).
+
+Same flags as ``python -m torchtitan.train``. Adds the ``[seq1f1b]`` config section, the
+Seq1F1B schedules, CPU/gloo support when there is no GPU (:mod:`.patches`, installed for the
+run and undone at its end), the offline ``pycode`` dataset, and a trainer whose pipeline loss
+is divided by the global token count *before* backward.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .. import assets
+from ..common import process_groups_destroyed
+from . import _titan, patches, spec
+
+CONFIG_MODULE = "torchtitan_integration.config"
+
+
+def _toml_names_config_module(argv: list[str]) -> bool:
+    for i, a in enumerate(argv):
+        path = a.split("=", 1)[1] if a.startswith("--job.config_file=") else None
+        if a in ("--job.config_file", "--job.config-file") and i + 1 < len(argv):
+            path = argv[i + 1]
+        if path and os.path.exists(path):
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib
+
+            with open(path, "rb") as f:
+                return "custom_config_module" in tomllib.load(f).get("job", {})
+    return False
+
+
+def with_config_module(argv: list[str]) -> list[str]:
+    """Add our config module unless the command line or the TOML already names one."""
+    flags = ("--job.custom_config_module", "--job.custom-config-module")
+    if any(a.startswith(flags) for a in argv) or _toml_names_config_module(argv):
+        return argv
+    return [*argv, "--job.custom_config_module", CONFIG_MODULE]
+
+
+def run() -> None:
+    """Train with the command line's config; the only place that installs the CPU patches."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    argv = sys.argv
+    cpu = patches.install_cpu()  # before torchtitan is imported
+    try:
+        from torchtitan.train import main
+
+        from .trainer import Seq1F1BTrainer
+
+        assets.ensure_assets()
+        assets.register_dataset(_titan.DATASET_CONFIG.get(), _titan.DATASETS.get())
+        spec.register()
+        sys.argv = [argv[0], *with_config_module(argv[1:])]  # torchtitan's main parses it
+        with process_groups_destroyed():  # torchtitan destroys them only after a success
+            main(Seq1F1BTrainer)
+    finally:
+        sys.argv = argv
+        if cpu is not None:
+            cpu.uninstall()
