@@ -43,6 +43,8 @@ TIMEOUT = timedelta(seconds=120)
 CALL_TIMEOUT = 900.0
 #: after one rank fails, seconds the others get to report before the pool is killed
 GRACE = 1.0
+#: idle ranks kept at most (about 0.5 GiB each): the least recently used pools go first
+MAX_RANKS = 8
 _CTX = mp.get_context("spawn")
 
 
@@ -245,23 +247,25 @@ class _Pools:
         self.by_world: dict[int, _Pool] = {}
 
     def run(self, fn: Callable[..., Any], world: int, args: tuple, timeout: float) -> None:
-        pool = self.by_world.get(world)
+        pool = self.by_world.pop(world, None)  # re-inserted below: the dict is in order of use
         if pool is None:
-            pool = self.by_world[world] = _Pool(world)
+            while self.by_world and sum(self.by_world) + world > MAX_RANKS:
+                self.by_world.pop(next(iter(self.by_world))).close(graceful=True)
+            pool = _Pool(world)
         try:
             leaks = pool.call(fn, args, timeout)
         except BaseException:  # a failure, a timeout, or ctrl-C: no process outlives it
-            del self.by_world[world]
             pool.close(graceful=False)
             raise
         if leaks:
-            del self.by_world[world]
             pool.close(graceful=False)
             warnings.warn(
                 f"{fn.__name__} left state a fresh process would not have ({'; '.join(leaks)}); "
                 "its worker processes were replaced",
                 stacklevel=3,
             )
+            return
+        self.by_world[world] = pool
 
     def close(self) -> None:
         while self.by_world:
