@@ -5,9 +5,13 @@ The tiers are chosen by markers on the tests themselves (``fast``, ``titan_grid`
 (``--strict-markers`` in pyproject.toml), so a misspelt tier marker fails the collection
 instead of silently leaving a test out of its tier; and a test marked for two tiers that
 exclude each other fails it too.
+
+The multi-rank tests' worker processes (:mod:`dist_utils`) are stopped when the session ends.
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 
@@ -24,3 +28,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     ]
     if bad:
         raise pytest.UsageError("tier markers that exclude each other:\n" + "\n".join(bad))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    dist_utils = sys.modules.get("dist_utils")  # imported only if a multi-rank test ran
+    if dist_utils is not None:
+        dist_utils.close_pools()

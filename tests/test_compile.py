@@ -20,11 +20,11 @@ from seq1f1b.attention.attention_op import segment_positions
     [("Seq1F1B", True, True), ("ZBVSeq1F1B", True, False), ("ZBSeq1F1B", False, True)],
 )
 def test_compiled_blocks_match_eager_reference(schedule: str, checkpointing: bool, docs: bool):
-    run_ranks(compiled_schedule_steps, 1, schedule, checkpointing, docs)
+    run_ranks(compiled_schedule_steps, 1, schedule, checkpointing, docs, fresh=True)
 
 
 def test_compiled_on_some_ranks_only_is_refused_on_every_rank() -> None:
-    run_ranks(refuses_compiled_on_some_ranks_only, 2)
+    run_ranks(refuses_compiled_on_some_ranks_only, 2, fresh=True)
 
 
 def test_compiled_attention_needs_a_layer_key() -> None:

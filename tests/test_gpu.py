@@ -64,4 +64,4 @@ def _seq1f1b_on_cuda(rank: int, world: int, compiled: bool) -> None:
 def test_seq1f1b_stages_on_one_cuda_rank(compiled: bool) -> None:
     from dist_utils import run_ranks
 
-    run_ranks(_seq1f1b_on_cuda, 1, compiled)
+    run_ranks(_seq1f1b_on_cuda, 1, compiled, fresh=True)
