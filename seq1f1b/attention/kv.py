@@ -20,6 +20,8 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 import torch
+from torch.distributed import all_reduce
+from torch.distributed.tensor import DTensor
 
 from .masks import MaskSpec, RowGroups, Runs, document_runs, first_seen, visible_blocks
 
@@ -158,9 +160,6 @@ class ContextParallel:
     def average_grads(self, params: Iterator[torch.nn.Parameter]) -> None:
         """Each CP rank holds the gradient of its shard's loss share: average them in place,
         one asynchronous all-reduce per gradient (no flat copy of all gradients)."""
-        from torch.distributed import all_reduce
-        from torch.distributed.tensor import DTensor
-
         grads = [
             p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             for p in params
