@@ -9,10 +9,10 @@ CPU thread, the warnings filters restored and the package's ``lru_cache`` caches
 torch's global RNG is reset to the seed its process started with, so a result does not depend
 on which tests ran before. After a call the workers are checked for state a fresh process would
 not have (environment variables, the garbage collector, grad mode, the default dtype, the
-package's module-level stacks); such a leak, a failing rank or a timeout tears the pool down
-(its processes killed) and the next call starts a new one. ``fresh=True`` spawns processes for
-one call only, for tests whose state cannot be shared (``torch.compile``, CUDA, ranks that end
-themselves).
+package's module-level stacks and context variables); such a leak, a failing rank or a timeout
+tears the pool down (its processes killed) and the next call starts a new one. ``fresh=True``
+spawns processes for one call only, for tests whose state cannot be shared (``torch.compile``,
+CUDA, ranks that end themselves).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from seq1f1b._runtime import AutogradContextVar
 
 #: gloo's collective timeout: a rank that waits longer on its peers raises
 TIMEOUT = timedelta(seconds=120)
@@ -88,14 +90,25 @@ def _clear_caches() -> None:
                 value.cache_clear()
 
 
+def _depth(value: object) -> int | None:
+    """How much a module-level list, or a context variable's stack (the unit context's), holds
+    in this thread's context; None for anything else."""
+    if type(value) is list:
+        return len(value)
+    if isinstance(value, AutogradContextVar):
+        held = value.get()
+        return len(held) if isinstance(held, tuple) else int(bool(held))
+    return None
+
+
 def _stacks() -> dict[str, int]:
-    """Lengths of the package's module-level lists (its process-wide stacks, e.g. the unit's)."""
-    return {
-        f"{module.__name__}.{name}": len(value)
+    """Depths of the package's module-level lists and context variables (e.g. the unit's)."""
+    depths = {
+        f"{module.__name__}.{name}": _depth(value)
         for module in _package_modules()
         for name, value in list(vars(module).items())
-        if type(value) is list
     }
+    return {name: d for name, d in depths.items() if d is not None}
 
 
 @dataclass

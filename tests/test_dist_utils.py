@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -68,11 +70,31 @@ def test_a_hung_rank_fails_at_the_call_timeout(tmp_path: Path) -> None:
     run_ranks(_record, 1, str(tmp_path))  # and the next call is served
 
 
-def test_leaked_state_replaces_the_ranks(tmp_path: Path) -> None:
+#: unit scopes entered and never left (held, so that collecting them does not leave them)
+_OPEN_SCOPES: list[Any] = []
+
+
+def _leak_unit(rank: int, world: int) -> None:
+    from seq1f1b.attention import kv
+
+    info = kv.SegmentInfo(0, 0, 1, 0, 4, 4, (0, 4))
+    scope = kv.activate(kv.UnitContext(kv.StageKVState(0, 1), info, "forward", False))
+    scope.__enter__()
+    _OPEN_SCOPES.append(scope)
+
+
+@pytest.mark.parametrize(
+    ("leak", "message"),
+    [
+        (_leak_env, "environment variable SEQ1F1B_TEST_LEAK"),
+        (_leak_unit, r"seq1f1b\.attention\.kv\._ACTIVE grew from 0 to 1"),
+    ],
+)
+def test_leaked_state_replaces_the_ranks(tmp_path: Path, leak: Callable, message: str) -> None:
     run_ranks(_record, 1, str(tmp_path))
     before = _seen(tmp_path, 1)
-    with pytest.warns(UserWarning, match="environment variable SEQ1F1B_TEST_LEAK"):
-        run_ranks(_leak_env, 1)
+    with pytest.warns(UserWarning, match=message):
+        run_ranks(leak, 1)
     run_ranks(_record, 1, str(tmp_path))
     assert before[0][0] != _seen(tmp_path, 1)[0][0]
     assert "SEQ1F1B_TEST_LEAK" not in os.environ

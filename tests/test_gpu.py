@@ -65,3 +65,28 @@ def test_seq1f1b_stages_on_one_cuda_rank(compiled: bool) -> None:
     from dist_utils import run_ranks
 
     run_ranks(_seq1f1b_on_cuda, 1, compiled, fresh=True)
+
+
+def test_checkpoint_recomputation_on_a_cuda_worker_thread_sees_the_unit() -> None:
+    """Autograd runs a CUDA graph's backward, and checkpoint recomputation, on its device
+    worker thread: the unit context must be seen there (``AutogradContextVar``)."""
+    import threading
+
+    from torch.utils.checkpoint import checkpoint
+
+    from seq1f1b.attention import kv
+
+    seen: list[tuple[bool, kv.UnitContext | None]] = []
+    caller = threading.get_ident()
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        seen.append((threading.get_ident() != caller, kv.current_unit()))
+        return x.sin()
+
+    state = kv.StageKVState(0, 1)
+    unit = kv.UnitContext(state, kv.SegmentInfo(0, 0, 1, 0, 4, 4, (0, 4)), "backward", True)
+    x = torch.ones(4, device="cuda", requires_grad=True)
+    with kv.activate(unit):
+        checkpoint(block, x, use_reentrant=False).sum().backward()
+    assert [s[1] is unit for s in seen] == [True, True], seen  # forward, then recomputation
+    assert seen[1][0], "recomputation ran on the calling thread: the test proves nothing here"

@@ -48,6 +48,10 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 | torch._dynamo.eval_frame.OptimizedModule,     | zero-bubble orders run compiled stages'          |
 |   Module._compiled_call_impl                  |   backwards whole (split, a compiled backward    |
 |                                               |   would run twice; pytorch#161904)               |
+| torch._C._is_key_in_tls, _get_obj_in_tls     | the contextvars snapshot torch's backward        |
+|   ("context")                                 |   launcher stashes for its worker threads        |
+|                                               |   (AutogradContextVar: the unit context seen in  |
+|                                               |   recomputation on CUDA; pytorch#191777)         |
 | aten._scaled_dot_product_flash_attention_*    | flash kernels that return the LSE (attention.py) |
 | distributed_c10d._get_default_group,          | BitPipe pair check; torchtitan on gloo (CPU)     |
 |   _set_pg_timeout                             |                                                  |
@@ -108,6 +112,7 @@ from .ir import (
     WAIT_SEND_B,
     WAIT_SEND_F,
     Action,
+    AutogradContextVar,
     ComputationType,
     PipelineContext,
     PipelineStageBase,
@@ -171,6 +176,7 @@ __all__ = [
     "WAIT_SEND_F",
     "Action",
     "ActionContextFactory",
+    "AutogradContextVar",
     "ComputationType",
     "PipelineContext",
     "PipelineStageBase",

@@ -8,10 +8,11 @@ runtime) builds on them.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch.distributed.pipelining import schedules as _schedules
@@ -49,6 +50,53 @@ add_reduce_grad = _schedules._add_reduce_grad
 
 flatten_dense_tensors = torch._utils._flatten_dense_tensors
 unflatten_dense_tensors = torch._utils._unflatten_dense_tensors
+
+
+# ------------------------------------------------------------- state that backwards see
+_T = TypeVar("_T")
+_UNSET = object()
+
+
+def _backward_launch_context() -> contextvars.Context | None:
+    """The ``contextvars`` snapshot of the thread that launched the running backward:
+    ``torch.autograd.graph._engine_run_backward`` stashes ``copy_context()`` in the engine's
+    thread-local state (``"context"``, for the compiler's config), and the engine restores that
+    state on its device worker threads before each task. None outside a backward."""
+    if torch._C._is_key_in_tls("context"):
+        return torch._C._get_obj_in_tls("context")
+    return None
+
+
+class AutogradContextVar(Generic[_T]):
+    """A ``contextvars.ContextVar`` whose value, set on the thread that calls ``backward()``,
+    is seen by the autograd engine's device worker threads too (checkpoint recomputation and
+    Python backward functions run there for CUDA tensors, where a plain ContextVar reads
+    nothing). ``get()`` returns this thread's value, else the backward launcher's (its
+    snapshot, :func:`_backward_launch_context`), else the default: pytorch#191777's proposed
+    ``torch.autograd.graph.AutogradContextVar``, which would replace it (as would #186583,
+    which runs worker-thread callbacks in the launcher's context). As with that proposal, a
+    backward launched on a worker thread (reentrant checkpointing's inner one) snapshots the
+    worker's context, so its own callbacks read the default."""
+
+    def __init__(self, name: str, default: _T) -> None:
+        self._var: contextvars.ContextVar[Any] = contextvars.ContextVar(name)
+        self._default = default
+
+    def get(self) -> _T:
+        value = self._var.get(_UNSET)
+        if value is _UNSET:
+            launched = _backward_launch_context()
+            value = _UNSET if launched is None else launched.get(self._var, _UNSET)
+        return self._default if value is _UNSET else value
+
+    @contextlib.contextmanager
+    def bound(self, value: _T) -> Iterator[_T]:
+        """``value`` for the block, in this context (and backwards launched inside it)."""
+        token = self._var.set(value)
+        try:
+            yield value
+        finally:
+            self._var.reset(token)
 
 
 # ---------------------------------------------------------------------------- other internals

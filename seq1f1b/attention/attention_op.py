@@ -205,8 +205,9 @@ def segment_attention_backward(
     if rec is None:
         raise RuntimeError(
             f"seq1f1b: the backward of compiled attention call {rid} found no record of its "
-            "forward: a backward outside the unit that ran the forward, or more than "
-            f"{_ORPHAN_LIMIT} pending unpipelined forwards"
+            "forward: a backward outside the unit that ran the forward (reentrant "
+            "checkpointing runs an inner backward that does not see the unit on CUDA: use "
+            f"use_reentrant=False), or more than {_ORPHAN_LIMIT} pending unpipelined forwards"
         )
     dkv: dict[int, list[torch.Tensor]] = {}
     dq = run_tiles_backward(

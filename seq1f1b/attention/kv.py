@@ -6,9 +6,10 @@ segments of the same sample. The cached K/V are detached leaves that share stora
 owning segment's K/V (no copy): the backward of later segments accumulates dL/dK, dL/dV into
 their ``.grad`` and the owning segment's backward injects those grads into its own graph.
 
-The active context is a module-level slot rather than a thread-local on purpose: autograd runs
-backward (and checkpoint recomputation) on its own worker threads for CUDA tensors, and those
-must see the unit that is being differentiated. It is only set inside ``step()``.
+The active context lives in a context variable that backwards see (:class:`AutogradContextVar`):
+it belongs to the step that set it, not to the process, and autograd's CUDA worker threads,
+which run checkpoint recomputation, see the unit being differentiated. It is only set inside
+``step()``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch.distributed import all_reduce
 from torch.distributed.tensor import DTensor
 
+from .._runtime import AutogradContextVar
 from .masks import MaskSpec, RowGroups, Runs, document_runs, first_seen, visible_blocks
 
 __all__ = [
@@ -545,21 +547,21 @@ def _cached_entry(ctx: UnitContext, entries: list[SegmentKV | None], j: int) -> 
     return e
 
 
-# The unit context is a process-wide stack, not a contextvars.ContextVar, on purpose: the
-# attention reads it in checkpoint recomputation, which the autograd engine runs on its device
-# worker threads (CUDA), and those threads do not see the ContextVar values of the thread that
-# called backward() on the torch releases we support (pytorch/pytorch#186583 propagates them,
-# #191777 proposes an opt-in AutogradContextVar). A ContextVar would make recomputation on a
-# GPU silently take the unchunked path. Once every supported release propagates contextvars to
-# autograd workers, this becomes a ContextVar. One schedule steps at a time per process.
-_ACTIVE: list[UnitContext] = []
-_DOCUMENTS: list[RowGroups] = []
-_INFERRING: list[bool] = []
+# The unit context, the packed documents and the shape-inference flag are stacks in context
+# variables, not module state: two schedules stepping in two threads (or asyncio tasks) each see
+# their own. Plain ContextVars would not do: checkpoint recomputation runs on the autograd
+# engine's device worker threads (CUDA), which do not run in the caller's context;
+# AutogradContextVar also reads the snapshot the engine carries from the thread that called
+# backward(), so recomputation sees the unit it recomputes.
+_ACTIVE: AutogradContextVar[tuple[UnitContext, ...]] = AutogradContextVar("seq1f1b_unit", ())
+_DOCUMENTS: AutogradContextVar[tuple[RowGroups, ...]] = AutogradContextVar("seq1f1b_docs", ())
+_INFERRING: AutogradContextVar[bool] = AutogradContextVar("seq1f1b_inferring", False)
 
 
 def current_unit() -> UnitContext | None:
     """The active unit context, or None outside a Seq1F1B unit."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    active = _ACTIVE.get()
+    return active[-1] if active else None
 
 
 def current_segment() -> SegmentInfo | None:
@@ -574,11 +576,8 @@ def current_segment() -> SegmentInfo | None:
 @contextmanager
 def activate(ctx: UnitContext) -> Iterator[UnitContext]:
     """Make ``ctx`` the active unit for the duration of one forward or backward."""
-    _ACTIVE.append(ctx)
-    try:
+    with _ACTIVE.bound((*_ACTIVE.get(), ctx)):
         yield ctx
-    finally:
-        _ACTIVE.pop()
 
 
 def current_documents() -> RowGroups | None:
@@ -586,7 +585,8 @@ def current_documents() -> RowGroups | None:
     ctx = current_unit()
     if ctx is not None:
         return ctx.info.documents
-    return _DOCUMENTS[-1] if _DOCUMENTS else None
+    documents = _DOCUMENTS.get()
+    return documents[-1] if documents else None
 
 
 @contextmanager
@@ -598,22 +598,16 @@ def packed_documents(document_ids: torch.Tensor) -> Iterator[None]:
     activation checkpointing, keep the block around ``backward()`` too: recomputation attends
     again.
     """
-    _DOCUMENTS.append(document_runs(document_ids))
-    try:
+    with _DOCUMENTS.bound((*_DOCUMENTS.get(), document_runs(document_ids))):
         yield
-    finally:
-        _DOCUMENTS.pop()
 
 
 @contextmanager
 def metadata_inference() -> Iterator[None]:
     """The pipeline stage runs its model once for output shapes only (no unit, no masks)."""
-    _INFERRING.append(True)
-    try:
+    with _INFERRING.bound(True):
         yield
-    finally:
-        _INFERRING.pop()
 
 
 def inferring_metadata() -> bool:
-    return bool(_INFERRING)
+    return _INFERRING.get()
