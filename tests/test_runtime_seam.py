@@ -26,6 +26,7 @@ from torch.distributed.pipelining import PipelineStage
 import seq1f1b._runtime as rt
 from seq1f1b import ScheduleSeq1F1B
 from seq1f1b._runtime import reference as torch_ref
+from seq1f1b.schedules import receives
 from seq1f1b.testing import build_stages
 
 pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
@@ -67,7 +68,7 @@ def _outside_the_seam() -> list[Path]:
 #: modules holding code proposed to torch verbatim (between ``# upstream: begin`` and
 #: ``# upstream: end``, checked against the patch by tests/test_upstream_verbatim.py): that code
 #: spells torch's private names, bound by the module's header to the seam's
-VERBATIM = ("seq1f1b/orders/upstream.py",)
+VERBATIM = ("seq1f1b/orders/upstream.py", "seq1f1b/schedules/upstream.py")
 
 
 def _checked_lines(rel: Path, text: str) -> list[tuple[int, str]]:
@@ -305,8 +306,8 @@ def _unsized_receive_fails(rank: int, world: int) -> None:
     stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
     sched = ScheduleSeq1F1B([stage], 1, 3, loss_fn, split=list(case.split))
     # as if a torch release ignored the per-unit sizes (rewritten descriptors, or patch 5's hook)
-    rt.set_recv_length = lambda info, dim, length: None
-    rt.meta_with_length = lambda meta, dim, length: meta
+    rt.set_recv_length = lambda info, dim, length, resize_meta: None
+    receives.resize_meta = lambda meta, dim, length: meta
     x, y = data(case)
     if rank == 1:
         with pytest.raises(RuntimeError, match="received an activation with 12 positions"):
@@ -349,3 +350,20 @@ def test_presplit_needs_one_entry_per_sample() -> None:
         sched.step(arg_mbs=[(torch.zeros(1, 4),)])
     with pytest.raises(ValueError, match="not both"):
         sched.step(torch.zeros(2, 4), arg_mbs=[(torch.zeros(1, 4),)] * 2)
+
+
+def test_receive_metadata_is_resized_by_patch_6s_code() -> None:
+    """Each unit's receive metadata is torch's resizing (patch 6's ``_resize_seq_meta``, in
+    seq1f1b/schedules/upstream.py): contiguous, a DTensor's global shape in proportion."""
+    plain = rt.DTensorMeta.__bases__[0]  # torch's plain tensor metadata
+    meta = plain(torch.Size([2, 8, 4]), (32, 4, 1), torch.float32, True)
+    out = receives.resize_meta(meta, 1, 3)
+    assert (out.shape, tuple(out.stride)) == (torch.Size([2, 3, 4]), (12, 4, 1))
+    assert receives.resize_meta(out, 1, 3) is out  # already sized: left as it is
+    transposed = plain(torch.Size([2, 8, 4]), (1, 8, 2), torch.float32, True)
+    assert tuple(receives.resize_meta(transposed, 1, 8).stride) == (32, 4, 1)
+    sharded = rt.DTensorMeta(torch.Size([2, 4, 4]), (16, 4, 1), torch.float32, True,
+                             torch.Size([2, 8, 4]), (32, 4, 1), None, None, None)  # fmt: skip
+    out = receives.resize_meta(sharded, 1, 3)  # 3 of this rank's positions: 6 in all
+    assert (out.shape, out.global_shape) == (torch.Size([2, 3, 4]), torch.Size([2, 6, 4]))
+    assert (tuple(out.stride), tuple(out.global_stride)) == ((12, 4, 1), (24, 4, 1))

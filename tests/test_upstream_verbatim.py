@@ -15,6 +15,7 @@ SERIES = ROOT / "upstream" / "series"
 #: verbatim module -> (its patch, the torch file the patch adds the block to)
 VERBATIM = {
     "seq1f1b/orders/upstream.py": ("0006-", "torch/distributed/pipelining/schedules.py"),
+    "seq1f1b/schedules/upstream.py": ("0006-", "torch/distributed/pipelining/schedules.py"),
 }
 
 

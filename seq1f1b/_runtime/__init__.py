@@ -42,6 +42,8 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 | runtime attributes _stages, _n_microbatches,  | read through UnitRuntime's properties            |
 |   _has_backward, _loss_fn, _num_stages, specs |                                                  |
 | stage._PipelineStageBase                      | type of user stages                              |
+| _utils.TensorMeta, _DTensorMeta               | a receive's metadata, resized per unit (2.15;    |
+|                                               |   schedules/upstream.py, patch 6's code verbatim)|
 | stage._RecvInfo .buffer (2.13/2.14) or        | per-unit receive shape (segments differ in       |
 |   .tensor_meta (2.15)                         |   length)                                        |
 | torch._utils._flatten_dense_tensors           | BitPipe pair gradient buckets                    |
@@ -114,9 +116,11 @@ from .ir import (
     Action,
     AutogradContextVar,
     ComputationType,
+    DTensorMeta,
     PipelineContext,
     PipelineStageBase,
     StandInStage,
+    TensorMeta,
     add_reduce_grad,
     add_wait_send,
     default_process_group,
@@ -132,7 +136,6 @@ from .ir import (
     fsdp_replicate,
     get_warmup_ops,
     has_compiled_module,
-    meta_with_length,
     received_tensors,
     recv_infos,
     recv_shape,
@@ -178,9 +181,11 @@ __all__ = [
     "ActionContextFactory",
     "AutogradContextVar",
     "ComputationType",
+    "DTensorMeta",
     "PipelineContext",
     "PipelineStageBase",
     "StandInStage",
+    "TensorMeta",
     "UnitRuntime",
     "action_contexts_installed",
     "add_reduce_grad",
@@ -198,7 +203,6 @@ __all__ = [
     "fsdp_replicate",
     "get_warmup_ops",
     "has_compiled_module",
-    "meta_with_length",
     "received_tensors",
     "recv_infos",
     "recv_shape",

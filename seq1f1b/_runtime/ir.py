@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
+from torch.distributed.pipelining import _utils as _pp_utils
 from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining import stage as _stage
 
@@ -24,6 +24,9 @@ ComputationType = _schedules._ComputationType
 PipelineContext = _schedules._PipelineContext
 ScheduleRuntime = _schedules._PipelineScheduleRuntime
 PipelineStageBase = _stage._PipelineStageBase
+#: a receive's metadata (2.15 sizes receives from it; patch 5's hook rewrites it per unit)
+TensorMeta = _pp_utils.TensorMeta
+DTensorMeta = _pp_utils._DTensorMeta
 
 FORWARD = ComputationType.FORWARD
 FULL_BACKWARD = ComputationType.FULL_BACKWARD
@@ -318,34 +321,21 @@ def recv_shape(info: Any) -> torch.Size | None:
     return buf.shape if isinstance(buf, torch.Tensor) else None
 
 
-def meta_with_length(meta: Any, dim: int, length: int) -> Any:
-    """``meta`` (2.15's ``TensorMeta``) with ``length`` positions at ``dim``, contiguous."""
-    shape = list(meta.shape)
-    if shape[dim] == length and tuple(meta.stride) == _contiguous(shape):
-        return meta
-    shape[dim] = length  # and a contiguous buffer: p2p backends send contiguous tensors
-    changes: dict[str, Any] = {"shape": torch.Size(shape), "stride": _contiguous(shape)}
-    global_shape = getattr(meta, "global_shape", None)
-    if global_shape is not None and len(global_shape) == len(shape):
-        scale = shape[dim] / meta.shape[dim]
-        gshape = list(global_shape)
-        gshape[dim] = round(gshape[dim] * scale)
-        changes["global_shape"] = torch.Size(gshape)
-        changes["global_stride"] = _contiguous(gshape)
-    return dataclasses.replace(meta, **changes)
-
-
 def register_recv_meta_fn(stage: PipelineStageBase, fn: Callable[..., Any]) -> Any:
     """The upstream hook (patch 5): ``fn(mb_index, kind, arg_index, meta) -> meta`` sizes
     each receive of ``stage``; returns its removable handle."""
     return stage.register_recv_meta_fn(fn)  # type: ignore[attr-defined]
 
 
-def set_recv_length(info: Any, dim: int, length: int) -> None:
-    """Make a descriptor receive ``length`` positions at ``dim`` (other dims unchanged)."""
+def set_recv_length(
+    info: Any, dim: int, length: int, resize_meta: Callable[[Any, int, int], Any]
+) -> None:
+    """Make a descriptor receive ``length`` positions at ``dim`` (other dims unchanged);
+    ``resize_meta(meta, dim, length)`` gives the new metadata where torch sizes receives
+    from it (2.15), else the buffer is reallocated (2.13/2.14)."""
     if RECV_BUFFER_PER_RECEIVE:
         # descriptors of different units may share one meta object: give this one its own
-        info.tensor_meta = meta_with_length(info.tensor_meta, dim, length)
+        info.tensor_meta = resize_meta(info.tensor_meta, dim, length)
         return
     buf = info.buffer
     if buf.shape[dim] == length:
@@ -365,11 +355,3 @@ def received_tensors(stage: PipelineStageBase, unit: int) -> list[tuple[int, Any
         if not getattr(info, "is_root_arg", False) and isinstance(buf, torch.Tensor):
             out.append((slot, info, buf))
     return out
-
-
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(stride))

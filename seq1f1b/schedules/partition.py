@@ -14,6 +14,8 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .upstream import _get_even_segment_lengths
+
 SPLIT_MODES: tuple[str, ...] = ("uniform", "compute", "memory_capped")
 
 # A root within this distance below an integer is treated as that integer, so
@@ -191,8 +193,7 @@ def uniform_split(seq_len: int, k: int, multiple_of: int = 1) -> list[int]:
     Earlier segments are cheaper under causal attention, so they absorb the remainder.
     """
     seq_len, k, multiple_of = _check_split_args(seq_len, k, multiple_of)
-    q, r = divmod(seq_len // multiple_of, k)
-    return [(q + 1) * multiple_of if i < r else q * multiple_of for i in range(k)]
+    return [n * multiple_of for n in _get_even_segment_lengths(seq_len // multiple_of, k)]
 
 
 def compute_balanced_split(

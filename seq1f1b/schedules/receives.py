@@ -12,15 +12,17 @@ upstream/), that hook asks this class for each receive's length and nothing is r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .. import _runtime as rt
 from .._runtime import PipelineStageBase
+from .upstream import _resize_seq_meta
 
-__all__ = ["ReceiveSizer"]
+__all__ = ["ReceiveSizer", "resize_meta"]
 
 _Key = tuple[int, bool, int, int]  # (stage, backward?, unit, slot)
 
@@ -55,13 +57,13 @@ class ReceiveSizer:
                             continue
                         want = self.length(lengths, (stage.stage_index, backward, u, i), shape)
                         if want is not None:
-                            rt.set_recv_length(info, self.seq_dim, want)
+                            rt.set_recv_length(info, self.seq_dim, want, resize_meta)
 
     def _meta_fn(self, stage_index: int) -> Callable[[int, str, int, Any], Any]:
         def fn(mb_index: int, kind: str, arg_index: int, meta: Any) -> Any:
             key = (stage_index, kind == "gradient", mb_index, arg_index)
             want = self.length(self._lengths, key, meta.shape)
-            return meta if want is None else rt.meta_with_length(meta, self.seq_dim, want)
+            return meta if want is None else resize_meta(meta, self.seq_dim, want)
 
         return fn
 
@@ -102,3 +104,25 @@ class ReceiveSizer:
                     f"{want} (its segment). The receive was not sized per unit: this torch "
                     "release changed how receive buffers are allocated (see seq1f1b/_runtime/)."
                 )
+
+
+def resize_meta(meta: rt.TensorMeta, dim: int, length: int) -> rt.TensorMeta:
+    """``meta`` with ``length`` local positions at ``dim`` in a contiguous layout (p2p backends
+    send contiguous tensors), a DTensor's global shape in proportion: torch's resizing
+    (``_resize_seq_meta``, patch 6), which takes the global length of a DTensor."""
+    contiguous = {"stride": _contiguous(meta.shape)}
+    global_length = length
+    if isinstance(meta, rt.DTensorMeta):
+        contiguous["global_stride"] = _contiguous(meta.global_shape)
+        global_length = round(meta.global_shape[dim] * length / meta.shape[dim])
+    if meta.shape[dim] == length and tuple(meta.stride) == contiguous["stride"]:
+        return meta
+    return _resize_seq_meta(dataclasses.replace(meta, **contiguous), dim, global_length)
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(stride))
