@@ -42,8 +42,8 @@ from .costmodel import (
     action_work,
     fsdp_exposed_seconds,
 )
-from .profiles import PROFILES, profile
-from .simulate import simulate
+from .profiles import PROFILES, calibrated_profile, profile
+from .simulate import simulate, simulate_blocking
 
 __all__ = [
     "PRECISIONS",
@@ -456,12 +456,16 @@ def price(
     state_bytes_per_param: float = 16.0,
     fsdp_wrapped: bool = False,
     actions: ActionCosts | None = None,
-    dropout_masks: bool = False,
+    extra_layer_bytes: float = 0.0,
+    blocking_p2p: bool = False,
 ) -> Candidate:
     """Price one setting (what :func:`search` does for each): its schedule's real order
     simulated with per-action seconds, memory per rank along that order. ValueError when the
-    schedule has no order for it. ``dropout_masks``: price the 1-byte masks of a trainer that
-    keeps dropout on (Megatron's GPT; :class:`~seq1f1b.planning.costmodel.MemoryModel`)."""
+    schedule has no order for it. ``extra_layer_bytes``: what a trainer saves per token per
+    layer beyond the formula (:class:`~seq1f1b.planning.costmodel.MemoryModel`).
+    ``blocking_p2p``: simulate Megatron-LM's blocking sends and receives
+    (:func:`~seq1f1b.planning.simulate.simulate_blocking`) instead of torch's posted-ahead
+    ones."""
     k = setting.seq_chunks
     lengths = resolve_split(
         setting.split if k > 1 else "uniform", seq_len, k, shape=shape,
@@ -473,7 +477,7 @@ def price(
     batch = global_batch if global_batch is not None else setting.microbatches * setting.fsdp
     return _price(
         setting, lengths, shape, hardware, order, dtype_bytes, state_bytes_per_param,
-        batch * seq_len, fsdp_wrapped, actions, dropout_masks,
+        batch * seq_len, fsdp_wrapped, actions, extra_layer_bytes, blocking_p2p,
     )  # fmt: skip
 
 
@@ -488,7 +492,8 @@ def _price(
     tokens_per_step: int,
     fsdp_at_degree_1: bool,
     actions: ActionCosts | None = None,
-    dropout_masks: bool = False,
+    extra_layer_bytes: float = 0.0,
+    blocking_p2p: bool = False,
 ) -> Candidate:
     p, k, c = setting.pp, setting.seq_chunks, setting.cp
     entry = setting.entry
@@ -519,9 +524,9 @@ def _price(
         loss_chunk_tokens=(
             -(-sum(lengths) // TITAN_LOSS_CHUNKS) if fsdp_at_degree_1 or k > 1 else None
         ),
-        dropout_masks=dropout_masks,
+        extra_layer_bytes=extra_layer_bytes,
     )
-    seconds = time.cost(lengths, n, seq_chunks=k)
+    seconds = time.cost(lengths, n, seq_chunks=k, sends=not blocking_p2p)
     segmented = k > 1
 
     def saved(a: Action) -> float:
@@ -535,7 +540,15 @@ def _price(
         makespan, bubble = setting.microbatches * (seconds(one) + seconds(back)), 0.0
         peak_act, stage_to_rank = {0: saved(one)}, {0: 0}
     else:
-        res = simulate(order, seconds, activation=saved, replicas=entry.replicas if entry else 1)
+        if blocking_p2p:
+            pair = setting.stages_per_rank > 1  # Megatron's interleaved steady phase
+            res = simulate_blocking(
+                order, seconds, activation=saved, pair_steady=pair,
+                transfer=lambda a: time.p2p_seconds(lengths[(a.microbatch_index or 0) % k]),
+            )  # fmt: skip
+        else:
+            replicas = entry.replicas if entry else 1
+            res = simulate(order, seconds, activation=saved, replicas=replicas)
         makespan, bubble = res.makespan, res.bubble_ratio
         peak_act, stage_to_rank = res.peak_activation_rank, res.stage_to_rank
     makespan += _fsdp_seconds(setting, shape, hardware, layers, n, seconds)
@@ -783,6 +796,20 @@ def _hardware_from_args(
     a: argparse.Namespace,
 ) -> tuple[Hardware, ActionCosts | None, tuple[float, str] | None]:
     """The GPUs the arguments describe: a profile's (``--gpu``), or the assumed constants."""
+    if a.gpu is None and a.calibration:
+        from .calibration import load_action_costs
+
+        if a.gpu_memory_gb is None:
+            raise ValueError("--calibration needs --gpu-memory-gb (the measured machine's)")
+        prof = calibrated_profile(
+            load_action_costs(a.calibration),
+            a.gpu_memory_gb,
+            tflops=400.0 if a.tflops is None else a.tflops,
+            tp_gbps=300.0 if a.tp_gbps is None else a.tp_gbps,
+            reserve_gb=4.0 if a.reserve_gb is None else a.reserve_gb,
+        )
+        hw = replace(prof.hardware(a.gpus), fp32_tflops=a.fp32_tflops)
+        return hw, prof.action_costs(), None
     if a.gpu is None:
         if a.gpu_memory_gb is None:
             raise ValueError("give --gpu (one of " + ", ".join(sorted(PROFILES)) + ") or "
@@ -830,7 +857,7 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
             gated_ffn=a.gated_ffn,
         )
     hw, actions, error = _hardware_from_args(a)
-    if a.calibration:
+    if a.calibration and a.gpu is not None:  # the GPU's specifications, measured constants
         from .calibration import load_action_costs
 
         actions = load_action_costs(a.calibration)
