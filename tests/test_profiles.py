@@ -17,7 +17,7 @@ from seq1f1b.planning.costmodel import (
     Hardware,
     fsdp_exposed_seconds,
 )
-from seq1f1b.planning.planner import Setting, main, price, tie_groups
+from seq1f1b.planning.planner import Setting, main, price, search, tie_groups
 from seq1f1b.planning.profiles import PROFILES, calibrated_profile, profile
 from seq1f1b.planning.published import (
     FIT_CELLS,
@@ -210,3 +210,25 @@ def test_a_calibration_is_a_profile(tmp_path) -> None:
     assert main([*argv.split(), "--calibration", str(path), "--schedules", "1F1B"]) == 0
     no_memory = ["--model", "llama3-8b", "--seq-len", "8192", "--gpus", "2"]
     assert main([*no_memory, "--calibration", str(path)]) == 2
+
+
+def test_blocking_search_ranks_the_papers_schedules_as_published_at_32k() -> None:
+    """The planner's search with Megatron's blocking sends (``--p2p blocking``) on the paper's
+    32k setting orders the four schedules as published; orders with split backwards are
+    skipped, not priced wrongly."""
+    plan = search(
+        PRESETS["paper-7b"], 32768, A100.hardware(32), 8, pp=[4], tp=[8], chunks=[1, 4],
+        splits=("compute",), recompute=(False,), precision="bf16", actions=A100.action_costs(),
+        schedules=["1F1B", "Interleaved1F1B", "Seq1F1B", "InterleavedSeq1F1B", "ZBSeq1F1B"],
+        blocking_p2p=True,
+    )  # fmt: skip
+    names = {("1F1B", 1): "1F1B", ("Interleaved1F1B", 2): "1F1B-I", ("Seq1F1B", 1): "Seq1F1B"}
+    names[("InterleavedSeq1F1B", 2)] = "Seq1F1B-I"
+    speed = {
+        names[key]: c.tokens_per_second_per_gpu
+        for c in plan.candidates
+        if (key := (c.setting.schedule, c.setting.stages_per_rank)) in names
+    }
+    published = PUBLISHED_TFLOPS[32768]
+    assert sorted(speed, key=speed.__getitem__) == sorted(published, key=published.__getitem__)
+    assert any("ZBSeq1F1B" in s for s in plan.skipped)

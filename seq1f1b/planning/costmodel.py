@@ -54,6 +54,9 @@ profile (:mod:`seq1f1b.planning.profiles`) three more terms are priced:
   backward not on the first stage its input gradient, ``b*H`` bytes per token divided by
   ``t`` (sequence parallelism scatters them), at ``Hardware.p2p_gbps`` (the inter-node link
   when the pipeline spans nodes), added to the sending action (the sender's stream waits);
+  with Megatron-LM's blocking sends (``price(..., blocking_p2p=True)``) the transfer is
+  priced instead where both ends meet
+  (:func:`seq1f1b.planning.simulate.simulate_blocking`);
 * FSDP all-gather (bf16 weights) and reduce-scatter (fp32 gradients), overlapped with compute
   as torchtitan runs them (:func:`fsdp_exposed_seconds`): only what the overlapping compute
   cannot hide is added to the step;

@@ -301,6 +301,7 @@ def search(
     schedules: Iterable[str] | None = None,
     actions: ActionCosts | None = None,
     error: tuple[float, str] | None = None,
+    blocking_p2p: bool = False,
 ) -> Plan:
     """Price every (pp, tp, cp, fsdp, schedule, stages per rank, K, split, recompute) on
     ``hardware.gpus`` GPUs; rank them.
@@ -322,6 +323,8 @@ def search(
     constants replacing the hardware figures (:mod:`seq1f1b.planning.calibration`, or a GPU
     profile's, :mod:`seq1f1b.planning.profiles`). ``error``: the time model's relative error
     and where it comes from; candidates closer than it are ranked as ties (:func:`tie_groups`).
+    ``blocking_p2p``: price Megatron-LM's blocking sends and receives (:func:`price`); orders
+    with split backwards or replicas are skipped then.
     """
     if global_batch < 1 or seq_len < 1 or hardware.gpus < 1:
         raise ValueError(
@@ -388,20 +391,17 @@ def search(
                                 if isinstance(order, str):
                                     skipped.append(f"{setting.label()}: {order}")
                                     break
-                                cands.append(
-                                    _price(
-                                        setting,
-                                        lengths,
-                                        shape,
-                                        hardware,
-                                        order,
-                                        dtype_bytes,
-                                        state_bytes_per_param,
-                                        global_batch * seq_len,
-                                        precision == "torchtitan-0.3",
-                                        actions,
-                                    )
-                                )
+                                try:
+                                    cand = _price(
+                                        setting, lengths, shape, hardware, order,
+                                        dtype_bytes, state_bytes_per_param,
+                                        global_batch * seq_len, precision == "torchtitan-0.3",
+                                        actions, blocking_p2p=blocking_p2p,
+                                    )  # fmt: skip
+                                except ValueError as exc:  # blocking P2P: F and B orders only
+                                    skipped.append(f"{setting.label()}: {exc}")
+                                    break
+                                cands.append(cand)
     cands.sort(
         key=lambda c: (not c.fits, -c.tokens_per_second_per_gpu, c.setting.seq_chunks, c.max_bytes)
     )
@@ -534,6 +534,8 @@ def _price(
         tokens = lengths[(a.microbatch_index or 0) % k] / c
         return memory.unit_bytes(tokens, layers, last, segmented)
 
+    if blocking_p2p and entry is not None and entry.replicas > 1:
+        raise ValueError("blocking communication is modelled for one pipeline only")
     if order is None:  # gradient accumulation over M sequences, no pipeline
         one = Action(0, rt.FORWARD, 0)
         back = Action(0, rt.FULL_BACKWARD, 0)
@@ -778,6 +780,14 @@ def build_parser(prog: str = "python -m seq1f1b.planning.planner") -> argparse.A
         "nothing parallel; PP or TP alone run in fp32), 'torchtitan-0.3' (bf16 everywhere, FSDP "
         "wraps at every degree), 'bf16' (bf16 everywhere, FSDP only at degree > 1)",
     )
+    ap.add_argument(
+        "--p2p",
+        choices=("posted", "blocking"),
+        default="posted",
+        help="pipeline sends and receives: 'posted' (torch.distributed.pipelining posts each "
+        "receive ahead of the action that needs it) or 'blocking' (Megatron-LM's batched "
+        "send/receive that waits for both neighbours, as the Seq1F1B paper ran; F/B orders only)",
+    )
     ap.add_argument("--top", type=int, default=12, help="rows to print")
     ap.add_argument("--json", action="store_true", help="print the ranked settings as JSON")
     return ap
@@ -881,6 +891,7 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
         min_segment=a.min_segment,
         precision=a.precision,
         error=error,
+        blocking_p2p=a.p2p == "blocking",
     )
     if not plan.candidates:
         raise ValueError(

@@ -9,7 +9,9 @@ fraction of a link's peak the collectives reach), which are fitted to published 
 
 Only the A100 profile is checked against measurements (the Seq1F1B paper's 7B table, all on
 A100s). H100 and H200 reuse its fitted fractions and overhead on their own specifications:
-an assumption, stated in :attr:`GpuProfile.checked`, until someone measures them.
+an assumption, stated in :attr:`GpuProfile.checked`, until someone measures them. A machine
+measured here becomes a profile too (:func:`calibrated_profile`): its measured per-action
+constants stand in for the efficiencies.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ class Efficiency:
     FFN, and by causal flash attention; ``overhead_s``: fixed seconds per pipeline action
     (kernel launches, the pipeline's synchronisation, per-unit bookkeeping; what makes many
     short segments slower than their FLOPs); ``collectives``: fraction of a link's peak
-    bandwidth the collectives reach (TP, FSDP, the CP ring); ``p2p``: fraction the pipeline's
-    sends reach (they carry the pipeline's synchronisation too, so less)."""
+    bandwidth the collectives reach (TP, FSDP, the CP ring); ``p2p``: fraction of the
+    inter-node link the pipeline's sends reach."""
 
     linear: float
     attention: float
