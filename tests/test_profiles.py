@@ -208,6 +208,9 @@ def test_a_calibration_is_a_profile(tmp_path) -> None:
     save_action_costs(costs, str(path))
     argv = "--model llama3-8b --seq-len 8192 --gpus 2 --gpu-memory-gb 64 --pp 2 --ac none"
     assert main([*argv.split(), "--calibration", str(path), "--schedules", "1F1B"]) == 0
+    cpu_argv = [*argv.split(), "--gpu", "cpu", "--schedules", "1F1B"]
+    assert main([*cpu_argv, "--calibration", str(path)]) == 0
+    assert main(cpu_argv) == 2
     no_memory = ["--model", "llama3-8b", "--seq-len", "8192", "--gpus", "2"]
     assert main([*no_memory, "--calibration", str(path)]) == 2
 

@@ -707,9 +707,10 @@ def build_parser(prog: str = "python -m seq1f1b.planning.planner") -> argparse.A
     ap.add_argument("--gpus", type=int, required=True, help="GPUs in total")
     ap.add_argument(
         "--gpu",
-        choices=sorted(PROFILES),
+        choices=[*sorted(PROFILES), "cpu"],
         help="GPU profile (seq1f1b/planning/profiles.py): specifications and fitted efficiencies "
-        "for the time model, the GPU's memory; replaces --tflops and --tp-gbps",
+        "for the time model, the GPU's memory; replaces --tflops and --tp-gbps. 'cpu': the "
+        "machine measured in --calibration FILE (the same as --calibration alone)",
     )
     ap.add_argument(
         "--gpu-memory-gb", type=float, help="memory per GPU (1e9 B); required without --gpu"
@@ -806,7 +807,9 @@ def _hardware_from_args(
     a: argparse.Namespace,
 ) -> tuple[Hardware, ActionCosts | None, tuple[float, str] | None]:
     """The GPUs the arguments describe: a profile's (``--gpu``), or the assumed constants."""
-    if a.gpu is None and a.calibration:
+    if a.gpu == "cpu" and not a.calibration:
+        raise ValueError("--gpu cpu is the machine a calibration measured: give --calibration")
+    if a.gpu in (None, "cpu") and a.calibration:
         from .calibration import load_action_costs
 
         if a.gpu_memory_gb is None:
@@ -867,7 +870,7 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
             gated_ffn=a.gated_ffn,
         )
     hw, actions, error = _hardware_from_args(a)
-    if a.calibration and a.gpu is not None:  # the GPU's specifications, measured constants
+    if a.calibration and a.gpu not in (None, "cpu"):  # a GPU's specifications, measured constants
         from .calibration import load_action_costs
 
         actions = load_action_costs(a.calibration)
