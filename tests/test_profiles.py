@@ -7,16 +7,29 @@ import itertools
 
 import pytest
 
-from seq1f1b.planning.costmodel import PRESETS, Hardware, fsdp_exposed_seconds
-from seq1f1b.planning.planner import Setting, main, price, tie_groups
-from seq1f1b.planning.profiles import PROFILES, profile
+from seq1f1b._runtime import ir as rt
+from seq1f1b._runtime.ir import Action
+from seq1f1b.planning.calibration import save_action_costs
+from seq1f1b.planning.costmodel import (
+    PRESETS,
+    ActionCosts,
+    Coefficients,
+    Hardware,
+    fsdp_exposed_seconds,
+)
+from seq1f1b.planning.planner import Setting, main, price, search, tie_groups
+from seq1f1b.planning.profiles import PROFILES, calibrated_profile, profile
 from seq1f1b.planning.published import (
     FIT_CELLS,
     PUBLISHED_TFLOPS,
+    claim_30b_rows,
     fits_rows,
     memory_rows,
     tflops_rows,
 )
+from seq1f1b.planning.simulate import simulate, simulate_blocking
+
+pytestmark = pytest.mark.fast
 
 A100 = PROFILES["a100-80gb"]
 
@@ -32,28 +45,36 @@ def test_fitted_cells_are_reproduced(rows: list[dict]) -> None:
     assert all(abs(r["error"]) < 0.005 for r in fitted), fitted
 
 
-def test_held_out_cells_within_the_profiles_stated_error(rows: list[dict]) -> None:
-    """Every cell not fitted on, as a ratio to its length's baseline, within the error the
-    planner states for ties (6%); 5% (the target) is met by all but the interleaved Seq1F1B
-    at 64k and 128k (+5.9%, +5.1%: the model overrates it at long lengths)."""
+def test_held_out_cells_within_the_target(rows: list[dict]) -> None:
+    """Every cell not fitted on, as a ratio to its length's baseline, within 5% (the target)
+    and within the error the planner states for ties; absolute TFLOPS within 3%."""
     held = [r for r in rows if not r["fitted"] and r["ratio_to"]]
     assert len(held) == 4
     worst = max(abs(r["error"]) for r in held)
-    assert worst <= A100.efficiency.error, held
-    over = {(r["seq_len"], r["schedule"]) for r in held if abs(r["error"]) > 0.05}
-    assert over <= {(65536, "Seq1F1B-I"), (131072, "Seq1F1B-I")}
+    assert worst <= min(0.05, A100.efficiency.error), held
     absolute = [r for r in rows if not r["fitted"] and r["ratio_to"] is None]
-    assert all(abs(r["error"]) <= 0.07 for r in absolute), absolute
+    assert all(abs(r["error"]) <= 0.03 for r in absolute), absolute
 
 
-def test_published_orderings_at_32k(rows: list[dict]) -> None:
-    """At 32k the predicted order of the four schedules is the published one (Seq1F1B and
-    1F1B-I 0.9% apart there, a tie for the model)."""
-    pred = {
-        r["schedule"]: r["predicted"] for r in rows if r["seq_len"] == 32768 and not r["ratio_to"]
-    }
+def _order(rows: list[dict], seq_len: int) -> list[str]:
+    pred = {r["schedule"]: r["predicted"] for r in rows if r["seq_len"] == seq_len}
+    pred = {n: v for n, v in pred.items() if not any(
+        r["ratio_to"] for r in rows if r["seq_len"] == seq_len and r["predicted"] == v
+    )}  # fmt: skip
+    return sorted(pred, key=pred.__getitem__)
+
+
+def test_published_orderings(rows: list[dict]) -> None:
+    """At 32k the predicted order of the four schedules is the published one. At 64k Seq1F1B
+    is first and 1F1B last as published; 1F1B-I and Seq1F1B-I (published 1.8% apart) are
+    predicted 0.8% apart the other way, inside the profile's tie width."""
+    absolute = [r for r in rows if r["ratio_to"] is None]
     published = PUBLISHED_TFLOPS[32768]
-    assert sorted(pred, key=pred.__getitem__) == sorted(published, key=published.__getitem__)
+    assert _order(absolute, 32768) == sorted(published, key=published.__getitem__)
+    order = _order(absolute, 65536)
+    assert order[0] == "1F1B" and order[-1] == "Seq1F1B"
+    pred = {r["schedule"]: r["predicted"] for r in absolute if r["seq_len"] == 65536}
+    assert abs(pred["1F1B-I"] / pred["Seq1F1B-I"] - 1) < A100.efficiency.error
 
 
 def test_published_oom_cells_do_not_fit_and_the_rest_do() -> None:
@@ -61,12 +82,19 @@ def test_published_oom_cells_do_not_fit_and_the_rest_do() -> None:
         assert r["predicted_fits"] == r["published_runs"], r
 
 
-def test_memory_row_within_what_the_model_achieves() -> None:
-    """With Megatron's own terms and the 4 GB reserve: 3 of 4 cells within 15%, Seq1F1B at
-    -23% (the model undercounts every cell; what is missing is not attributed)."""
-    errors = {r["schedule"]: r["error"] for r in memory_rows(A100)}
-    assert all(-0.24 < e < 0 for e in errors.values()), errors
-    assert sum(abs(e) <= 0.15 for e in errors.values()) == 3
+def test_thirty_b_claim() -> None:
+    """The paper's 30B at 64k on 64 GPUs without recomputation: Seq1F1B fits, 1F1B does not."""
+    for r in claim_30b_rows(A100):
+        assert r["predicted_fits"] == (r["claim"] == "fits"), r
+
+
+def test_memory_row_as_achieved() -> None:
+    """No fitted offset: every cell under the published reserved GiB by 8-14 GiB (what the
+    caching allocator reserved beyond the items the model counts is not attributed); the
+    target (15%) is met by none."""
+    for r in memory_rows(A100):
+        assert -0.40 < r["error"] < -0.15, r
+        assert 8.0 < r["unattributed_gib"] < 14.0, r
 
 
 def test_pipeline_sends_cost_more_across_nodes() -> None:
@@ -122,7 +150,7 @@ def test_gpu_flag_picks_a_profile(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--gpu", "a100-80gb", "--schedules", "Seq1F1B,1F1B"]) == 0
     out = capsys.readouterr().out
     assert "profile a100-80gb" in out and "x 80 GB" in out
-    assert "within 6% of its fastest" in out and "held-out" in out
+    assert "within 3% of its fastest" in out and "held-out" in out
     assert main([*argv, "--gpu", "h200", "--schedules", "Seq1F1B"]) == 0
     assert "x 141 GB" in capsys.readouterr().out
     assert main([*argv, "--gpu", "a100-80gb", "--tflops", "300"]) == 2
@@ -131,3 +159,79 @@ def test_gpu_flag_picks_a_profile(capsys: pytest.CaptureFixture[str]) -> None:
     assert "give --gpu" in capsys.readouterr().err
     with pytest.raises(ValueError, match="a100-80gb, h100-80gb, h200"):
         profile("v100")
+
+
+def test_blocking_sends_cost_only_where_an_order_sends_ahead() -> None:
+    """Megatron's blocking P2P: a plain 1F1B order never waits on it (each send meets a posted
+    receive); the interleaved Seq1F1B order does, so it is slower than with posted-ahead
+    receives, and both finish every action (segments of unequal cost, as a uniform split
+    makes them)."""
+    for name, v, k, slower in (
+        ("1F1B", 1, 1, False),
+        ("Seq1F1B", 1, 4, False),
+        ("InterleavedSeq1F1B", 2, 4, True),
+    ):
+
+        def seconds(a: Action, k: int = k) -> float:
+            base = 1.0 if a.computation_type == rt.FORWARD else 2.0
+            return base * (1 + 0.5 * ((a.microbatch_index or 0) % k))
+
+        entry = Setting(4, 1, 1, k, 8, "compute", False, True, name, v).entry
+        assert entry is not None
+        order = entry.compute_orders(4, 8, k, v)
+        free = simulate(order, seconds)
+        blocked = simulate_blocking(order, seconds, pair_steady=v > 1)
+        assert sum(len(t) for t in blocked.timelines.values()) == sum(
+            len(t) for t in free.timelines.values()
+        )
+        if slower:
+            assert blocked.makespan > free.makespan
+        else:
+            assert blocked.makespan == pytest.approx(free.makespan)
+
+
+def test_a_calibration_is_a_profile(tmp_path) -> None:
+    """Measured per-action constants make a profile that prices every action with them, and
+    ``--calibration FILE`` plans with that profile as before."""
+    costs = ActionCosts(
+        Coefficients(1e-10, 2e-10, overhead=0.01), Coefficients(2e-10, 4e-10, overhead=0.02),
+        source="calibrated on a test",
+    )  # fmt: skip
+    cpu = calibrated_profile(costs, 64.0)
+    assert cpu.action_costs() is costs and cpu.hardware(2).inter_node_gbps is None
+    setting = Setting(2, 1, 1, 2, 4, "uniform", False, True, "Seq1F1B")
+    shape = PRESETS["llama3-8b"]
+    by_profile = price(setting, shape, 8192, cpu.hardware(2), actions=cpu.action_costs())
+    direct = price(setting, shape, 8192, Hardware(2, 64.0), actions=costs)
+    assert by_profile.step_seconds == pytest.approx(direct.step_seconds)
+    path = tmp_path / "cal.json"
+    save_action_costs(costs, str(path))
+    argv = "--model llama3-8b --seq-len 8192 --gpus 2 --gpu-memory-gb 64 --pp 2 --ac none"
+    assert main([*argv.split(), "--calibration", str(path), "--schedules", "1F1B"]) == 0
+    cpu_argv = [*argv.split(), "--gpu", "cpu", "--schedules", "1F1B"]
+    assert main([*cpu_argv, "--calibration", str(path)]) == 0
+    assert main(cpu_argv) == 2
+    no_memory = ["--model", "llama3-8b", "--seq-len", "8192", "--gpus", "2"]
+    assert main([*no_memory, "--calibration", str(path)]) == 2
+
+
+def test_blocking_search_ranks_the_papers_schedules_as_published_at_32k() -> None:
+    """The planner's search with Megatron's blocking sends (``--p2p blocking``) on the paper's
+    32k setting orders the four schedules as published; orders with split backwards are
+    skipped, not priced wrongly."""
+    plan = search(
+        PRESETS["paper-7b"], 32768, A100.hardware(32), 8, pp=[4], tp=[8], chunks=[1, 4],
+        splits=("compute",), recompute=(False,), precision="bf16", actions=A100.action_costs(),
+        schedules=["1F1B", "Interleaved1F1B", "Seq1F1B", "InterleavedSeq1F1B", "ZBSeq1F1B"],
+        blocking_p2p=True,
+    )  # fmt: skip
+    names = {("1F1B", 1): "1F1B", ("Interleaved1F1B", 2): "1F1B-I", ("Seq1F1B", 1): "Seq1F1B"}
+    names[("InterleavedSeq1F1B", 2)] = "Seq1F1B-I"
+    speed = {
+        names[key]: c.tokens_per_second_per_gpu
+        for c in plan.candidates
+        if (key := (c.setting.schedule, c.setting.stages_per_rank)) in names
+    }
+    published = PUBLISHED_TFLOPS[32768]
+    assert sorted(speed, key=speed.__getitem__) == sorted(published, key=published.__getitem__)
+    assert any("ZBSeq1F1B" in s for s in plan.skipped)

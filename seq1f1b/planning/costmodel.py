@@ -54,6 +54,9 @@ profile (:mod:`seq1f1b.planning.profiles`) three more terms are priced:
   backward not on the first stage its input gradient, ``b*H`` bytes per token divided by
   ``t`` (sequence parallelism scatters them), at ``Hardware.p2p_gbps`` (the inter-node link
   when the pipeline spans nodes), added to the sending action (the sender's stream waits);
+  with Megatron-LM's blocking sends (``price(..., blocking_p2p=True)``) the transfer is
+  priced instead where both ends meet
+  (:func:`seq1f1b.planning.simulate.simulate_blocking`);
 * FSDP all-gather (bf16 weights) and reduce-scatter (fp32 gradients), overlapped with compute
   as torchtitan runs them (:func:`fsdp_exposed_seconds`): only what the overlapping compute
   cannot hide is added to the step;
@@ -293,10 +296,10 @@ class MemoryModel:
     # torchtitan 0.3's ChunkedLossWrapper becomes): the last stage keeps the hidden states'
     # fp32 gradient per token instead of fp32 log-probabilities over the vocabulary
     loss_chunk_tokens: int | None = None
-    #: the 1-byte masks of the two dropouts per layer a trainer with dropout keeps (Megatron's
-    #: GPT, hidden dropout 0.1 by default; the ``2sbh`` of Korthikanti et al., "Reducing
-    #: Activation Recomputation in Large Transformer Models", 2022, eq. 1); Llama has none
-    dropout_masks: bool = False
+    #: bytes per token per layer a trainer saves beyond the formula above (before the TP
+    #: split), e.g. the 1-byte masks of two dropouts (``2*H``, Korthikanti et al. 2022, eq. 1)
+    #: or a second copy of the attention output (Megatron-LM's flash path)
+    extra_layer_bytes: float = 0.0
 
     def _full_layer_bytes(self) -> float:
         s, b = self.shape, self.dtype_bytes
@@ -307,8 +310,7 @@ class MemoryModel:
     def layer_bytes_per_token(self, segmented: bool) -> float:
         """Bytes a layer keeps per token of a unit in flight (``segmented``: K > 1)."""
         if not self.recompute:
-            masks = 2 * self.shape.hidden if self.dropout_masks else 0
-            return (self._full_layer_bytes() + masks) / self.tp
+            return (self._full_layer_bytes() + self.extra_layer_bytes) / self.tp
         s, b = self.shape, self.dtype_bytes
         kv = 2 * b * s.n_kv_heads * s.head_dim if segmented else 0
         return (b * s.hidden + kv) / self.tp
@@ -456,18 +458,20 @@ class TimeModel:
         model_stages: int,
         *,
         seq_chunks: int | None = None,
+        sends: bool = True,
     ) -> Callable[[Action], float]:
         """A :func:`seq1f1b.planning.simulate.simulate` cost callback in seconds: unit ``u`` is
         segment ``u % K`` of ``lengths``, stage ``g`` is chunk ``g % model_stages`` of the model
         (equal layers; the last chunk adds the output layer and the loss). A forward not on the
-        last chunk and a backward not on the first also send their result to the next stage."""
+        last chunk and a backward not on the first also send their result to the next stage
+        (``sends``; False: the send is priced apart, :meth:`p2p_seconds`)."""
         k = seq_chunks or len(lengths)
         layers = self.shape.n_layers // model_stages
         table: dict[tuple[bool, bool, int, rt.ComputationType], float] = {}
         end = 0
         for seg, n in enumerate(lengths):
             end += n
-            send = self.p2p_seconds(n) if model_stages > 1 else 0.0
+            send = self.p2p_seconds(n) if model_stages > 1 and sends else 0.0
             for first, last in itertools.product((False, True), repeat=2):
                 work = action_work(self.shape, layers, last, n, end)
                 for kind in (rt.FORWARD, rt.FULL_BACKWARD, rt.BACKWARD_INPUT, rt.BACKWARD_WEIGHT):

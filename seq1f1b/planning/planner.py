@@ -42,8 +42,8 @@ from .costmodel import (
     action_work,
     fsdp_exposed_seconds,
 )
-from .profiles import PROFILES, profile
-from .simulate import simulate
+from .profiles import PROFILES, calibrated_profile, profile
+from .simulate import simulate, simulate_blocking
 
 __all__ = [
     "PRECISIONS",
@@ -301,6 +301,7 @@ def search(
     schedules: Iterable[str] | None = None,
     actions: ActionCosts | None = None,
     error: tuple[float, str] | None = None,
+    blocking_p2p: bool = False,
 ) -> Plan:
     """Price every (pp, tp, cp, fsdp, schedule, stages per rank, K, split, recompute) on
     ``hardware.gpus`` GPUs; rank them.
@@ -322,6 +323,8 @@ def search(
     constants replacing the hardware figures (:mod:`seq1f1b.planning.calibration`, or a GPU
     profile's, :mod:`seq1f1b.planning.profiles`). ``error``: the time model's relative error
     and where it comes from; candidates closer than it are ranked as ties (:func:`tie_groups`).
+    ``blocking_p2p``: price Megatron-LM's blocking sends and receives (:func:`price`); orders
+    with split backwards or replicas are skipped then.
     """
     if global_batch < 1 or seq_len < 1 or hardware.gpus < 1:
         raise ValueError(
@@ -388,20 +391,17 @@ def search(
                                 if isinstance(order, str):
                                     skipped.append(f"{setting.label()}: {order}")
                                     break
-                                cands.append(
-                                    _price(
-                                        setting,
-                                        lengths,
-                                        shape,
-                                        hardware,
-                                        order,
-                                        dtype_bytes,
-                                        state_bytes_per_param,
-                                        global_batch * seq_len,
-                                        precision == "torchtitan-0.3",
-                                        actions,
-                                    )
-                                )
+                                try:
+                                    cand = _price(
+                                        setting, lengths, shape, hardware, order,
+                                        dtype_bytes, state_bytes_per_param,
+                                        global_batch * seq_len, precision == "torchtitan-0.3",
+                                        actions, blocking_p2p=blocking_p2p,
+                                    )  # fmt: skip
+                                except ValueError as exc:  # blocking P2P: F and B orders only
+                                    skipped.append(f"{setting.label()}: {exc}")
+                                    break
+                                cands.append(cand)
     cands.sort(
         key=lambda c: (not c.fits, -c.tokens_per_second_per_gpu, c.setting.seq_chunks, c.max_bytes)
     )
@@ -456,12 +456,16 @@ def price(
     state_bytes_per_param: float = 16.0,
     fsdp_wrapped: bool = False,
     actions: ActionCosts | None = None,
-    dropout_masks: bool = False,
+    extra_layer_bytes: float = 0.0,
+    blocking_p2p: bool = False,
 ) -> Candidate:
     """Price one setting (what :func:`search` does for each): its schedule's real order
     simulated with per-action seconds, memory per rank along that order. ValueError when the
-    schedule has no order for it. ``dropout_masks``: price the 1-byte masks of a trainer that
-    keeps dropout on (Megatron's GPT; :class:`~seq1f1b.planning.costmodel.MemoryModel`)."""
+    schedule has no order for it. ``extra_layer_bytes``: what a trainer saves per token per
+    layer beyond the formula (:class:`~seq1f1b.planning.costmodel.MemoryModel`).
+    ``blocking_p2p``: simulate Megatron-LM's blocking sends and receives
+    (:func:`~seq1f1b.planning.simulate.simulate_blocking`) instead of torch's posted-ahead
+    ones."""
     k = setting.seq_chunks
     lengths = resolve_split(
         setting.split if k > 1 else "uniform", seq_len, k, shape=shape,
@@ -473,7 +477,7 @@ def price(
     batch = global_batch if global_batch is not None else setting.microbatches * setting.fsdp
     return _price(
         setting, lengths, shape, hardware, order, dtype_bytes, state_bytes_per_param,
-        batch * seq_len, fsdp_wrapped, actions, dropout_masks,
+        batch * seq_len, fsdp_wrapped, actions, extra_layer_bytes, blocking_p2p,
     )  # fmt: skip
 
 
@@ -488,7 +492,8 @@ def _price(
     tokens_per_step: int,
     fsdp_at_degree_1: bool,
     actions: ActionCosts | None = None,
-    dropout_masks: bool = False,
+    extra_layer_bytes: float = 0.0,
+    blocking_p2p: bool = False,
 ) -> Candidate:
     p, k, c = setting.pp, setting.seq_chunks, setting.cp
     entry = setting.entry
@@ -519,9 +524,9 @@ def _price(
         loss_chunk_tokens=(
             -(-sum(lengths) // TITAN_LOSS_CHUNKS) if fsdp_at_degree_1 or k > 1 else None
         ),
-        dropout_masks=dropout_masks,
+        extra_layer_bytes=extra_layer_bytes,
     )
-    seconds = time.cost(lengths, n, seq_chunks=k)
+    seconds = time.cost(lengths, n, seq_chunks=k, sends=not blocking_p2p)
     segmented = k > 1
 
     def saved(a: Action) -> float:
@@ -529,13 +534,23 @@ def _price(
         tokens = lengths[(a.microbatch_index or 0) % k] / c
         return memory.unit_bytes(tokens, layers, last, segmented)
 
+    if blocking_p2p and entry is not None and entry.replicas > 1:
+        raise ValueError("blocking communication is modelled for one pipeline only")
     if order is None:  # gradient accumulation over M sequences, no pipeline
         one = Action(0, rt.FORWARD, 0)
         back = Action(0, rt.FULL_BACKWARD, 0)
         makespan, bubble = setting.microbatches * (seconds(one) + seconds(back)), 0.0
         peak_act, stage_to_rank = {0: saved(one)}, {0: 0}
     else:
-        res = simulate(order, seconds, activation=saved, replicas=entry.replicas if entry else 1)
+        if blocking_p2p:
+            pair = setting.stages_per_rank > 1  # Megatron's interleaved steady phase
+            res = simulate_blocking(
+                order, seconds, activation=saved, pair_steady=pair,
+                transfer=lambda a: time.p2p_seconds(lengths[(a.microbatch_index or 0) % k]),
+            )  # fmt: skip
+        else:
+            replicas = entry.replicas if entry else 1
+            res = simulate(order, seconds, activation=saved, replicas=replicas)
         makespan, bubble = res.makespan, res.bubble_ratio
         peak_act, stage_to_rank = res.peak_activation_rank, res.stage_to_rank
     makespan += _fsdp_seconds(setting, shape, hardware, layers, n, seconds)
@@ -692,9 +707,10 @@ def build_parser(prog: str = "python -m seq1f1b.planning.planner") -> argparse.A
     ap.add_argument("--gpus", type=int, required=True, help="GPUs in total")
     ap.add_argument(
         "--gpu",
-        choices=sorted(PROFILES),
+        choices=[*sorted(PROFILES), "cpu"],
         help="GPU profile (seq1f1b/planning/profiles.py): specifications and fitted efficiencies "
-        "for the time model, the GPU's memory; replaces --tflops and --tp-gbps",
+        "for the time model, the GPU's memory; replaces --tflops and --tp-gbps. 'cpu': the "
+        "machine measured in --calibration FILE (the same as --calibration alone)",
     )
     ap.add_argument(
         "--gpu-memory-gb", type=float, help="memory per GPU (1e9 B); required without --gpu"
@@ -765,6 +781,14 @@ def build_parser(prog: str = "python -m seq1f1b.planning.planner") -> argparse.A
         "nothing parallel; PP or TP alone run in fp32), 'torchtitan-0.3' (bf16 everywhere, FSDP "
         "wraps at every degree), 'bf16' (bf16 everywhere, FSDP only at degree > 1)",
     )
+    ap.add_argument(
+        "--p2p",
+        choices=("posted", "blocking"),
+        default="posted",
+        help="pipeline sends and receives: 'posted' (torch.distributed.pipelining posts each "
+        "receive ahead of the action that needs it) or 'blocking' (Megatron-LM's batched "
+        "send/receive that waits for both neighbours, as the Seq1F1B paper ran; F/B orders only)",
+    )
     ap.add_argument("--top", type=int, default=12, help="rows to print")
     ap.add_argument("--json", action="store_true", help="print the ranked settings as JSON")
     return ap
@@ -783,6 +807,22 @@ def _hardware_from_args(
     a: argparse.Namespace,
 ) -> tuple[Hardware, ActionCosts | None, tuple[float, str] | None]:
     """The GPUs the arguments describe: a profile's (``--gpu``), or the assumed constants."""
+    if a.gpu == "cpu" and not a.calibration:
+        raise ValueError("--gpu cpu is the machine a calibration measured: give --calibration")
+    if a.gpu in (None, "cpu") and a.calibration:
+        from .calibration import load_action_costs
+
+        if a.gpu_memory_gb is None:
+            raise ValueError("--calibration needs --gpu-memory-gb (the measured machine's)")
+        prof = calibrated_profile(
+            load_action_costs(a.calibration),
+            a.gpu_memory_gb,
+            tflops=400.0 if a.tflops is None else a.tflops,
+            tp_gbps=300.0 if a.tp_gbps is None else a.tp_gbps,
+            reserve_gb=4.0 if a.reserve_gb is None else a.reserve_gb,
+        )
+        hw = replace(prof.hardware(a.gpus), fp32_tflops=a.fp32_tflops)
+        return hw, prof.action_costs(), None
     if a.gpu is None:
         if a.gpu_memory_gb is None:
             raise ValueError("give --gpu (one of " + ", ".join(sorted(PROFILES)) + ") or "
@@ -830,7 +870,7 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
             gated_ffn=a.gated_ffn,
         )
     hw, actions, error = _hardware_from_args(a)
-    if a.calibration:
+    if a.calibration and a.gpu not in (None, "cpu"):  # a GPU's specifications, measured constants
         from .calibration import load_action_costs
 
         actions = load_action_costs(a.calibration)
@@ -854,6 +894,7 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
         min_segment=a.min_segment,
         precision=a.precision,
         error=error,
+        blocking_p2p=a.p2p == "blocking",
     )
     if not plan.candidates:
         raise ValueError(

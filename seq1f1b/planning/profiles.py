@@ -9,7 +9,9 @@ fraction of a link's peak the collectives reach), which are fitted to published 
 
 Only the A100 profile is checked against measurements (the Seq1F1B paper's 7B table, all on
 A100s). H100 and H200 reuse its fitted fractions and overhead on their own specifications:
-an assumption, stated in :attr:`GpuProfile.checked`, until someone measures them.
+an assumption, stated in :attr:`GpuProfile.checked`, until someone measures them. A machine
+measured here becomes a profile too (:func:`calibrated_profile`): its measured per-action
+constants stand in for the efficiencies.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from dataclasses import dataclass, replace
 
 from .costmodel import ActionCosts, Coefficients, Hardware
 
-__all__ = ["FLASH_BACKWARD_FLOPS", "PROFILES", "Efficiency", "GpuProfile", "profile"]
+__all__ = [
+    "FLASH_BACKWARD_FLOPS",
+    "PROFILES",
+    "Efficiency",
+    "GpuProfile",
+    "calibrated_profile",
+    "profile",
+]
 
 #: FlashAttention's backward runs 2.5 times its forward FLOPs (5 matmuls to the forward's 2;
 #: Dao, "FlashAttention-2", 2023, section 4.1); the projections' backward runs 2 times.
@@ -33,8 +42,8 @@ class Efficiency:
     FFN, and by causal flash attention; ``overhead_s``: fixed seconds per pipeline action
     (kernel launches, the pipeline's synchronisation, per-unit bookkeeping; what makes many
     short segments slower than their FLOPs); ``collectives``: fraction of a link's peak
-    bandwidth the collectives reach (TP, FSDP, the CP ring); ``p2p``: fraction the pipeline's
-    sends reach (they carry the pipeline's synchronisation too, so less)."""
+    bandwidth the collectives reach (TP, FSDP, the CP ring); ``p2p``: fraction of the
+    inter-node link the pipeline's sends reach."""
 
     linear: float
     attention: float
@@ -56,7 +65,8 @@ class GpuProfile:
     memory_gb: float
     peak_tflops: float  # dense bf16 (no sparsity)
     nvlink_gbps: float  # per GPU, one direction
-    inter_node_gbps: float  # per GPU, one direction (the node's compute NICs / GPUs)
+    #: per GPU, one direction (the node's compute NICs / GPUs); None: links not priced
+    inter_node_gbps: float | None
     efficiency: Efficiency
     source: str  # where the specifications come from
     checked: str  # which measurements the profile's predictions were compared with
@@ -64,11 +74,16 @@ class GpuProfile:
     #: memory no formula counts (CUDA context and kernel libraries' workspaces, NCCL buffers,
     #: allocator slack); the planner's default ``--reserve-gb``
     reserve_gb: float = 4.0
+    #: per-action constants fitted to this machine's measured actions, standing in for the
+    #: efficiencies (:func:`calibrated_profile`); None: from the efficiencies
+    measured: ActionCosts | None = None
 
     def action_costs(self) -> ActionCosts:
-        """Per-GPU seconds of each action: FLOPs at the fitted fractions of the peak (backward:
-        2 times the projections', :data:`FLASH_BACKWARD_FLOPS` times the attention's), plus
-        the fixed overhead per action."""
+        """Per-GPU seconds of each action: the measured constants, or FLOPs at the fitted
+        fractions of the peak (backward: 2 times the projections', :data:`FLASH_BACKWARD_FLOPS`
+        times the attention's), plus the fixed overhead per action."""
+        if self.measured is not None:
+            return self.measured
         peak = self.peak_tflops * 1e12
         lin = 1 / (peak * self.efficiency.linear)
         att = 1 / (peak * self.efficiency.attention)
@@ -87,7 +102,9 @@ class GpuProfile:
             self.reserve_gb if reserve_gb is None else reserve_gb,
             tflops=self.peak_tflops * eff.linear,
             tp_gbps=self.nvlink_gbps * eff.collectives,
-            inter_node_gbps=self.inter_node_gbps * eff.collectives,
+            inter_node_gbps=(
+                None if self.inter_node_gbps is None else self.inter_node_gbps * eff.collectives
+            ),
             p2p_efficiency=eff.p2p / eff.collectives,
             gpus_per_node=self.gpus_per_node,
         )
@@ -100,16 +117,16 @@ class GpuProfile:
 #: (seq1f1b.planning.published.fit) on the cells named in
 #: seq1f1b.planning.published.FIT_CELLS; the other cells are predicted.
 A100_FIT = Efficiency(
-    linear=0.504,
-    attention=0.312,
-    overhead_s=0.0148,
-    collectives=1.0,
-    p2p=0.144,
+    linear=0.902,
+    attention=0.637,
+    overhead_s=0.0104,
+    collectives=0.313,
+    p2p=0.164,
     source="fitted on 5 cells of the Seq1F1B paper's 7B table on A100s "
     "(seq1f1b.planning.published.FIT_CELLS)",
-    error=0.06,
+    error=0.03,
     error_source="the largest error of a held-out schedule-to-1F1B TFLOPS ratio of the "
-    "Seq1F1B paper's 7B table, 5.9% (Seq1F1B-I at 64k; "
+    "Seq1F1B paper's 7B table, 2.7% (Seq1F1B-I at 64k; "
     "python -m benchmarks.planner_models.vs_published)",
 )
 
@@ -153,6 +170,35 @@ PROFILES: dict[str, GpuProfile] = {
         checked=_UNCHECKED,
     ),
 }
+
+
+def calibrated_profile(
+    costs: ActionCosts,
+    memory_gb: float,
+    *,
+    name: str = "cpu",
+    tflops: float = 400.0,
+    tp_gbps: float = 300.0,
+    reserve_gb: float = 4.0,
+) -> GpuProfile:
+    """The profile of a machine whose actions were measured here: ``costs`` fitted to its
+    measured per-action times (:func:`seq1f1b.planning.calibration.fit_action_costs`, which
+    ``python -m benchmarks.planner_models.time_costs`` runs) price every action; ``tflops``
+    and ``tp_gbps`` only describe it (TP collectives at ``tp_gbps``); pipeline sends are not
+    priced (one machine, no inter-node link)."""
+    eff = Efficiency(1.0, 1.0, 0.0, 1.0, 1.0, costs.source, error_source=costs.source)
+    return GpuProfile(
+        name,
+        memory_gb=memory_gb,
+        peak_tflops=tflops,
+        nvlink_gbps=tp_gbps,
+        inter_node_gbps=None,
+        efficiency=eff,
+        source=f"measured on this machine ({costs.source})",
+        checked="the measured runs of python -m benchmarks.planner_models.time_costs",
+        reserve_gb=reserve_gb,
+        measured=costs,
+    )
 
 
 def profile(name: str) -> GpuProfile:

@@ -1,4 +1,4 @@
-"""The Seq1F1B paper's published 7B results, the planner's predictions of them, and the fit of a
+"""The Seq1F1B paper's published results, the planner's predictions of them, and the fit of a
 GPU profile's efficiencies to a few of them.
 
 Why: these are the only GPU measurements of these schedules available (REFERENCE.md section 1:
@@ -6,39 +6,47 @@ Why: these are the only GPU measurements of these schedules available (REFERENCE
 cells (:data:`FIT_CELLS`) and every other cell is predicted, so the comparison says how far the
 planner can be trusted on cells it never saw.
 
-The paper's setting, as the memory table decides it (benchmarks' published check): pp 4 x tp 8
-(sequence parallel), 8 microbatches of one sequence, K = 4, two stages per rank for the
-interleaved schedules, no recomputation, bf16 with Megatron's fp32 master weights. Its TFLOPS
-are taken as Megatron's formula counts them (Narayanan et al., SC21, eq. 3 without
-recomputation: ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``, full, not causal, attention): the
-paper's code is a Megatron-LM fork, which logs that figure. Ratios between schedules at the
-same length do not depend on that choice; absolute TFLOPS do.
+The paper's setting, from its public fork (thunlp/Seq1F1B: ``run.sh``, ``exp.sh``,
+``megatron/arguments.py``, ``megatron/training.py``) and the memory row: pp 4 x tp 8 with
+sequence parallelism, 8 microbatches of one sequence, K = 4 (compute split), two stages per
+rank for the interleaved schedules, no recomputation, bf16 with fp32 master weights and the
+distributed optimizer at data-parallel degree 1, flash attention, RoPE, dropout 0, the GPT-2
+vocabulary padded to 51200. Its P2P is Megatron's blocking batched send/receive
+(``--overlap-p2p-communication`` is off by default there), so the paper's cells are simulated
+with :func:`~seq1f1b.planning.simulate.simulate_blocking`. Its TFLOPS are the fork's own count
+(:func:`paper_flops`: causal attention, both vocabulary matmuls); its memory is
+``torch.cuda.max_memory_reserved()`` in GiB (2**30 bytes), per pipeline stage.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from ..schedules.partition import ModelShape
 from .costmodel import GB, PRESETS, Hardware
 from .planner import Candidate, Setting, price
 from .profiles import Efficiency, GpuProfile
 
 __all__ = [
     "FIT_CELLS",
+    "PAPER_SHAPE",
     "PUBLISHED_MEMORY_64K",
     "PUBLISHED_TFLOPS",
     "SCHEDULES",
     "Cell",
+    "claim_30b_rows",
     "fit",
-    "megatron_flops",
     "memory_rows",
     "memory_vs_published",
     "paper_candidate",
+    "paper_flops",
     "tflops_rows",
 ]
+
+GIB = 2.0**30
 
 #: TFLOPS per GPU, 7B on 32 A100s, 8 microbatches (REFERENCE.md section 1); None: OOM
 PUBLISHED_TFLOPS: dict[int, dict[str, float | None]] = {
@@ -46,7 +54,8 @@ PUBLISHED_TFLOPS: dict[int, dict[str, float | None]] = {
     65536: {"1F1B": 107.5, "1F1B-I": 120.0, "Seq1F1B": 124.6, "Seq1F1B-I": 117.8},
     131072: {"1F1B": None, "1F1B-I": None, "Seq1F1B": 136.7, "Seq1F1B-I": 135.1},
 }
-#: GB per GPU, 7B on 32 A100s, 64k tokens (REFERENCE.md section 1)
+#: per GPU, 7B on 32 A100s, 64k tokens (REFERENCE.md section 1), in GiB: the fork logs
+#: ``torch.cuda.max_memory_reserved() / 1024**3`` (``get_mem`` in megatron/training.py)
 PUBLISHED_MEMORY_64K = {"1F1B": 51.4, "1F1B-I": 62.9, "Seq1F1B": 34.3, "Seq1F1B-I": 28.4}
 #: paper name -> (registry schedule, stages per rank, K)
 SCHEDULES = {
@@ -56,6 +65,12 @@ SCHEDULES = {
     "Seq1F1B-I": ("InterleavedSeq1F1B", 2, 4),
 }
 PAPER_PP, PAPER_TP, PAPER_M, PAPER_GPUS = 4, 8, 8, 32
+#: the paper's 7B as its fork ran it: GPT-2's 50257 tokens padded by Megatron to a multiple of
+#: ``make_vocab_size_divisible_by`` (128) times tp (8), i.e. 51200
+PAPER_SHAPE = replace(PRESETS["paper-7b"], vocab=51200)
+#: the 30B of the paper's "30B at 64k on 64 A100s" (exp.sh: 64 layers, hidden 6144, 64 heads,
+#: FFN 4H; tp 8 x pp 8, 16 microbatches, K = 4)
+PAPER_30B = ModelShape(6144, 64, 64, 51200)
 
 
 @dataclass(frozen=True)
@@ -113,13 +128,17 @@ def _all_cells() -> list[Cell]:
     return cells
 
 
-def megatron_flops(seq_len: int, sequences: int) -> float:
-    """Model FLOPs of a step of ``sequences`` as Megatron counts them (module docstring)."""
-    s = PRESETS["paper-7b"]
-    h, layers, v = s.hidden, s.n_layers, s.vocab
-    return (
-        72 * sequences * seq_len * layers * h * h * (1 + seq_len / (6 * h) + v / (12 * h * layers))
-    )
+def paper_flops(seq_len: int, sequences: int, shape: ModelShape = PAPER_SHAPE) -> float:
+    """FLOPs of a step of ``sequences`` as the paper's fork counts them for its TFLOPS
+    (``SeqTFlops.get_seq_tflops(causal=True)`` in sp_utils.py, times 3 for forward and
+    backward): per sequence, the embedding and output matmuls ``2*s*H*V`` each, and per layer
+    ``8*s*H^2 + 4*s*H*F`` (projections, FFN) plus half of full attention's
+    ``2*s^2*H + 3*s^2*h + 2*s^2*H`` (scores, softmax, weighted values)."""
+    s, h, heads = seq_len, shape.hidden, shape.n_heads
+    ffn = shape.ffn_hidden
+    assert ffn is not None
+    layer = 8 * s * h * h + 4 * s * h * ffn + 0.5 * (4 * s * s * h + 3 * s * s * heads)
+    return 3.0 * sequences * (4 * s * h * shape.vocab + shape.n_layers * layer)
 
 
 #: Megatron's model state per parameter with bf16: bf16 weights (2), fp32 main gradients (4;
@@ -128,18 +147,53 @@ def megatron_flops(seq_len: int, sequences: int) -> float:
 MEGATRON_STATE_BYTES = 18.0
 
 
+def megatron_extra_layer_bytes(shape: ModelShape) -> float:
+    """Bytes per token per layer Megatron-LM's GPT layer saves beyond the planner's formula
+    (before TP): the attention output twice, once kept by flash attention for its backward and
+    once as the contiguous ``[s, b, h]`` copy (``rearrange(...).contiguous()`` in the legacy
+    ``FlashSelfAttention`` path) the output projection saves: ``2*H`` bf16 bytes."""
+    return 2.0 * shape.hidden
+
+
+def megatron_candidate(
+    prof: GpuProfile,
+    shape: ModelShape,
+    seq_len: int,
+    name: str,
+    *,
+    pp: int,
+    tp: int,
+    microbatches: int,
+    reserve_gb: float | None = None,
+) -> Candidate:
+    """The planner's price of schedule ``name`` (a key of :data:`SCHEDULES`) as Megatron-LM
+    runs it on ``pp * tp`` of ``prof``'s GPUs: 18 B of state per parameter, the extra saved
+    attention output, blocking P2P."""
+    sched, v, k = SCHEDULES[name]
+    setting = Setting(pp, tp, 1, k, microbatches, "compute", False, True, sched, v)
+    hw = prof.hardware(pp * tp, reserve_gb)
+    return price(
+        setting, shape, seq_len, hw, actions=prof.action_costs(),
+        state_bytes_per_param=MEGATRON_STATE_BYTES,
+        extra_layer_bytes=megatron_extra_layer_bytes(shape), blocking_p2p=True,
+    )  # fmt: skip
+
+
 def paper_candidate(
     prof: GpuProfile, seq_len: int, name: str, reserve_gb: float | None = None
 ) -> Candidate:
-    """The planner's price of the paper's setting of schedule ``name`` on ``prof``'s GPUs, with
-    what Megatron keeps on top of torchtitan: the bf16 weight copy and the dropout masks."""
-    sched, v, k = SCHEDULES[name]
-    setting = Setting(PAPER_PP, PAPER_TP, 1, k, PAPER_M, "compute", False, True, sched, v)
-    hw = prof.hardware(PAPER_GPUS, reserve_gb)
-    return price(
-        setting, PRESETS["paper-7b"], seq_len, hw, actions=prof.action_costs(),
-        state_bytes_per_param=MEGATRON_STATE_BYTES, dropout_masks=True,
+    """The planner's price of the paper's 7B setting of schedule ``name`` on ``prof``."""
+    return megatron_candidate(
+        prof, PAPER_SHAPE, seq_len, name,
+        pp=PAPER_PP, tp=PAPER_TP, microbatches=PAPER_M, reserve_gb=reserve_gb,
     )  # fmt: skip
+
+
+def sp_gather_bytes(cand: Candidate, shape: ModelShape) -> float:
+    """Megatron's sequence-parallel all-gather buffer: the largest unit's ``[s, b, H]`` in bf16,
+    allocated once through the caching allocator and kept (``get_global_memory_buffer()``,
+    megatron/core/tensor_parallel/layers.py)."""
+    return max(cand.segment_lengths) * shape.hidden * 2.0
 
 
 def _tflops_of(prof: GpuProfile) -> Callable[[int, str], float]:
@@ -148,7 +202,7 @@ def _tflops_of(prof: GpuProfile) -> Callable[[int, str], float]:
     def tflops(seq_len: int, name: str) -> float:
         if (seq_len, name) not in cache:
             step = paper_candidate(prof, seq_len, name).step_seconds
-            flops = megatron_flops(seq_len, PAPER_M)
+            flops = paper_flops(seq_len, PAPER_M)
             cache[(seq_len, name)] = flops / (step * PAPER_GPUS) / 1e12
         return cache[(seq_len, name)]
 
@@ -199,18 +253,46 @@ def fits_rows(prof: GpuProfile) -> list[dict[str, Any]]:
 
 
 def memory_rows(prof: GpuProfile) -> list[dict[str, Any]]:
-    """The published 64k memory row against the planner's peak (without the reserve) and
-    with the profile's reserve added."""
+    """The published 64k memory row (GiB, what the caching allocator reserved) against the
+    planner's items, each from first principles: model state (18 B per parameter) and the
+    activation peak along the schedule's order (with Megatron's extra saved attention output)
+    of the worst rank, plus the sequence-parallel gather buffer. No offset is fitted; what is
+    left is the allocator's reserved-but-unallocated memory, which no formula gives."""
     rows = []
     for name, published in PUBLISHED_MEMORY_64K.items():
-        model = paper_candidate(prof, 65536, name, reserve_gb=0.0).max_bytes / GB
+        cand = paper_candidate(prof, 65536, name, reserve_gb=0.0)
+        model = cand.max_bytes / GIB
+        gather = sp_gather_bytes(cand, PAPER_SHAPE) / GIB
+        total = model + gather
         rows.append(
             {
                 "schedule": name,
-                "published_gb": published,
-                "model_gb": model,
-                "with_reserve_gb": model + prof.reserve_gb,
-                "error": (model + prof.reserve_gb) / published - 1,
+                "published_gib": published,
+                "model_gib": model,
+                "gather_gib": gather,
+                "total_gib": total,
+                "error": total / published - 1,
+                "unattributed_gib": published - total,
+            }
+        )
+    return rows
+
+
+def claim_30b_rows(prof: GpuProfile) -> list[dict[str, Any]]:
+    """The paper's claim "30B at 64k on 64 A100s without recomputation" (which 1F1B cannot):
+    each schedule at the fork's exp.sh setting (tp 8 x pp 8, 16 microbatches, K = 4, two
+    stages per rank for the interleaved ones), the planner's peak against the profile's
+    memory less its reserve."""
+    rows = []
+    for name in SCHEDULES:
+        cand = megatron_candidate(prof, PAPER_30B, 65536, name, pp=8, tp=8, microbatches=16)
+        rows.append(
+            {
+                "schedule": name,
+                "claim": "fits" if name.startswith("Seq1F1B") else "does not fit",
+                "predicted_gb": cand.max_bytes / GB,
+                "budget_gb": cand.budget_bytes / GB,
+                "predicted_fits": cand.fits,
             }
         )
     return rows

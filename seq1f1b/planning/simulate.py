@@ -36,7 +36,14 @@ from .._runtime.replay import expand, replay
 from .._runtime.topology import StageTopology
 from ..schedules.partition import ModelShape, segment_flops
 
-__all__ = ["FlopsCosts", "Interval", "SimResult", "compute_actions", "simulate"]
+__all__ = [
+    "FlopsCosts",
+    "Interval",
+    "SimResult",
+    "compute_actions",
+    "simulate",
+    "simulate_blocking",
+]
 
 _F = rt.FORWARD
 _B = rt.FULL_BACKWARD
@@ -136,6 +143,136 @@ def simulate(
     makespan = max((iv.end for tl in timelines.values() for iv in tl), default=0.0)
     busy = {r: sum(iv.end - iv.start for iv in tl) for r, tl in timelines.items()}
     return SimResult(timelines, makespan, busy, peak_stage, peak_rank, stage_to_rank)
+
+
+@dataclass(frozen=True)
+class _Sync:
+    """A batched send/receive: transfers as (is forward, producing stage, unit)."""
+
+    sends: list[tuple[int, int, int]]
+    recvs: list[tuple[int, int, int]]
+
+
+def simulate_blocking(
+    pipeline_order: Mapping[int, Sequence[Action | None]],
+    cost: Callable[[Action], float],
+    *,
+    activation: Callable[[Action], float] | None = None,
+    pair_steady: bool = False,
+    transfer: Callable[[Action], float] | None = None,
+) -> SimResult:
+    """Run ``pipeline_order`` with Megatron-LM's blocking point-to-point communication.
+
+    Why: Megatron's pipeline schedules (what the Seq1F1B paper measured) do not post a
+    receive ahead and move on: after each compute group a rank waits, in one batched
+    send/receive, for the sends of the group it ran and the receives of its next group, and a
+    send completes only when its receiver has posted the matching receive. A rank that sends
+    early therefore waits for a neighbour that is behind; :func:`simulate` (data dependencies
+    only) misses that wait.
+
+    A group is one action, or with ``pair_steady`` (Megatron's interleaved schedule, whose
+    steady phase runs ``send_forward_backward_recv_forward_backward`` once per forward-backward
+    pair) a forward and the full backward right after it. A transfer starts once both ends
+    have posted it and takes ``transfer(producer)`` seconds (default 0), which both ends wait
+    for. Only ``F`` and ``B`` actions. ValueError on a deadlock.
+    """
+    xfer_of = transfer or (lambda _a: 0.0)
+    act = activation or (lambda _a: 1.0)
+    ops = {r: compute_actions(pipeline_order[r]) for r in sorted(pipeline_order)}
+    rank_of = {a.stage_index: r for r, acts in ops.items() for a in acts}
+    n = max(rank_of, default=0) + 1
+    if any(a.computation_type not in (_F, _B) for acts in ops.values() for a in acts):
+        raise ValueError("blocking communication is modelled for F and B actions only")
+
+    def edge(a: Action, incoming: bool) -> tuple[int, int, int] | None:
+        """(kind, producing stage, unit) of a transfer into (or out of) ``a`` that crosses
+        ranks; None when there is none."""
+        s, u = a.stage_index, a.microbatch_index or 0
+        fwd = a.computation_type == _F
+        if incoming:
+            src = s - 1 if fwd else s + 1
+        else:
+            src, dst = s, (s + 1 if fwd else s - 1)
+            if not 0 <= dst < n or rank_of[dst] == rank_of[s]:
+                return None
+            return (int(fwd), src, u)
+        if not 0 <= src < n or rank_of[src] == rank_of[s]:
+            return None
+        return (int(fwd), src, u)
+
+    # per rank: compute actions and sync points (keys sent, keys received), alternating
+    programs: dict[int, list[Action | _Sync]] = {}
+    for r, acts in ops.items():
+        groups: list[list[Action]] = []
+        i = 0
+        while i < len(acts):
+            pair = (
+                pair_steady
+                and acts[i].computation_type == _F
+                and i + 1 < len(acts)
+                and acts[i + 1].computation_type == _B
+            )
+            groups.append(acts[i : i + 2] if pair else acts[i : i + 1])
+            i += 2 if pair else 1
+        prog: list[Action | _Sync] = []
+        sent: list = []
+        for g in [*groups, []]:
+            recv = [k for a in g if (k := edge(a, True)) is not None]
+            prog.append(_Sync(sent, recv))
+            prog.extend(g)
+            sent = [k for a in g if (k := edge(a, False)) is not None]
+        programs[r] = prog
+
+    send_post: dict[tuple[int, int, int], float] = {}
+    recv_post: dict[tuple[int, int, int], float] = {}
+    end_of: dict[tuple[int, int, int], float] = {}
+    seconds: dict[tuple[int, int, int], float] = {}  # of the transfer out of each action
+    pos = dict.fromkeys(ops, 0)
+    clock = dict.fromkeys(ops, 0.0)
+    timelines: dict[int, list[Interval]] = {r: [] for r in ops}
+    progress = True
+    while progress:
+        progress = False
+        for r, prog in programs.items():
+            while pos[r] < len(prog):
+                item = prog[pos[r]]
+                if isinstance(item, _Sync):
+                    sends, recvs = item.sends, item.recvs
+                    for keys, posted in ((sends, send_post), (recvs, recv_post)):
+                        for key in keys:
+                            progress |= key not in posted
+                            posted.setdefault(key, clock[r])
+                    keys = [*sends, *recvs]
+                    if any(k not in recv_post or k not in send_post for k in keys):
+                        break
+                    clock[r] = max(
+                        [clock[r]] + [max(send_post[k], recv_post[k]) + seconds[k] for k in keys]
+                    )
+                else:
+                    s, u = item.stage_index, item.microbatch_index or 0
+                    fwd = item.computation_type == _F
+                    deps = [(1, s - 1, u)] if fwd and s > 0 else []
+                    if not fwd:
+                        deps = [(1, s, u)] + ([(0, s + 1, u)] if s < n - 1 else [])
+                    ready = [end_of.get(d) for d in deps]
+                    if any(t is None for t in ready):
+                        break
+                    start = max([clock[r], *ready])  # type: ignore[list-item]
+                    clock[r] = start + float(cost(item))
+                    end_of[(int(fwd), s, u)] = clock[r]
+                    seconds[(int(fwd), s, u)] = float(xfer_of(item))
+                    timelines[r].append(Interval(start, clock[r], item))
+                pos[r] += 1
+                progress = True
+    if any(pos[r] < len(prog) for r, prog in programs.items()):
+        stuck = ", ".join(
+            f"rank {r} at {programs[r][pos[r]]}" for r in ops if pos[r] < len(programs[r])
+        )
+        raise ValueError(f"pipeline order deadlocks under blocking communication: {stuck}")
+    peak_stage, peak_rank = _peak_activations(timelines, act)
+    makespan = max(clock.values(), default=0.0)
+    busy = {r: sum(iv.end - iv.start for iv in tl) for r, tl in timelines.items()}
+    return SimResult(timelines, makespan, busy, peak_stage, peak_rank, dict(rank_of))
 
 
 def _peak_activations(
