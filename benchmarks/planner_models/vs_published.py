@@ -64,16 +64,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             "fits" if r["predicted_fits"] else "OOM"
         )
         print(f"{r['seq_len']:>7} {r['schedule']:<10} {pub:>9} {pred:>16}")
+    rows = memory_rows(prof)
     print(
-        "\n64k memory, GiB per GPU (the fork's torch.cuda.max_memory_reserved; the worst "
-        "rank's state and activations + the sequence-parallel gather buffer, no fitted offset)"
+        "\n64k memory, GiB per GPU (the fork's torch.cuda.max_memory_reserved): the worst "
+        "rank's state and activations (base), what each Megatron item adds to its peak, the "
+        "sequence-parallel gather buffer; no fitted offset"
     )
-    for r in memory_rows(prof):
-        print(
-            f"{r['schedule']:<10} published {r['published_gib']:>5.1f}  model "
-            f"{r['model_gib']:>5.1f} + gather {r['gather_gib']:.2f} = {r['total_gib']:>5.1f}  "
-            f"{r['error']:+.1%}  unattributed {r['unattributed_gib']:>4.1f}"
-        )
+    print(f"{'':<28}" + "".join(f"{r['schedule']:>10}" for r in rows))
+    print(f"{'published':<28}" + "".join(f"{r['published_gib']:>10.1f}" for r in rows))
+    print(f"{'base':<28}" + "".join(f"{r['base_gib']:>10.2f}" for r in rows))
+    for item in rows[0]["items_gib"]:
+        print(f"{'+ ' + item:<28}" + "".join(f"{r['items_gib'][item]:>10.2f}" for r in rows))
+    print(f"{'+ gather buffer':<28}" + "".join(f"{r['gather_gib']:>10.2f}" for r in rows))
+    print(f"{'= total':<28}" + "".join(f"{r['total_gib']:>10.1f}" for r in rows))
+    print(f"{'error':<28}" + "".join(f"{r['error']:>+10.1%}" for r in rows))
+    print(f"{'not attributed':<28}" + "".join(f"{r['unattributed_gib']:>10.1f}" for r in rows))
     print("\n30B at 64k on 64 GPUs, tp 8 x pp 8, M = 16, K = 4, no recomputation (paper's claim)")
     for r in claim_30b_rows(prof):
         pred = f"{r['predicted_gb']:.1f}/{r['budget_gb']:.0f} GB " + (

@@ -51,6 +51,7 @@ __all__ = [
     "Plan",
     "Setting",
     "build_parser",
+    "kv_prefix_deltas",
     "main",
     "price",
     "problem_from_args",
@@ -458,6 +459,7 @@ def price(
     actions: ActionCosts | None = None,
     extra_layer_bytes: float = 0.0,
     blocking_p2p: bool = False,
+    kv_prefix_copy: bool = False,
 ) -> Candidate:
     """Price one setting (what :func:`search` does for each): its schedule's real order
     simulated with per-action seconds, memory per rank along that order. ValueError when the
@@ -465,7 +467,9 @@ def price(
     layer beyond the formula (:class:`~seq1f1b.planning.costmodel.MemoryModel`).
     ``blocking_p2p``: simulate Megatron-LM's blocking sends and receives
     (:func:`~seq1f1b.planning.simulate.simulate_blocking`) instead of torch's posted-ahead
-    ones."""
+    ones. ``kv_prefix_copy``: with K > 1, the trainer keeps a concatenated copy of each
+    microbatch's K/V prefix and the prefix's K/V gradient between its segments' backwards
+    (:func:`kv_prefix_deltas`)."""
     k = setting.seq_chunks
     lengths = resolve_split(
         setting.split if k > 1 else "uniform", seq_len, k, shape=shape,
@@ -477,8 +481,30 @@ def price(
     batch = global_batch if global_batch is not None else setting.microbatches * setting.fsdp
     return _price(
         setting, lengths, shape, hardware, order, dtype_bytes, state_bytes_per_param,
-        batch * seq_len, fsdp_wrapped, actions, extra_layer_bytes, blocking_p2p,
+        batch * seq_len, fsdp_wrapped, actions, extra_layer_bytes, blocking_p2p, kv_prefix_copy,
     )  # fmt: skip
+
+
+def kv_prefix_deltas(lengths: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Tokens of K/V (per layer) that segment ``j``'s forward adds, and that its backward
+    adds once its own activations are freed, for a trainer that, like the Seq1F1B paper's
+    fork (``FlashAttnVarlenFunc`` in its megatron/model/transformer.py), concatenates each
+    segment's K/V onto a per-microbatch prefix copy (the first segment's K/V is the prefix
+    itself, no copy), keeps that copy until the microbatch's first segment's backward, and
+    between two segments' backwards keeps the gradient of the whole prefix up to the later
+    one (a view of it holds the buffer). Forward ``j`` adds ``P_1`` for ``j = 1`` and ``s_j``
+    after; backward ``j`` adds back its forward's share and moves the held gradient from
+    ``P_{j+1}`` to ``P_j`` (``P_j``: tokens of segments ``0..j``); the first segment's
+    backward frees the copy and the gradient. The deltas sum to zero over a microbatch."""
+    k = len(lengths)
+    prefix = [sum(lengths[: j + 1]) for j in range(k)]
+    if k == 1:
+        return [0], [0]
+    added = [0, prefix[1], *lengths[2:]]
+    held = [0, *prefix[1:], 0]  # gradient held after backward j; none before the last's
+    after = [added[j] + held[j] - held[j + 1] for j in range(k)]
+    after[0] -= prefix[-1]  # the copy goes with the first segment's backward
+    return added, after
 
 
 def _price(
@@ -494,6 +520,7 @@ def _price(
     actions: ActionCosts | None = None,
     extra_layer_bytes: float = 0.0,
     blocking_p2p: bool = False,
+    kv_prefix_copy: bool = False,
 ) -> Candidate:
     p, k, c = setting.pp, setting.seq_chunks, setting.cp
     entry = setting.entry
@@ -529,10 +556,18 @@ def _price(
     seconds = time.cost(lengths, n, seq_chunks=k, sends=not blocking_p2p)
     segmented = k > 1
 
+    # K/V bytes per token of one stage's layers (what a K/V prefix copy costs)
+    kv_bytes = layers * 2 * dtype_bytes * shape.n_kv_heads * shape.head_dim / (setting.tp * c)
+    kv_added, kv_after = kv_prefix_deltas(lengths) if kv_prefix_copy else ([0] * k, [0] * k)
+
     def saved(a: Action) -> float:
         last = a.stage_index % n == n - 1
-        tokens = lengths[(a.microbatch_index or 0) % k] / c
-        return memory.unit_bytes(tokens, layers, last, segmented)
+        j = (a.microbatch_index or 0) % k
+        tokens = lengths[j] / c
+        return memory.unit_bytes(tokens, layers, last, segmented) + kv_added[j] * kv_bytes
+
+    def after_backward(a: Action) -> float:
+        return kv_after[(a.microbatch_index or 0) % k] * kv_bytes
 
     if blocking_p2p and entry is not None and entry.replicas > 1:
         raise ValueError("blocking communication is modelled for one pipeline only")
@@ -547,10 +582,14 @@ def _price(
             res = simulate_blocking(
                 order, seconds, activation=saved, pair_steady=pair,
                 transfer=lambda a: time.p2p_seconds(lengths[(a.microbatch_index or 0) % k]),
+                after_backward=after_backward if kv_prefix_copy else None,
             )  # fmt: skip
         else:
             replicas = entry.replicas if entry else 1
-            res = simulate(order, seconds, activation=saved, replicas=replicas)
+            res = simulate(
+                order, seconds, activation=saved, replicas=replicas,
+                after_backward=after_backward if kv_prefix_copy else None,
+            )  # fmt: skip
         makespan, bubble = res.makespan, res.bubble_ratio
         peak_act, stage_to_rank = res.peak_activation_rank, res.stage_to_rank
     makespan += _fsdp_seconds(setting, shape, hardware, layers, n, seconds)

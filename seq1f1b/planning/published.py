@@ -147,12 +147,38 @@ def paper_flops(seq_len: int, sequences: int, shape: ModelShape = PAPER_SHAPE) -
 MEGATRON_STATE_BYTES = 18.0
 
 
-def megatron_extra_layer_bytes(shape: ModelShape) -> float:
-    """Bytes per token per layer Megatron-LM's GPT layer saves beyond the planner's formula
-    (before TP): the attention output twice, once kept by flash attention for its backward and
-    once as the contiguous ``[s, b, h]`` copy (``rearrange(...).contiguous()`` in the legacy
-    ``FlashSelfAttention`` path) the output projection saves: ``2*H`` bf16 bytes."""
-    return 2.0 * shape.hidden
+def megatron_layer_items(shape: ModelShape, tp: int, micro_batch: int = 1) -> dict[str, float]:
+    """What Megatron-LM's GPT layer (the fork's megatron/model/transformer.py, flash
+    attention, RoPE, sequence parallel) saves per token beyond the planner's formula, in bytes
+    per layer before the TP split, by item:
+
+    * ``attention output copy``: the output projection saves the ``[s, b, h]`` attention
+      output, made by ``rearrange(context, 'b s h d -> s b (h d)').contiguous()`` from the
+      tensor flash attention keeps; with one sequence per microbatch that permutation moves
+      only a size-1 dimension, so ``.contiguous()`` returns the same tensor and there is no
+      copy (0); with more, ``2*H`` bf16 bytes;
+    * ``RoPE factors``: ``apply_rotary_pos_emb`` (megatron/core/models/common/
+      rotary_pos_embedding.py) computes ``t * freqs.cos() + _rotate_half(t) * freqs.sin()``
+      for the queries and for the keys, and each product saves its ``[s, 1, 1, d]`` factor,
+      bf16 (``Float16Module`` casts the ``inv_freq`` buffer): four of ``2*d`` bytes per
+      token, the same on every TP rank, hence times ``tp`` here;
+    * ``dropout masks``: the two fused bias-dropout-adds keep a 1-byte mask per element of
+      ``[s, b, h]`` (``2*H``) even at dropout 0: ``bias_dropout_add_fused_train`` is
+      TorchScript, which Megatron runs with autodiff subgraphs kept
+      (``_debug_set_autodiff_subgraph_inlining(False)``, megatron/initialize.py), and
+      TorchScript differentiates dropout through ``aten::native_dropout``, whose boolean
+      mask is an output of the forward graph kept for the backward (seen in the optimized
+      graph on torch 2.15; ``native_dropout`` returns a full mask for any ``p``)."""
+    return {
+        "attention output copy": 2.0 * shape.hidden if micro_batch > 1 else 0.0,
+        "RoPE factors": 4 * 2.0 * shape.head_dim * tp,
+        "dropout masks": 2.0 * shape.hidden,
+    }
+
+
+def megatron_extra_layer_bytes(shape: ModelShape, tp: int, micro_batch: int = 1) -> float:
+    """The sum of :func:`megatron_layer_items`."""
+    return math.fsum(megatron_layer_items(shape, tp, micro_batch).values())
 
 
 def megatron_candidate(
@@ -167,15 +193,17 @@ def megatron_candidate(
     reserve_gb: float | None = None,
 ) -> Candidate:
     """The planner's price of schedule ``name`` (a key of :data:`SCHEDULES`) as Megatron-LM
-    runs it on ``pp * tp`` of ``prof``'s GPUs: 18 B of state per parameter, the extra saved
-    attention output, blocking P2P."""
+    (the paper's fork) runs it on ``pp * tp`` of ``prof``'s GPUs: 18 B of state per parameter,
+    the extra saved attention output and RoPE factors, the fork's K/V prefix copy, blocking
+    P2P."""
     sched, v, k = SCHEDULES[name]
     setting = Setting(pp, tp, 1, k, microbatches, "compute", False, True, sched, v)
     hw = prof.hardware(pp * tp, reserve_gb)
     return price(
         setting, shape, seq_len, hw, actions=prof.action_costs(),
         state_bytes_per_param=MEGATRON_STATE_BYTES,
-        extra_layer_bytes=megatron_extra_layer_bytes(shape), blocking_p2p=True,
+        extra_layer_bytes=megatron_extra_layer_bytes(shape, tp), blocking_p2p=True,
+        kv_prefix_copy=True,
     )  # fmt: skip
 
 
@@ -252,22 +280,46 @@ def fits_rows(prof: GpuProfile) -> list[dict[str, Any]]:
     return rows
 
 
+def _paper_peak_gib(prof: GpuProfile, name: str, extra: float, kv_copy: bool) -> float:
+    sched, v, k = SCHEDULES[name]
+    setting = Setting(PAPER_PP, PAPER_TP, 1, k, PAPER_M, "compute", False, True, sched, v)
+    cand = price(
+        setting, PAPER_SHAPE, 65536, prof.hardware(PAPER_GPUS, 0.0),
+        actions=prof.action_costs(), state_bytes_per_param=MEGATRON_STATE_BYTES,
+        extra_layer_bytes=extra, blocking_p2p=True, kv_prefix_copy=kv_copy,
+    )  # fmt: skip
+    return cand.max_bytes / GIB
+
+
 def memory_rows(prof: GpuProfile) -> list[dict[str, Any]]:
     """The published 64k memory row (GiB, what the caching allocator reserved) against the
-    planner's items, each from first principles: model state (18 B per parameter) and the
-    activation peak along the schedule's order (with Megatron's extra saved attention output)
-    of the worst rank, plus the sequence-parallel gather buffer. No offset is fitted; what is
-    left is the allocator's reserved-but-unallocated memory, which no formula gives."""
+    planner's items, each from the fork's code: the worst rank's peak of model state (18 B
+    per parameter) and activations along the schedule's order, then what each of
+    :func:`megatron_layer_items` and the fork's K/V prefix copy
+    (:func:`~seq1f1b.planning.planner.kv_prefix_deltas`) adds to that peak, in turn
+    (``items``), plus the sequence-parallel gather buffer. No offset is fitted; what is left
+    is not attributed."""
     rows = []
+    layer_items = megatron_layer_items(PAPER_SHAPE, PAPER_TP)
     for name, published in PUBLISHED_MEMORY_64K.items():
         cand = paper_candidate(prof, 65536, name, reserve_gb=0.0)
         model = cand.max_bytes / GIB
+        base = previous = _paper_peak_gib(prof, name, 0.0, False)
+        items: dict[str, float] = {}
+        extra = 0.0
+        for item, per_token in layer_items.items():
+            extra += per_token
+            peak = _paper_peak_gib(prof, name, extra, False)
+            items[item], previous = peak - previous, peak
+        items["K/V prefix copy"] = model - previous
         gather = sp_gather_bytes(cand, PAPER_SHAPE) / GIB
         total = model + gather
         rows.append(
             {
                 "schedule": name,
                 "published_gib": published,
+                "base_gib": base,
+                "items_gib": items,
                 "model_gib": model,
                 "gather_gib": gather,
                 "total_gib": total,

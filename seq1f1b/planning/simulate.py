@@ -16,7 +16,9 @@ Model (no processes, pure Python, event-driven in each rank's program order):
   device stream; the communication overlap it exists for is not modelled);
 * ``None`` slots, communication and ``REDUCE_GRAD``/``UNSHARD``/``RESHARD`` cost nothing here;
 * memory: a forward adds ``activation(action)`` to its stage, and the action that finishes the
-  unit's backward frees it (``B``, or ``W`` for a split backward — conservative for ``I``).
+  unit's backward frees it (``B``, or ``W`` for a split backward — conservative for ``I``),
+  then adds ``after_backward(action)`` (default 0; what a trainer keeps across a
+  microbatch's units, e.g. a K/V prefix freed only with the microbatch's last backward).
 
 ``bubble_ratio`` is idle rank-time over total rank-time, ``1 - busy / (ranks * makespan)``. For
 1F1B with equal costs that is ``(p-1)/(M+p-1)``, for Seq1F1B ``(p-1)/(K*M+p-1)``; the README's
@@ -102,6 +104,7 @@ def simulate(
     activation: Callable[[Action], float] | None = None,
     comm_latency: float = 0.0,
     replicas: int = 1,
+    after_backward: Callable[[Action], float] | None = None,
 ) -> SimResult:
     """Run ``pipeline_order`` against its data dependencies with per-action ``cost``.
 
@@ -113,6 +116,8 @@ def simulate(
         comm_latency: added to a dependency whose producer runs on another rank.
         replicas: the stage ids form this many independent pipelines of equal length, one
             after the other (BitPipe: 2, stage ``g`` feeds ``g+1`` only inside a replica).
+        after_backward: bytes a unit's backward adds to its stage once it has freed the
+            unit's activation (negative: frees more); default 0.
 
     Raises ValueError if the order cannot finish (deadlock or a missing action).
     """
@@ -139,7 +144,7 @@ def simulate(
     timelines = {
         r: [Interval(start, end, a) for start, end, a in tl] for r, tl in result.timelines.items()
     }
-    peak_stage, peak_rank = _peak_activations(timelines, act)
+    peak_stage, peak_rank = _peak_activations(timelines, act, after_backward)
     makespan = max((iv.end for tl in timelines.values() for iv in tl), default=0.0)
     busy = {r: sum(iv.end - iv.start for iv in tl) for r, tl in timelines.items()}
     return SimResult(timelines, makespan, busy, peak_stage, peak_rank, stage_to_rank)
@@ -160,6 +165,7 @@ def simulate_blocking(
     activation: Callable[[Action], float] | None = None,
     pair_steady: bool = False,
     transfer: Callable[[Action], float] | None = None,
+    after_backward: Callable[[Action], float] | None = None,
 ) -> SimResult:
     """Run ``pipeline_order`` with Megatron-LM's blocking point-to-point communication.
 
@@ -174,7 +180,8 @@ def simulate_blocking(
     steady phase runs ``send_forward_backward_recv_forward_backward`` once per forward-backward
     pair) a forward and the full backward right after it. A transfer starts once both ends
     have posted it and takes ``transfer(producer)`` seconds (default 0), which both ends wait
-    for. Only ``F`` and ``B`` actions. ValueError on a deadlock.
+    for. Only ``F`` and ``B`` actions. ValueError on a deadlock. ``activation`` and
+    ``after_backward`` as in :func:`simulate`.
     """
     xfer_of = transfer or (lambda _a: 0.0)
     act = activation or (lambda _a: 1.0)
@@ -269,14 +276,16 @@ def simulate_blocking(
             f"rank {r} at {programs[r][pos[r]]}" for r in ops if pos[r] < len(programs[r])
         )
         raise ValueError(f"pipeline order deadlocks under blocking communication: {stuck}")
-    peak_stage, peak_rank = _peak_activations(timelines, act)
+    peak_stage, peak_rank = _peak_activations(timelines, act, after_backward)
     makespan = max(clock.values(), default=0.0)
     busy = {r: sum(iv.end - iv.start for iv in tl) for r, tl in timelines.items()}
     return SimResult(timelines, makespan, busy, peak_stage, peak_rank, dict(rank_of))
 
 
 def _peak_activations(
-    timelines: Mapping[int, list[Interval]], act: Callable[[Action], float]
+    timelines: Mapping[int, list[Interval]],
+    act: Callable[[Action], float],
+    after_backward: Callable[[Action], float] | None = None,
 ) -> tuple[dict[int, float], dict[int, float]]:
     """Peak in-flight activations per stage and per rank, along each rank's own order."""
     peak_stage: dict[int, float] = {}
@@ -299,6 +308,8 @@ def _peak_activations(
                 delta = 0.0
             elif t == _B or (t == _W and key in split):
                 delta = -held.pop(key, 0.0)
+                if after_backward is not None:
+                    delta += float(after_backward(a))
             else:
                 delta = 0.0
             live[s] = live.get(s, 0.0) + delta
