@@ -13,7 +13,7 @@ from torch.distributed.pipelining.schedules import (
 from seq1f1b._runtime import Action, ComputationType
 from seq1f1b.bitpipe import build_bitpipe_orders
 from seq1f1b.orders.order import OrderSpec, build_orders
-from seq1f1b.planning.simulate import FlopsCosts, compute_actions, simulate
+from seq1f1b.planning.simulate import FlopsCosts, compute_actions, simulate, simulate_blocking
 from seq1f1b.registry import lookup
 from seq1f1b.schedules.partition import ModelShape, resolve_split
 
@@ -159,3 +159,20 @@ def test_torch_1f1b_order_is_repaired_and_matches_formula() -> None:
     order = lookup("1F1B").compute_orders(4, 6)
     res = simulate(order, unit_cost())
     assert res.bubble_ratio == pytest.approx(3 / 9)
+
+
+def test_after_backward_keeps_memory_across_a_microbatchs_units() -> None:
+    """What a backward leaves (``after_backward``) counts from that backward on, on its stage,
+    in both simulators; without it each backward frees exactly its forward's activation."""
+    F, B = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
+    order = {0: [Action(0, F, 0), Action(0, F, 1), Action(0, B, 1), Action(0, B, 0)]}
+    kept = {1: 5.0, 0: -5.0}  # unit 1's backward keeps 5, unit 0's frees them
+
+    def after(a: Action) -> float:
+        return kept[a.microbatch_index or 0]
+
+    cost = unit_cost(1, 2)
+    assert simulate(order, cost).peak_activation_rank[0] == 2.0
+    assert simulate(order, cost, after_backward=after).peak_activation_rank[0] == 6.0
+    blocking = simulate_blocking(order, cost, after_backward=after)
+    assert blocking.peak_activation_rank[0] == 6.0

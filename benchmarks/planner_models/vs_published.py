@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         "\n64k memory, GiB per GPU (the fork's torch.cuda.max_memory_reserved): the worst "
         "rank's state and activations (base), what each Megatron item adds to its peak, the "
-        "sequence-parallel gather buffer; no fitted offset"
+        "sequence-parallel gather buffer, a layer's backward transient; no fitted offset"
     )
     print(f"{'':<28}" + "".join(f"{r['schedule']:>10}" for r in rows))
     print(f"{'published':<28}" + "".join(f"{r['published_gib']:>10.1f}" for r in rows))
@@ -76,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for item in rows[0]["items_gib"]:
         print(f"{'+ ' + item:<28}" + "".join(f"{r['items_gib'][item]:>10.2f}" for r in rows))
     print(f"{'+ gather buffer':<28}" + "".join(f"{r['gather_gib']:>10.2f}" for r in rows))
+    print(f"{'+ backward transient':<28}" + "".join(f"{r['transient_gib']:>10.2f}" for r in rows))
     print(f"{'= total':<28}" + "".join(f"{r['total_gib']:>10.1f}" for r in rows))
     print(f"{'error':<28}" + "".join(f"{r['error']:>+10.1%}" for r in rows))
     print(f"{'not attributed':<28}" + "".join(f"{r['unattributed_gib']:>10.1f}" for r in rows))

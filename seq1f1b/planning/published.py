@@ -224,6 +224,20 @@ def sp_gather_bytes(cand: Candidate, shape: ModelShape) -> float:
     return max(cand.segment_lengths) * shape.hidden * 2.0
 
 
+def sp_backward_transient_bytes(cand: Candidate, shape: ModelShape, tp: int) -> float:
+    """The largest a layer's backward holds at once beyond the saved tensors, under Megatron's
+    sequence parallelism (``LinearWithGradAccumulationAndAsyncCommunication.backward``,
+    megatron/core/tensor_parallel/layers.py), for the largest unit: at the FFN's first
+    matmul, its input gradient over the whole sequence before the reduce-scatter (``2*H``
+    bytes per token), the reduce-scattered copy (``2*H/t``) and the gradient it came from,
+    the FFN's hidden activations (``2*F/t``); bf16. The weight gradients go straight into the
+    fp32 ``main_grad`` (gradient-accumulation fusion, on in the fork's run.sh), no copy."""
+    ffn = shape.ffn_hidden
+    assert ffn is not None
+    per_token = 2.0 * shape.hidden + (2.0 * shape.hidden + 2.0 * ffn) / tp
+    return max(cand.segment_lengths) * per_token
+
+
 def _tflops_of(prof: GpuProfile) -> Callable[[int, str], float]:
     cache: dict[tuple[int, str], float] = {}
 
@@ -297,8 +311,9 @@ def memory_rows(prof: GpuProfile) -> list[dict[str, Any]]:
     per parameter) and activations along the schedule's order, then what each of
     :func:`megatron_layer_items` and the fork's K/V prefix copy
     (:func:`~seq1f1b.planning.planner.kv_prefix_deltas`) adds to that peak, in turn
-    (``items``), plus the sequence-parallel gather buffer. No offset is fitted; what is left
-    is not attributed."""
+    (``items``), plus the sequence-parallel gather buffer and the backward's transient
+    (:func:`sp_backward_transient_bytes`). No offset is fitted; what is left is not
+    attributed."""
     rows = []
     layer_items = megatron_layer_items(PAPER_SHAPE, PAPER_TP)
     for name, published in PUBLISHED_MEMORY_64K.items():
@@ -313,7 +328,8 @@ def memory_rows(prof: GpuProfile) -> list[dict[str, Any]]:
             items[item], previous = peak - previous, peak
         items["K/V prefix copy"] = model - previous
         gather = sp_gather_bytes(cand, PAPER_SHAPE) / GIB
-        total = model + gather
+        transient = sp_backward_transient_bytes(cand, PAPER_SHAPE, PAPER_TP) / GIB
+        total = model + gather + transient
         rows.append(
             {
                 "schedule": name,
@@ -322,6 +338,7 @@ def memory_rows(prof: GpuProfile) -> list[dict[str, Any]]:
                 "items_gib": items,
                 "model_gib": model,
                 "gather_gib": gather,
+                "transient_gib": transient,
                 "total_gib": total,
                 "error": total / published - 1,
                 "unattributed_gib": published - total,
