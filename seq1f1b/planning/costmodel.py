@@ -298,7 +298,7 @@ class MemoryModel:
     loss_chunk_tokens: int | None = None
     #: bytes per token per layer a trainer saves beyond the formula above (before the TP
     #: split), e.g. the 1-byte masks of two dropouts (``2*H``, Korthikanti et al. 2022, eq. 1)
-    #: or a second copy of the attention output (Megatron-LM's flash path)
+    #: or RoPE's saved cos/sin factors (Megatron-LM: seq1f1b.planning.published)
     extra_layer_bytes: float = 0.0
 
     def _full_layer_bytes(self) -> float:

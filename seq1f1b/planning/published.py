@@ -193,9 +193,9 @@ def megatron_candidate(
     reserve_gb: float | None = None,
 ) -> Candidate:
     """The planner's price of schedule ``name`` (a key of :data:`SCHEDULES`) as Megatron-LM
-    (the paper's fork) runs it on ``pp * tp`` of ``prof``'s GPUs: 18 B of state per parameter,
-    the extra saved attention output and RoPE factors, the fork's K/V prefix copy, blocking
-    P2P."""
+    (the paper's fork) runs it on ``pp * tp`` of ``prof``'s GPUs, one sequence per microbatch:
+    18 B of state per parameter, what its layer saves beyond the formula
+    (:func:`megatron_layer_items`), the fork's K/V prefix copy, blocking P2P."""
     sched, v, k = SCHEDULES[name]
     setting = Setting(pp, tp, 1, k, microbatches, "compute", False, True, sched, v)
     hw = prof.hardware(pp * tp, reserve_gb)
