@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 
+import einops
 import pytest
+import torch
 
 from seq1f1b._runtime import ir as rt
 from seq1f1b._runtime.ir import Action
@@ -278,3 +280,32 @@ def test_blocking_search_ranks_the_papers_schedules_as_published_at_32k() -> Non
     published = PUBLISHED_TFLOPS[32768]
     assert sorted(speed, key=speed.__getitem__) == sorted(published, key=published.__getitem__)
     assert any("ZBSeq1F1B" in s for s in plan.skipped)
+
+
+def _scripted_bias_dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float) -> torch.Tensor:
+    return residual + torch.nn.functional.dropout(x, p=p, training=True)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
+def test_megatron_items_torch_behaviour() -> None:
+    """What two memory items rest on: ``rearrange(o, 'b s h d -> s b (h d)').contiguous()`` of
+    one sequence is the same tensor (no second attention output); TorchScript, with autodiff
+    subgraphs kept as Megatron sets it, differentiates dropout at ``p = 0`` through
+    ``native_dropout`` and keeps its boolean mask, one byte per element."""
+    out = torch.randn(1, 64, 4, 8)
+    ctx = einops.rearrange(out, "b s h d -> s b (h d)").contiguous()
+    assert ctx.data_ptr() == out.data_ptr()
+    two = torch.randn(2, 64, 4, 8)
+    assert einops.rearrange(two, "b s h d -> s b (h d)").contiguous().data_ptr() != two.data_ptr()
+
+    mask = torch.native_dropout(torch.randn(4, 8), 0.0, True)[1]
+    assert mask.dtype == torch.bool and mask.shape == (4, 8)
+    torch._C._debug_set_autodiff_subgraph_inlining(False)
+    try:
+        fn = torch.jit.script(_scripted_bias_dropout_add)
+        for _ in range(3):  # profiling runs, then the optimized graph
+            fn(torch.randn(64, 32, requires_grad=True), torch.randn(64, 32), 0.0)
+        graph = str(torch.jit.last_executed_optimized_graph())
+    finally:
+        torch._C._debug_set_autodiff_subgraph_inlining(True)  # torch's default
+    assert "aten::native_dropout" in graph and "prim::DifferentiableGraph" in graph
