@@ -7,14 +7,16 @@ between steps. The sizing is torch's, proposed in patch 6 of upstream/ (``_Seque
 one per stage, in :mod:`.upstream`): each unit gets its segment's share of the positions torch
 inferred, which covers sequence-sharded activations (tensor and context parallelism) and
 samples cut differently. On a torch with the per-microbatch receive hook
-(``register_recv_meta_fn``, patch 5) it is the stage's hook and nothing is rewritten; otherwise
-the seam's ``set_recv_length`` resizes each receive per unit per step to the length it gives.
+(``register_recv_meta_fn``, patch 5) the stage's hook asks it for each receive's length and
+nothing is rewritten; otherwise the seam's ``set_recv_length`` resizes each receive per unit
+per step to that length. Either way the resized metadata is contiguous (:func:`resize_meta`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -51,7 +53,7 @@ class ReceiveSizer:
         if rt.RECV_META_HOOK:
             for stage in stages:
                 if stage.stage_index not in self._hooked:
-                    rt.register_recv_meta_fn(stage, self._of(stage.stage_index))
+                    rt.register_recv_meta_fn(stage, self._meta_fn(stage.stage_index))
                     self._hooked.add(stage.stage_index)
             return
         for stage in stages:
@@ -66,6 +68,17 @@ class ReceiveSizer:
                         want = self.length((stage.stage_index, backward, u, i), shape)
                         if want is not None:
                             rt.set_recv_length(info, self.seq_dim, want, resize_meta)
+
+    def _meta_fn(self, stage_index: int) -> Callable[[int, str, int, Any], Any]:
+        """The stage's receive hook (patch 5): torch's sizing (``_positions``) in a contiguous
+        layout (``_SequenceRecvMeta`` keeps the inferred one, which gloo cannot receive into)."""
+
+        def fn(mb_index: int, kind: str, arg_index: int, meta: Any) -> Any:
+            key = (stage_index, kind == "gradient", mb_index, arg_index)
+            want = self.length(key, meta.shape)
+            return meta if want is None else resize_meta(meta, self.seq_dim, want)
+
+        return fn
 
     def length(self, key: _Key, shape: torch.Size) -> int | None:
         """Positions the receive ``key`` holds at ``seq_dim`` for its unit (None: not a
