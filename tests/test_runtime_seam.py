@@ -15,6 +15,7 @@ import ast
 import os
 import re
 from pathlib import Path, PurePosixPath
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -308,6 +309,7 @@ def _unsized_receive_fails(rank: int, world: int) -> None:
     # as if a torch release ignored the per-unit sizes (rewritten descriptors, or patch 5's hook)
     rt.set_recv_length = lambda info, dim, length, resize_meta: None
     receives.resize_meta = lambda meta, dim, length: meta
+    rt.register_recv_meta_fn = lambda stage, fn: None
     x, y = data(case)
     if rank == 1:
         with pytest.raises(RuntimeError, match="received an activation with 12 positions"):
@@ -367,3 +369,32 @@ def test_receive_metadata_is_resized_by_patch_6s_code() -> None:
     out = receives.resize_meta(sharded, 1, 3)  # 3 of this rank's positions: 6 in all
     assert (out.shape, out.global_shape) == (torch.Size([2, 3, 4]), torch.Size([2, 6, 4]))
     assert (tuple(out.stride), tuple(out.global_stride)) == ((12, 4, 1), (24, 4, 1))
+
+
+def _sized(lengths: list[int], inferred: int) -> list[int]:
+    """Each unit's receive length at dim 1, as the package sizes it on this torch, for a
+    stage that inferred ``inferred`` positions from unit 0."""
+    plain = rt.DTensorMeta.__bases__[0]  # torch's plain tensor metadata
+    meta = plain(torch.Size([2, inferred, 3]), (3 * inferred, 3, 1), torch.float32, True)
+    infos = {
+        u: [SimpleNamespace(is_root_arg=False, tensor_meta=meta, buffer=torch.empty(meta.shape))]
+        for u in range(len(lengths))
+    }
+    hooks: list = []
+    stage = SimpleNamespace(stage_index=1, args_recv_info=infos, grad_recv_info={},
+                            register_recv_meta_fn=hooks.append)  # fmt: skip
+    receives.ReceiveSizer(seq_dim=1).resize([stage], lengths)  # type: ignore[list-item]
+    if hooks:  # patch 5: the stage's hook sizes each receive
+        return [hooks[0](u, "activation", 0, meta).shape[1] for u in range(len(lengths))]
+    return [rt.recv_shape(infos[u][0])[1] for u in range(len(lengths))]
+
+
+def test_each_unit_receives_its_share_of_the_inferred_positions() -> None:
+    """Receives are torch's sizing (patch 6's ``_SequenceRecvMeta``): per unit, so samples cut
+    differently get their own lengths, and in proportion to what torch inferred from unit 0,
+    so a sequence-sharded plain activation (sequence parallelism) gets its shard's length."""
+    lengths = [8, 4, 2, 10]  # two samples, cut 8+4 and 2+10
+    assert _sized(lengths, 8) == lengths
+    assert _sized(lengths, 4) == [4, 2, 1, 5]  # half the positions on each of 2 ranks
+    with pytest.raises(ValueError, match="does not scale"):
+        _sized(lengths, 3)

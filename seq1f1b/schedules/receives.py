@@ -1,13 +1,15 @@
 """Receive sizing: each unit's activation and gradient receives get their own segment length,
 and every received activation is checked against it before it is used.
 
-torch sizes all receives of a stage alike, from the first microbatch it ever saw (2.13/2.14:
-preallocated buffers; 2.15: ``tensor_meta`` per receive). Segments differ in length within a
-step and between steps, so the seam's ``set_recv_length`` resizes each receive per unit per
-step. The ratio (positions torch saw : tokens of the segment it saw them for) is kept, not the
-size, which covers sequence-sharded activations (tensor parallel) and steps of any length.
-On a torch with the per-microbatch receive hook (``register_recv_meta_fn``, patch 5 of
-upstream/), that hook asks this class for each receive's length and nothing is rewritten.
+torch sizes all receives of a stage alike, from the first unit it ran (2.13/2.14: preallocated
+buffers; 2.15: ``tensor_meta`` per receive). Segments differ in length within a step and
+between steps. The sizing is torch's, proposed in patch 6 of upstream/ (``_SequenceRecvMeta``,
+one per stage, in :mod:`.upstream`): each unit gets its segment's share of the positions torch
+inferred, which covers sequence-sharded activations (tensor and context parallelism) and
+samples cut differently. On a torch with the per-microbatch receive hook
+(``register_recv_meta_fn``, patch 5) the stage's hook asks it for each receive's length and
+nothing is rewritten; otherwise the seam's ``set_recv_length`` resizes each receive per unit
+per step to that length. Either way the resized metadata is contiguous (:func:`resize_meta`).
 """
 
 from __future__ import annotations
@@ -20,11 +22,16 @@ import torch
 
 from .. import _runtime as rt
 from .._runtime import PipelineStageBase
-from .upstream import _resize_seq_meta
+from .upstream import _resize_seq_meta, _SequenceRecvMeta
 
 __all__ = ["ReceiveSizer", "resize_meta"]
 
 _Key = tuple[int, bool, int, int]  # (stage, backward?, unit, slot)
+_ADVICE = (
+    "uneven segments need activations that keep the sequence at seq_dim (else use "
+    "split='uniform' with a divisible seq_len); a sequence sharded over n ranks needs "
+    "split_multiple_of=n (e.g. the TP size)"
+)
 
 
 class ReceiveSizer:
@@ -32,14 +39,17 @@ class ReceiveSizer:
 
     def __init__(self, seq_dim: int) -> None:
         self.seq_dim = seq_dim
-        self._base: dict[_Key, tuple[int, int]] = {}  # (positions torch saw, their tokens)
-        self._lengths: list[int] = []  # by unit
-        self._hooked: set[int] = set()  # stages whose receive hook asks us (patch 5)
+        self._sizing: dict[int, _SequenceRecvMeta] = {}  # by stage index (torch's, patch 6)
+        self._hooked: set[int] = set()  # stages whose receive hook is torch's sizing (patch 5)
+
+    def _of(self, stage_index: int) -> _SequenceRecvMeta:
+        return self._sizing.setdefault(stage_index, _SequenceRecvMeta(self.seq_dim))
 
     def resize(self, stages: list[PipelineStageBase], lengths: list[int]) -> None:
-        """Give each unit's receives (forward and backward) its segment's length
-        (``lengths[u]``: unit ``u``'s)."""
-        self._lengths = lengths
+        """Give each unit's receives (forward and backward) its segment's share
+        (``lengths[u]``: unit ``u``'s length)."""
+        for stage in stages:
+            self._of(stage.stage_index).lengths = tuple(lengths)
         if rt.RECV_META_HOOK:
             for stage in stages:
                 if stage.stage_index not in self._hooked:
@@ -55,48 +65,38 @@ class ReceiveSizer:
                         shape = rt.recv_shape(info)
                         if shape is None:
                             continue
-                        want = self.length(lengths, (stage.stage_index, backward, u, i), shape)
+                        want = self.length((stage.stage_index, backward, u, i), shape)
                         if want is not None:
                             rt.set_recv_length(info, self.seq_dim, want, resize_meta)
 
     def _meta_fn(self, stage_index: int) -> Callable[[int, str, int, Any], Any]:
+        """The stage's receive hook (patch 5): torch's sizing (``_positions``) in a contiguous
+        layout (``_SequenceRecvMeta`` keeps the inferred one, which gloo cannot receive into)."""
+
         def fn(mb_index: int, kind: str, arg_index: int, meta: Any) -> Any:
             key = (stage_index, kind == "gradient", mb_index, arg_index)
-            want = self.length(self._lengths, key, meta.shape)
+            want = self.length(key, meta.shape)
             return meta if want is None else resize_meta(meta, self.seq_dim, want)
 
         return fn
 
-    def length(self, lengths: list[int], key: _Key, shape: torch.Size) -> int | None:
-        """Positions the receive ``key`` holds at ``seq_dim`` (None: not a per-token tensor;
-        ``lengths``: every unit's segment length)."""
-        stage_index, _, unit, _ = key
-        dim = self.seq_dim
-        if len(shape) <= dim:
-            if len(set(lengths)) == 1:
-                return None
-            raise ValueError(
-                f"stage {stage_index} receives a tensor of shape {tuple(shape)} with no "
-                f"sequence dim {dim}: uneven segment lengths need activations that keep the "
-                "sequence at seq_dim; use split='uniform' with a divisible seq_len"
-            )
-        base, tokens = self._base.setdefault(key, (int(shape[dim]), lengths[0]))
-        seg = lengths[unit]
-        if (base * seg) % tokens:
-            raise ValueError(
-                f"stage {stage_index} receives activations with {base} positions for a "
-                f"segment of {tokens} tokens, which does not scale to a segment of {seg}: "
-                "set split_multiple_of to the sequence-sharding degree (e.g. the TP size)"
-            )
-        return base * seg // tokens
+    def length(self, key: _Key, shape: torch.Size) -> int | None:
+        """Positions the receive ``key`` holds at ``seq_dim`` for its unit (None: not a
+        per-token tensor); ``shape``: its shape now (the first one seen is torch's)."""
+        stage_index, backward, unit, slot = key
+        kind = "gradient" if backward else "activation"
+        try:
+            return self._of(stage_index)._positions(unit, kind, slot, shape)
+        except ValueError as e:
+            raise ValueError(f"stage {stage_index}: {e}: {_ADVICE}") from e
 
-    def check_received(self, stage: PipelineStageBase, unit: int, lengths: list[int]) -> None:
+    def check_received(self, stage: PipelineStageBase, unit: int) -> None:
         """Every received activation has its unit's segment length (never silently wrong)."""
         for slot, info, buf in rt.received_tensors(stage, unit):
             shape = rt.recv_shape(info)  # the descriptor's, as sized (or inferred: patch 5)
             if shape is None:
                 continue
-            want = self.length(lengths, (stage.stage_index, False, unit, slot), shape)
+            want = self.length((stage.stage_index, False, unit, slot), shape)
             if want is not None and buf.shape[self.seq_dim] != want:
                 raise RuntimeError(
                     f"stage {stage.stage_index}, unit {unit}: received an activation with "

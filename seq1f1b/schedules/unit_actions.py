@@ -76,7 +76,6 @@ class UnitActions:
             for s in stages
         }
         self.lengths: list[list[int]] = []  # each sample's segment lengths
-        self._unit_lengths: list[int] = []  # by unit
         self._seq_len = 0
         self._bounds: list[tuple[int, ...]] = []  # each sample's segment starts, then seq_len
         self._infos: dict[int, SegmentInfo] = {}
@@ -91,7 +90,6 @@ class UnitActions:
         guard = self._guard_units or (documents is not None and self._guard_documents)
         self.lengths, self.documents, self.guard = lengths, documents, guard
         self.mixing: tuple[int, int] | None = None  # (stage, segment) that mixes positions
-        self._unit_lengths = [n for sample in lengths for n in sample]
         self._seq_len = sum(lengths[0])
         self._bounds = [(*segment_offsets(ls), self._seq_len) for ls in lengths]
         self._infos = {}  # by unit: its forward and backward share one
@@ -179,7 +177,7 @@ class UnitActions:
     def _forward(self, stage: PipelineStageBase, unit: int) -> Iterator[None]:
         info, state = self.segment_info(unit), self.kv_states[stage.stage_index]
         if not stage.is_first:
-            self.receives.check_received(stage, unit, self._unit_lengths)
+            self.receives.check_received(stage, unit)
         keep = stage.has_backward and torch.is_grad_enabled()
         state.begin_forward(info.microbatch, info.segment)
         mode = PlainAttentionGuard(info.documents is not None) if self.guard else None

@@ -1,4 +1,4 @@
-"""Per-unit receive metadata and the even segment split, as proposed to torch: one
+"""Per-unit receive sizing and the even segment split, as proposed to torch: one
 implementation for both.
 
 The code between the markers below is, character for character, what
@@ -6,9 +6,10 @@ The code between the markers below is, character for character, what
 them (torch's style: 88 columns, its private names); ``tests/test_upstream_verbatim.py`` fails
 if the two differ, so a fix is made once. This header binds the names that code reads in
 torch's module to the seam's (:mod:`seq1f1b._runtime`). :mod:`.receives` sizes each unit's
-receives with ``_resize_seq_meta``; :mod:`.partition`'s uniform split is
-``_get_even_segment_lengths``. Not formatted by ruff (``pyproject.toml``): its layout is
-torch's.
+receives with ``_SequenceRecvMeta``: the stages' receive hook on a torch with patch 5, else
+asked for each receive's length (``_positions``), which ``_resize_seq_meta`` applies;
+:mod:`.partition`'s uniform split is ``_get_even_segment_lengths``. Not formatted by ruff
+(``pyproject.toml``): its layout is torch's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ import torch
 from .._runtime.ir import DTensorMeta as _DTensorMeta
 from .._runtime.ir import TensorMeta
 
-__all__ = ["_get_even_segment_lengths", "_resize_seq_meta", "_strides_like"]
+__all__ = [
+    "_SequenceRecvMeta",
+    "_get_even_segment_lengths",
+    "_resize_seq_meta",
+    "_strides_like",
+]
 
 # upstream: begin (torch/distributed/pipelining/schedules.py, patch 6)
 def _resize_seq_meta(meta: TensorMeta, seq_dim: int, length: int) -> TensorMeta:
@@ -75,4 +81,72 @@ def _get_even_segment_lengths(seq_len: int, seq_chunks: int) -> tuple[int, ...]:
         )
     base, extra = divmod(seq_len, seq_chunks)
     return tuple(base + (1 if k < extra else 0) for k in range(seq_chunks))
+
+
+class _SequenceRecvMeta:
+    """
+    The receive metadata function of a Seq1F1B stage: each unit's activations
+    and gradients get its segment's share of the positions at ``seq_dim``.
+
+    The stage infers each receive's metadata from a unit; a unit of ``n``
+    positions receives ``n`` times the positions per token of the first
+    inference, so a tensor that holds a shard of its segment (sequence or
+    context parallelism) is sized in proportion. ``lengths`` holds every
+    unit's length (the samples of a step may be cut differently); it is set
+    per step and holds no reference to the schedule (no reference cycle
+    between the schedule and its stages).
+    """
+
+    def __init__(self, seq_dim: int):
+        self.seq_dim = seq_dim
+        self.lengths: tuple[int, ...] = ()
+        # (kind, arg_index) -> (positions, segment length) of the metadata the
+        # stage inferred from unit 0 of the first step that received it; the
+        # ratio holds for the metadata of any later inference
+        self._inferred: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def _positions(
+        self, mb_index: int, kind: str, arg_index: int, shape: Sequence[int]
+    ) -> int | None:
+        """
+        Return the local positions at ``seq_dim`` of receive ``arg_index`` of
+        unit ``mb_index`` whose metadata has ``shape``, or ``None`` to leave it
+        as inferred (no sequence dim, or no step has begun).
+        """
+        if not self.lengths:
+            return None
+        if len(shape) <= self.seq_dim:
+            if len(set(self.lengths)) > 1:
+                raise ValueError(
+                    f"Seq1F1B received {kind} {arg_index} of microbatch "
+                    f"{mb_index} with shape {tuple(shape)}, which has no "
+                    f"sequence dim {self.seq_dim}; uneven sequence segments need "
+                    "every tensor passed between stages to keep the sequence "
+                    "at seq_dim"
+                )
+            return None
+        inferred, length = self._inferred.setdefault(
+            (kind, arg_index), (shape[self.seq_dim], self.lengths[0])
+        )
+        positions = inferred * self.lengths[mb_index]
+        if positions % length != 0:
+            raise ValueError(
+                f"Seq1F1B received {kind} {arg_index} with {inferred} positions "
+                f"for a segment of {length}, which does not scale to the "
+                f"segment of {self.lengths[mb_index]} of microbatch {mb_index}"
+            )
+        return positions // length
+
+    def __call__(
+        self, mb_index: int, kind: str, arg_index: int, meta: TensorMeta
+    ) -> TensorMeta:
+        positions = self._positions(mb_index, kind, arg_index, meta.shape)
+        if positions is None or positions == meta.shape[self.seq_dim]:
+            return meta
+        length = positions
+        if isinstance(meta, _DTensorMeta):
+            # _resize_seq_meta takes the global length of a DTensor
+            global_positions = positions * meta.global_shape[self.seq_dim]
+            length = global_positions // meta.shape[self.seq_dim]
+        return _resize_seq_meta(meta, self.seq_dim, length)
 # upstream: end
