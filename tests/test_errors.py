@@ -37,7 +37,7 @@ pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
         ({"split": "balanced"}, "split='balanced' is unknown"),
         ({"split": "compute"}, "needs the model shape"),
         ({"split": [4, 4, 4]}, "split has 3 lengths but seq_chunks=2"),
-        ({"split": SequenceSplit(multiple_of=0)}, "split_multiple_of must be an integer >= 1"),
+        ({"split": SequenceSplit(multiple_of=0)}, r"SequenceSplit\.multiple_of must be an integer"),
         ({"split": SequenceSplit(seq_len=1)}, "seq_len"),
         ({"split": SequenceSplit((3, 3), seq_len=10)}, "sum"),
         ({"split": SequenceSplit(multiple_of=4, seq_len=6)}, "multiple"),

@@ -57,7 +57,7 @@ def zigzag_runs(start: int, end: int, rank: int, size: int) -> Runs:
         raise ValueError(
             f"a segment of {end - start} tokens cannot be split over {size} context-parallel "
             f"ranks: each segment must be a positive multiple of 2*cp = {2 * size} tokens (use "
-            "split_multiple_of, or a sequence length divisible by seq_chunks * 2 * cp)"
+            "SequenceSplit(multiple_of=...), or a sequence length divisible by seq_chunks * 2 * cp)"
         )
     a, b = start + rank * chunk, end - (rank + 1) * chunk
     return ((a, a + chunk), (b, b + chunk))

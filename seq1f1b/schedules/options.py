@@ -96,7 +96,7 @@ class SequenceSplit:
 
     def check(self, seq_chunks: int) -> None:
         """Raise ValueError (naming the fix) if this split cannot serve ``seq_chunks``."""
-        positive_int("split_multiple_of", self.multiple_of, "pass 1, or the TP degree")
+        positive_int("SequenceSplit.multiple_of", self.multiple_of, "pass 1, or the TP degree")
         if isinstance(self.mode, str):
             if self.mode not in SPLIT_MODES:
                 raise ValueError(
@@ -178,7 +178,7 @@ class SequenceSplit:
                     f"seq_len={seq_len} cannot be cut into {seq_chunks} segments that are "
                     f"each a multiple of {multiple} tokens (context parallelism over {cp_size} "
                     f"ranks cuts each segment into 2 * cp = {2 * cp_size} chunks, and each "
-                    f"rank's share must be a multiple of split_multiple_of={self.multiple_of}): "
+                    f"rank's share must be a multiple of multiple_of={self.multiple_of}): "
                     f"use a sequence length that is a multiple of {multiple} and at least "
                     f"{multiple * seq_chunks}, or fewer seq_chunks"
                 )
