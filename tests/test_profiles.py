@@ -17,6 +17,7 @@ from seq1f1b.planning.costmodel import (
     ActionCosts,
     Coefficients,
     Hardware,
+    action_work,
     fsdp_exposed_seconds,
 )
 from seq1f1b.planning.planner import Setting, kv_prefix_deltas, main, price, search, tie_groups
@@ -309,3 +310,20 @@ def test_megatron_items_torch_behaviour() -> None:
     finally:
         torch._C._debug_set_autodiff_subgraph_inlining(True)  # torch's default
     assert "aten::native_dropout" in graph and "prim::DifferentiableGraph" in graph
+
+
+def test_split_backward_divides_the_backwards_flops() -> None:
+    """A profile's I and W together do a full backward's FLOPs, each action with its own
+    overhead; attention has no weights, so its backward is all in I: a split backward costs
+    one overhead more than B, and W does not grow with the prefix a segment attends to."""
+    costs = A100.action_costs()
+    shape = PRESETS["paper-7b"]
+    early = action_work(shape, 8, False, 4096, 4096)
+    late = action_work(shape, 8, False, 4096, 65536)
+    for w in (early, late):
+        split = costs.of(rt.BACKWARD_INPUT).seconds(w) + costs.of(rt.BACKWARD_WEIGHT).seconds(w)
+        whole = costs.of(rt.FULL_BACKWARD).seconds(w)
+        assert split == pytest.approx(whole + A100.efficiency.overhead_s)
+    weight = costs.of(rt.BACKWARD_WEIGHT)
+    assert weight.seconds(late) == pytest.approx(weight.seconds(early))
+    assert costs.of(rt.BACKWARD_INPUT).seconds(late) > costs.of(rt.BACKWARD_INPUT).seconds(early)

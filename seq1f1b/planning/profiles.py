@@ -81,7 +81,10 @@ class GpuProfile:
     def action_costs(self) -> ActionCosts:
         """Per-GPU seconds of each action: the measured constants, or FLOPs at the fitted
         fractions of the peak (backward: 2 times the projections', :data:`FLASH_BACKWARD_FLOPS`
-        times the attention's), plus the fixed overhead per action."""
+        times the attention's), plus the fixed overhead per action. A split backward divides
+        those FLOPs as they fall: the input gradient (I) the projections' once and all of the
+        attention's, the weight gradient (W) the projections' once (attention has no
+        weights); each is an action of its own, with its own overhead."""
         if self.measured is not None:
             return self.measured
         peak = self.peak_tflops * 1e12
@@ -90,7 +93,11 @@ class GpuProfile:
         o = self.efficiency.overhead_s
         forward = Coefficients(lin, att, overhead=o)
         backward = Coefficients(2 * lin, FLASH_BACKWARD_FLOPS * att, overhead=o)
-        return ActionCosts(forward, backward, source=f"profile {self.name}")
+        backward_input = Coefficients(lin, FLASH_BACKWARD_FLOPS * att, overhead=o)
+        backward_weight = Coefficients(lin, 0.0, overhead=o)
+        return ActionCosts(
+            forward, backward, backward_input, backward_weight, source=f"profile {self.name}"
+        )
 
     def hardware(self, gpus: int, reserve_gb: float | None = None) -> Hardware:
         """The planner's :class:`~seq1f1b.planning.costmodel.Hardware` for ``gpus`` of these,
