@@ -39,7 +39,8 @@ FLASH_BACKWARD_FLOPS = 2.5
 
 @dataclass(frozen=True)
 class Efficiency:
-    """What a GPU achieves of its specification, fitted (:func:`seq1f1b.planning.published.fit`).
+    """What a GPU achieves of its specification, fitted to measurements
+    (:func:`seq1f1b.planning.fitting.fit_efficiency`).
 
     ``linear`` / ``attention``: fraction of the peak bf16 FLOP/s reached by the projections and
     FFN, and by causal flash attention; ``overhead_s``: fixed seconds per pipeline action
