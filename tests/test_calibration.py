@@ -20,6 +20,8 @@ from seq1f1b.planning.costmodel import ActionCosts, Coefficients, Hardware, Work
 from seq1f1b.planning.planner import Setting, main, price
 from seq1f1b.schedules.partition import ModelShape
 
+pytestmark = pytest.mark.fast
+
 SHAPE = ModelShape(128, 2, 4, 1024, ffn_hidden=516)
 
 
