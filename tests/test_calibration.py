@@ -20,6 +20,8 @@ from seq1f1b.planning.costmodel import ActionCosts, Coefficients, Hardware, Work
 from seq1f1b.planning.planner import Setting, main, price
 from seq1f1b.schedules.partition import ModelShape
 
+pytestmark = pytest.mark.fast
+
 SHAPE = ModelShape(128, 2, 4, 1024, ffn_hidden=516)
 
 
@@ -89,5 +91,6 @@ def test_planner_prices_with_the_fitted_constants(
     save_action_costs(dear, str(path))
     assert load_action_costs(str(path)) == dear
     argv = "--model llama3-8b --seq-len 8192 --gpus 2 --gpu-memory-gb 80 --pp 2 --ac none"
-    assert main([*argv.split(), "--calibration", str(path), "--schedules", "1F1B"]) == 0
+    per_action = ["--calibration-model", "per-action", "--calibration", str(path)]
+    assert main([*argv.split(), *per_action, "--schedules", "1F1B"]) == 0
     assert "time model: calibrated" in capsys.readouterr().out

@@ -31,10 +31,18 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
-from seq1f1b.planning.calibration import Sample, fit_action_costs, save_action_costs
+from seq1f1b.planning.calibration import KINDS, Sample, fit_action_costs, save_action_costs
 from seq1f1b.planning.costmodel import ActionCosts, Hardware, action_work
+from seq1f1b.planning.fitting import (
+    action_observations,
+    cpu_profile,
+    held_out_errors,
+    largest_error,
+    relative_errors,
+)
 from seq1f1b.planning.planner import Setting as PlanSetting
 from seq1f1b.planning.planner import price
+from seq1f1b.planning.profiles import machine_spec
 from seq1f1b.registry import REGISTRY, is_baseline, lookup
 from seq1f1b.schedules.partition import resolve_split
 from seq1f1b.testing import TinyConfig
@@ -43,7 +51,7 @@ from ..harness.cpu_replay import replay_step_time
 from ..harness.measured import RunSpec, Setting, measure, model_shape
 from ..harness.presets import PP2_SPECS, PRESETS
 
-__all__ = ["CALIBRATION_SPECS", "calibrate", "samples_of_run"]
+__all__ = ["CALIBRATION_SPECS", "calibrate", "profile_summary", "samples_of_run"]
 
 #: the pp=2 comparison plus the schedules it leaves out (every registry schedule the
 #: benchmark model can run at pp=2 with 1, 2 or 4 stages per rank), each once
@@ -101,7 +109,7 @@ def samples_of_run(run: dict[str, Any], cfg: TinyConfig) -> list[Sample]:
         seg = ev["mb"] % k
         last = ev["stage"] % n == n - 1
         work = action_work(shape, layers, last, lengths[seg], ends[seg])
-        out.append(Sample(ev["kind"], work, ev["cpu"]))
+        out.append(Sample(ev["kind"], work, ev["cpu"], f"{run['label']} @{run['seq_len']}"))
     return out
 
 
@@ -205,6 +213,29 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def profile_summary(samples: Sequence[Sample], source: str) -> str:
+    """The CPU profile fitted on ``samples`` (:func:`seq1f1b.planning.fitting.cpu_profile`)
+    and the per-kind constants (:func:`seq1f1b.planning.calibration.fit_action_costs`): each
+    one's median error per action and largest held-out run's error."""
+    prof = cpu_profile(samples, machine_spec(1.0, source=source))
+    e = prof.efficiency
+    costs = fit_action_costs(samples)
+    per_action = [costs.of(KINDS[s.kind]).seconds(s.work) / s.seconds - 1 for s in samples]
+    _, held = largest_error(held_out_errors(prof, samples, per_action=True))
+    return (
+        f"CPU profile (efficiencies of a nominal {prof.peak_tflops:g} TFLOP/s): linear "
+        f"{e.linear:.3g}, attention {e.attention:.3g}, {e.overhead_s * 1e3:.3g} ms per action; "
+        f"median |error| per action "
+        f"{_median_abs(relative_errors(prof, action_observations(samples))):.1%}; "
+        f"{e.error_source}\nper-kind constants (--calibration-model per-action): median |error| "
+        f"per action {_median_abs(per_action):.1%}; {held}"
+    )
+
+
+def _median_abs(errors: Sequence[float]) -> float:
+    return sorted(abs(e) for e in errors)[len(errors) // 2]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.planner_models.time_costs", description=__doc__
@@ -243,14 +274,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = measure(setting)
     result = calibrate(runs, preset.model)
     result["setting"] = f"pp=2, M=2, {seq_len} tokens, model {asdict(preset.model)}"
+    samples = [s for r in runs for s in samples_of_run(r, preset.model)]
+    source = f"benchmarks.planner_models.time_costs {preset.name} @{seq_len}"
     save_action_costs(
-        replace(
-            fit_action_costs(
-                [s for r in runs for s in samples_of_run(r, preset.model)], "calibration"
-            ),
-            source=f"benchmarks.planner_models.time_costs {preset.name} @{seq_len}",
-        ),
+        replace(fit_action_costs(samples, "calibration"), source=source),
         os.path.join(a.out, "calibration.json"),
+        samples,
     )
     with open(os.path.join(a.out, "traces.json"), "w") as f:
         json.dump({r["label"]: r.pop("step_traces") for r in runs}, f)
@@ -263,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{result['action_error_median_abs']:.1%}"
     )
     print(table(result))
+    print(profile_summary(samples, source))
     return 0
 
 

@@ -25,24 +25,28 @@ from .._runtime import ir as rt
 from .costmodel import ActionCosts, Coefficients, Work
 
 __all__ = [
+    "KINDS",
     "Sample",
     "fit_action_costs",
     "fit_coefficients",
     "load_action_costs",
+    "load_samples",
     "save_action_costs",
 ]
 
-_KINDS = {"F": rt.FORWARD, "B": rt.FULL_BACKWARD, "I": rt.BACKWARD_INPUT, "W": rt.BACKWARD_WEIGHT}
+#: the kinds of action a calibration measures, by the letter a trace names them with
+KINDS = {"F": rt.FORWARD, "B": rt.FULL_BACKWARD, "I": rt.BACKWARD_INPUT, "W": rt.BACKWARD_WEIGHT}
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One measured action: its kind (``"F"``, ``"B"``, ``"I"``, ``"W"``), its forward work
-    and the seconds it took."""
+    """One measured action: its kind (``"F"``, ``"B"``, ``"I"``, ``"W"``), its forward work,
+    the seconds it took and the run it belongs to (for fits that leave a run out)."""
 
     kind: str
     work: Work
     seconds: float
+    run: str = ""
 
 
 _N = 5  # linear, attention, elements, overhead, per module (Coefficients' order)
@@ -107,8 +111,8 @@ def fit_action_costs(samples: Iterable[Sample], source: str = "calibrated") -> A
     """Constants for every kind measured; I and W fall back to half of B when not measured."""
     by_kind: dict[str, list[Sample]] = {}
     for s in samples:
-        if s.kind not in _KINDS:
-            raise ValueError(f"unknown action kind {s.kind!r}: use one of {sorted(_KINDS)}")
+        if s.kind not in KINDS:
+            raise ValueError(f"unknown action kind {s.kind!r}: use one of {sorted(KINDS)}")
         by_kind.setdefault(s.kind, []).append(s)
     if "F" not in by_kind or ("B" not in by_kind and not {"I", "W"} <= by_kind.keys()):
         raise ValueError("need forward and backward samples (B, or both I and W)")
@@ -117,9 +121,26 @@ def fit_action_costs(samples: Iterable[Sample], source: str = "calibrated") -> A
     return ActionCosts(fits["F"], backward, fits.get("I"), fits.get("W"), source)
 
 
-def save_action_costs(costs: ActionCosts, path: str) -> None:
+def save_action_costs(
+    costs: ActionCosts, path: str, samples: Sequence[Sample] | None = None
+) -> None:
+    """Write ``costs`` as JSON, with the measured ``samples`` they were fitted on (what a
+    profile's efficiencies are fitted on: :func:`seq1f1b.planning.fitting.cpu_profile`)."""
+    doc = asdict(costs)
+    if samples is not None:
+        doc["samples"] = [asdict(s) for s in samples]
     with open(path, "w") as f:
-        json.dump(asdict(costs), f, indent=1)
+        json.dump(doc, f, indent=1)
+
+
+def load_samples(path: str) -> list[Sample]:
+    """The measured actions :func:`save_action_costs` wrote; empty if it wrote none."""
+    with open(path) as f:
+        doc = json.load(f)
+    return [
+        Sample(d["kind"], Work(**d["work"]), d["seconds"], d.get("run", ""))
+        for d in doc.get("samples", ())
+    ]
 
 
 def load_action_costs(path: str) -> ActionCosts:

@@ -31,6 +31,7 @@ from .._runtime import ir as rt
 from .._runtime.ir import Action
 from ..registry import REGISTRY, ScheduleEntry, is_baseline, lookup
 from ..schedules.partition import ModelShape, resolve_split, segment_multiple
+from .calibration import load_action_costs, load_samples
 from .costmodel import (
     FP32_SLOWDOWN,
     GB,
@@ -42,7 +43,15 @@ from .costmodel import (
     action_work,
     fsdp_exposed_seconds,
 )
-from .profiles import PROFILES, calibrated_profile, profile
+from .fitting import cpu_profile, held_out_errors, largest_error
+from .profiles import (
+    CPU_NOMINAL_TFLOPS,
+    PROFILES,
+    GpuProfile,
+    calibrated_profile,
+    machine_spec,
+    profile,
+)
 from .simulate import simulate, simulate_blocking
 
 __all__ = [
@@ -772,8 +781,17 @@ def build_parser(prog: str = "python -m seq1f1b.planning.planner") -> argparse.A
     )
     ap.add_argument(
         "--calibration",
-        help="JSON of measured per-action constants (python -m "
+        help="JSON of measured actions and per-action constants (python -m "
         "benchmarks.planner_models.time_costs) replacing the --tflops time model",
+    )
+    ap.add_argument(
+        "--calibration-model",
+        choices=("efficiency", "per-action"),
+        default="efficiency",
+        help="with --calibration (no GPU profile): 'efficiency' fits the measured machine's "
+        "profile (linear and attention efficiencies of a nominal --tflops, overhead per action) "
+        "to its measured actions, as the GPU profiles are fitted; 'per-action' prices with the "
+        "file's separate forward/backward least-squares constants",
     )
     ap.add_argument(
         "--chunks",
@@ -842,6 +860,32 @@ def _ints(text: str | None, flag: str) -> list[int] | None:
         raise ValueError(f"{flag} takes comma-separated integers (got {text!r})") from None
 
 
+def _calibrated(a: argparse.Namespace) -> GpuProfile:
+    """The measured machine's profile from ``--calibration``: efficiencies fitted to its
+    measured actions by the GPU profiles' fit (:func:`~seq1f1b.planning.fitting.cpu_profile`),
+    or with ``--calibration-model per-action`` the file's per-kind constants."""
+    spec = machine_spec(
+        a.gpu_memory_gb,
+        tflops=CPU_NOMINAL_TFLOPS if a.tflops is None else a.tflops,
+        tp_gbps=300.0 if a.tp_gbps is None else a.tp_gbps,
+        reserve_gb=4.0 if a.reserve_gb is None else a.reserve_gb,
+        source=load_action_costs(a.calibration).source,
+    )
+    samples = load_samples(a.calibration)
+    if a.calibration_model == "per-action":
+        prof = calibrated_profile(load_action_costs(a.calibration), spec)
+        error, error_source = largest_error(held_out_errors(spec, samples, per_action=True))
+        eff = replace(prof.efficiency, error=error, error_source=error_source)
+        return prof.with_efficiency(eff)
+    if not samples:
+        raise ValueError(
+            f"{a.calibration} holds no measured actions to fit a profile on: write it again "
+            "with python -m benchmarks.planner_models.time_costs, or plan with its per-kind "
+            "constants (--calibration-model per-action)"
+        )
+    return cpu_profile(samples, spec)
+
+
 def _hardware_from_args(
     a: argparse.Namespace,
 ) -> tuple[Hardware, ActionCosts | None, tuple[float, str] | None]:
@@ -849,19 +893,14 @@ def _hardware_from_args(
     if a.gpu == "cpu" and not a.calibration:
         raise ValueError("--gpu cpu is the machine a calibration measured: give --calibration")
     if a.gpu in (None, "cpu") and a.calibration:
-        from .calibration import load_action_costs
-
         if a.gpu_memory_gb is None:
             raise ValueError("--calibration needs --gpu-memory-gb (the measured machine's)")
-        prof = calibrated_profile(
-            load_action_costs(a.calibration),
-            a.gpu_memory_gb,
-            tflops=400.0 if a.tflops is None else a.tflops,
-            tp_gbps=300.0 if a.tp_gbps is None else a.tp_gbps,
-            reserve_gb=4.0 if a.reserve_gb is None else a.reserve_gb,
-        )
+        prof = _calibrated(a)
         hw = replace(prof.hardware(a.gpus), fp32_tflops=a.fp32_tflops)
-        return hw, prof.action_costs(), None
+        # the measured machine's kernels ran in the precision it measured: not a GPU's bf16
+        # kernels that fp32 would slow down (price scales actions named "profile ...")
+        actions = replace(prof.action_costs(), source=prof.efficiency.source)
+        return hw, actions, (prof.efficiency.error, prof.efficiency.error_source)
     if a.gpu is None:
         if a.gpu_memory_gb is None:
             raise ValueError("give --gpu (one of " + ", ".join(sorted(PROFILES)) + ") or "
@@ -910,8 +949,6 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
         )
     hw, actions, error = _hardware_from_args(a)
     if a.calibration and a.gpu not in (None, "cpu"):  # a GPU's specifications, measured constants
-        from .calibration import load_action_costs
-
         actions = load_action_costs(a.calibration)
         error = None
     schedules = [x.strip() for x in a.schedules.split(",") if x.strip()] if a.schedules else None

@@ -10,8 +10,9 @@ fraction of a link's peak the collectives reach), which are fitted to published 
 Only the A100 profile is checked against measurements (the Seq1F1B paper's 7B table, all on
 A100s). H100 and H200 reuse its fitted fractions and overhead on their own specifications:
 an assumption, stated in :attr:`GpuProfile.checked`, until someone measures them. A machine
-measured here becomes a profile too (:func:`calibrated_profile`): its measured per-action
-constants stand in for the efficiencies.
+measured here becomes a profile too (:func:`machine_spec`): its efficiencies fitted by the same
+fit to its measured actions (:func:`seq1f1b.planning.fitting.cpu_profile`), or its per-kind
+measured constants standing in for them (:func:`calibrated_profile`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from dataclasses import dataclass, replace
 from .costmodel import ActionCosts, Coefficients, Hardware
 
 __all__ = [
+    "CPU_NOMINAL_TFLOPS",
     "FLASH_BACKWARD_FLOPS",
     "PROFILES",
     "Efficiency",
     "GpuProfile",
     "calibrated_profile",
+    "machine_spec",
     "profile",
 ]
 
@@ -36,7 +39,8 @@ FLASH_BACKWARD_FLOPS = 2.5
 
 @dataclass(frozen=True)
 class Efficiency:
-    """What a GPU achieves of its specification, fitted (:func:`seq1f1b.planning.published.fit`).
+    """What a GPU achieves of its specification, fitted to measurements
+    (:func:`seq1f1b.planning.fitting.fit_efficiency`).
 
     ``linear`` / ``attention``: fraction of the peak bf16 FLOP/s reached by the projections and
     FFN, and by causal flash attention; ``overhead_s``: fixed seconds per pipeline action
@@ -81,7 +85,10 @@ class GpuProfile:
     def action_costs(self) -> ActionCosts:
         """Per-GPU seconds of each action: the measured constants, or FLOPs at the fitted
         fractions of the peak (backward: 2 times the projections', :data:`FLASH_BACKWARD_FLOPS`
-        times the attention's), plus the fixed overhead per action."""
+        times the attention's), plus the fixed overhead per action. A split backward divides
+        those FLOPs as they fall: the input gradient (I) the projections' once and all of the
+        attention's, the weight gradient (W) the projections' once (attention has no
+        weights); each is an action of its own, with its own overhead."""
         if self.measured is not None:
             return self.measured
         peak = self.peak_tflops * 1e12
@@ -90,7 +97,11 @@ class GpuProfile:
         o = self.efficiency.overhead_s
         forward = Coefficients(lin, att, overhead=o)
         backward = Coefficients(2 * lin, FLASH_BACKWARD_FLOPS * att, overhead=o)
-        return ActionCosts(forward, backward, source=f"profile {self.name}")
+        backward_input = Coefficients(lin, FLASH_BACKWARD_FLOPS * att, overhead=o)
+        backward_weight = Coefficients(lin, 0.0, overhead=o)
+        return ActionCosts(
+            forward, backward, backward_input, backward_weight, source=f"profile {self.name}"
+        )
 
     def hardware(self, gpus: int, reserve_gb: float | None = None) -> Hardware:
         """The planner's :class:`~seq1f1b.planning.costmodel.Hardware` for ``gpus`` of these,
@@ -172,33 +183,43 @@ PROFILES: dict[str, GpuProfile] = {
 }
 
 
-def calibrated_profile(
-    costs: ActionCosts,
+#: a measured machine's nominal peak: 2 cores x 3 GHz x 32 fp32 FLOPs per cycle (two 8-wide
+#: FMA units, AVX2) of this machine's AMD EPYC, about 0.19 TFLOP/s; a stated constant, not a
+#: measurement: its fitted fractions are relative to it, its predictions do not depend on it
+CPU_NOMINAL_TFLOPS = 0.192
+
+
+def machine_spec(
     memory_gb: float,
     *,
     name: str = "cpu",
-    tflops: float = 400.0,
+    tflops: float = CPU_NOMINAL_TFLOPS,
     tp_gbps: float = 300.0,
     reserve_gb: float = 4.0,
+    source: str = "measured actions",
 ) -> GpuProfile:
-    """The profile of a machine whose actions were measured here: ``costs`` fitted to its
-    measured per-action times (:func:`seq1f1b.planning.calibration.fit_action_costs`, which
-    ``python -m benchmarks.planner_models.time_costs`` runs) price every action; ``tflops``
-    and ``tp_gbps`` only describe it (TP collectives at ``tp_gbps``); pipeline sends are not
-    priced (one machine, no inter-node link)."""
-    eff = Efficiency(1.0, 1.0, 0.0, 1.0, 1.0, costs.source, error_source=costs.source)
+    """A machine measured here (``source``): ``tflops`` a nominal peak, TP collectives at
+    ``tp_gbps``, no inter-node link (pipeline sends across nodes not priced); its
+    efficiencies not yet fitted (:func:`seq1f1b.planning.fitting.cpu_profile` fits them)."""
     return GpuProfile(
         name,
         memory_gb=memory_gb,
         peak_tflops=tflops,
         nvlink_gbps=tp_gbps,
         inter_node_gbps=None,
-        efficiency=eff,
-        source=f"measured on this machine ({costs.source})",
-        checked="the measured runs of python -m benchmarks.planner_models.time_costs",
+        efficiency=Efficiency(0.5, 0.5, 0.01, 1.0, 1.0, "not fitted"),
+        source=f"measured on this machine ({source}); peak {tflops:g} TFLOP/s nominal",
+        checked="the measured actions of python -m benchmarks.planner_models.time_costs",
         reserve_gb=reserve_gb,
-        measured=costs,
     )
+
+
+def calibrated_profile(costs: ActionCosts, spec: GpuProfile) -> GpuProfile:
+    """A measured machine (``spec``, :func:`machine_spec`) whose actions are priced by
+    per-kind constants fitted to its measured actions
+    (:func:`seq1f1b.planning.calibration.fit_action_costs`) instead of its efficiencies."""
+    eff = Efficiency(1.0, 1.0, 0.0, 1.0, 1.0, costs.source, error_source=costs.source)
+    return replace(spec, efficiency=eff, measured=costs)
 
 
 def profile(name: str) -> GpuProfile:

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..schedules.partition import ModelShape
 from .costmodel import GB, PRESETS, Hardware
+from .fitting import Observation, fit_efficiency
 from .planner import Candidate, Setting, price
 from .profiles import Efficiency, GpuProfile
 
@@ -37,6 +38,7 @@ __all__ = [
     "PUBLISHED_TFLOPS",
     "SCHEDULES",
     "Cell",
+    "cell_observations",
     "claim_30b_rows",
     "fit",
     "memory_rows",
@@ -367,42 +369,37 @@ def claim_30b_rows(prof: GpuProfile) -> list[dict[str, Any]]:
     return rows
 
 
+def cell_observations(cells: Sequence[Cell] = FIT_CELLS) -> list[Observation]:
+    """Published cells as observations of :func:`~seq1f1b.planning.fitting.fit_efficiency`:
+    each cell's published value against its prediction on the paper's setting; the
+    predictions of one profile share their priced steps (a ratio cell reuses its base's)."""
+    priced: dict[GpuProfile, Callable[[int, str], float]] = {}
+
+    def predictor(cell: Cell) -> Callable[[GpuProfile], float]:
+        def predict(prof: GpuProfile) -> float:
+            if prof not in priced:
+                priced.clear()  # one profile at a time: the search moves on
+                priced[prof] = _tflops_of(prof)
+            return cell.predicted(priced[prof])
+
+        return predict
+
+    return [Observation(c.label, predictor(c), c.published()) for c in cells]
+
+
 def fit(
     prof: GpuProfile,
     cells: Sequence[Cell] = FIT_CELLS,
     *,
     rounds: int = 8,
 ) -> Efficiency:
-    """Efficiencies of ``prof`` that minimise the squared relative errors of ``cells``: a
-    pattern search in log space over (linear, attention, overhead, collectives, p2p), each
-    bounded to a physical range (fractions in (0, 1], overhead in [0, 0.2] s)."""
-    bounds = ((0.05, 1.0), (0.05, 1.0), (1e-4, 0.2), (0.05, 1.0), (0.01, 1.0))
-    e0 = prof.efficiency
-    x = [0.5, 0.5, 0.01, 0.8, 0.8]  # a neutral start, whatever the profile holds
-
-    def loss(v: list[float]) -> float:
-        eff = Efficiency(*v, "fit")
-        tflops = _tflops_of(prof.with_efficiency(eff))
-        return math.fsum((c.predicted(tflops) / c.published() - 1) ** 2 for c in cells)
-
-    best = loss(x)
-    step = 0.5
-    for _ in range(rounds):
-        improved = True
-        while improved:
-            improved = False
-            for i, (lo, hi) in enumerate(bounds):
-                for sign in (1.0, -1.0):
-                    y = list(x)
-                    y[i] = min(hi, max(lo, x[i] * math.exp(sign * step)))
-                    if y[i] == x[i]:
-                        continue
-                    val = loss(y)
-                    if val < best - 1e-12:
-                        x, best, improved = y, val, True
-        step /= 2
+    """Efficiencies of ``prof`` fitted to the published ``cells``
+    (:func:`~seq1f1b.planning.fitting.fit_efficiency`: squared relative errors, all five
+    parameters free)."""
     names = ", ".join(c.label for c in cells)
-    return Efficiency(*x, f"fitted on {names}", e0.error, e0.error_source)
+    return fit_efficiency(
+        prof, cell_observations(cells), rounds=rounds, source=f"fitted on {names}"
+    )
 
 
 def _offset_model_gb(pp: int, tp: int, name: str) -> float:
