@@ -5,11 +5,11 @@ The code between the markers below is, character for character, what
 ``upstream/series/0006-*.patch`` adds to ``torch/distributed/pipelining/schedules.py`` for
 them (torch's style: 88 columns, its private names); ``tests/test_upstream_verbatim.py`` fails
 if the two differ, so a fix is made once. This header binds the names that code reads in
-torch's module to the seam's (:mod:`seq1f1b._runtime`). :mod:`.receives` sizes each unit's
-receives with ``_SequenceRecvMeta``: the stages' receive hook on a torch with patch 5, else
-asked for each receive's length (``_positions``), which ``_resize_seq_meta`` applies;
-:mod:`.partition`'s uniform split is ``_get_even_segment_lengths``. Not formatted by ruff
-(``pyproject.toml``): its layout is torch's.
+torch's module to the seam's (:mod:`seq1f1b._runtime`) and to torch's
+``make_contiguous_strides_for``. :mod:`.receives` sizes each unit's receives with
+``_SequenceRecvMeta``: the stages' receive hook on a torch with patch 5, else called by the
+package for each receive; :mod:`.partition`'s uniform split is ``_get_even_segment_lengths``.
+Not formatted by ruff (``pyproject.toml``): its layout is torch's.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
 from .._runtime.ir import DTensorMeta as _DTensorMeta
 from .._runtime.ir import TensorMeta
@@ -26,12 +27,16 @@ __all__ = [
     "_SequenceRecvMeta",
     "_get_even_segment_lengths",
     "_resize_seq_meta",
-    "_strides_like",
 ]
 
 # upstream: begin (torch/distributed/pipelining/schedules.py, patch 6)
 def _resize_seq_meta(meta: TensorMeta, seq_dim: int, length: int) -> TensorMeta:
-    """Return ``meta`` with ``length`` positions at ``seq_dim``, same layout."""
+    """
+    Return ``meta`` with ``length`` positions at ``seq_dim`` (for a DTensor,
+    the global length; its local length follows in proportion), contiguous:
+    the stage receives into a buffer of this layout, and p2p backends send
+    and receive contiguous tensors, whatever layout the stage inferred.
+    """
     if isinstance(meta, _DTensorMeta):
         old_global = meta.global_shape[seq_dim]
         local = meta.shape[seq_dim] * length
@@ -46,25 +51,14 @@ def _resize_seq_meta(meta: TensorMeta, seq_dim: int, length: int) -> TensorMeta:
         meta = replace(
             meta,
             global_shape=torch.Size(global_shape),
-            global_stride=_strides_like(global_shape, meta.global_stride),
+            global_stride=make_contiguous_strides_for(global_shape),
         )
         length = local // old_global
     shape = list(meta.shape)
     shape[seq_dim] = length
     return replace(
-        meta, shape=torch.Size(shape), stride=_strides_like(shape, meta.stride)
+        meta, shape=torch.Size(shape), stride=make_contiguous_strides_for(shape)
     )
-
-
-def _strides_like(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
-    """Dense strides for ``shape`` with the dim order of ``stride``."""
-    order = sorted(range(len(shape)), key=lambda d: stride[d])
-    new_stride = [0] * len(shape)
-    step = 1
-    for d in order:
-        new_stride[d] = step
-        step *= max(shape[d], 1)
-    return tuple(new_stride)
 
 
 def _get_even_segment_lengths(seq_len: int, seq_chunks: int) -> tuple[int, ...]:
@@ -91,10 +85,11 @@ class _SequenceRecvMeta:
     The stage infers each receive's metadata from a unit; a unit of ``n``
     positions receives ``n`` times the positions per token of the first
     inference, so a tensor that holds a shard of its segment (sequence or
-    context parallelism) is sized in proportion. ``lengths`` holds every
-    unit's length (the samples of a step may be cut differently); it is set
-    per step and holds no reference to the schedule (no reference cycle
-    between the schedule and its stages).
+    context parallelism) is sized in proportion, and contiguous (see
+    ``_resize_seq_meta``). ``lengths`` holds every unit's length (the samples
+    of a step may be cut differently); it is set per step and holds no
+    reference to the schedule (no reference cycle between the schedule and
+    its stages).
     """
 
     def __init__(self, seq_dim: int):
@@ -141,7 +136,7 @@ class _SequenceRecvMeta:
         self, mb_index: int, kind: str, arg_index: int, meta: TensorMeta
     ) -> TensorMeta:
         positions = self._positions(mb_index, kind, arg_index, meta.shape)
-        if positions is None or positions == meta.shape[self.seq_dim]:
+        if positions is None:
             return meta
         length = positions
         if isinstance(meta, _DTensorMeta):
