@@ -1,14 +1,15 @@
-"""Per-unit receive sizing and the even segment split, as proposed to torch: one
-implementation for both.
+"""Per-unit receive sizing, the even segment split and the cutting of a sample into segments
+(and back), as proposed to torch: one implementation for both.
 
 The code between the markers below is, character for character, what
 ``upstream/series/0006-*.patch`` adds to ``torch/distributed/pipelining/schedules.py`` for
 them (torch's style: 88 columns, its private names); ``tests/test_upstream_verbatim.py`` fails
 if the two differ, so a fix is made once. This header binds the names that code reads in
-torch's module to the seam's (:mod:`seq1f1b._runtime`) and to torch's
-``make_contiguous_strides_for``. :mod:`.receives` sizes each unit's receives with
-``_SequenceRecvMeta``: the stages' receive hook on a torch with patch 5, else called by the
-package for each receive; :mod:`.partition`'s uniform split is ``_get_even_segment_lengths``.
+torch's module to the seam's (:mod:`seq1f1b._runtime`) and to torch's own. :mod:`.receives`
+sizes each unit's receives with ``_SequenceRecvMeta``: the stages' receive hook on a torch with
+patch 5, else called by the package for each receive; :mod:`.partition`'s uniform split is
+``_get_even_segment_lengths``; :mod:`.microbatch` cuts each tensor with
+``_split_into_segments`` and merges outputs with ``_merge_segments``.
 Not formatted by ruff (``pyproject.toml``): its layout is torch's.
 """
 
@@ -16,9 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch._prims_common import make_contiguous_strides_for
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, merge_chunks
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .._runtime.ir import DTensorMeta as _DTensorMeta
 from .._runtime.ir import TensorMeta
@@ -26,7 +30,9 @@ from .._runtime.ir import TensorMeta
 __all__ = [
     "_SequenceRecvMeta",
     "_get_even_segment_lengths",
+    "_merge_segments",
     "_resize_seq_meta",
+    "_split_into_segments",
 ]
 
 # upstream: begin (torch/distributed/pipelining/schedules.py, patch 6)
@@ -75,6 +81,49 @@ def _get_even_segment_lengths(seq_len: int, seq_chunks: int) -> tuple[int, ...]:
         )
     base, extra = divmod(seq_len, seq_chunks)
     return tuple(base + (1 if k < extra else 0) for k in range(seq_chunks))
+
+
+def _split_into_segments(value: Any, lengths: Sequence[int], seq_dim: int) -> list[Any]:
+    """
+    Cut one sample's ``value`` (a pytree) along ``seq_dim`` into segments of
+    ``lengths``: one pytree per segment. Tensors with no ``seq_dim``, and
+    non-tensors, go whole to every segment.
+    """
+    leaves, tree_spec = tree_flatten(value)
+    pieces: list[Sequence[Any]] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > seq_dim:
+            if leaf.size(seq_dim) != sum(lengths):
+                raise ValueError(
+                    f"Expected sequence length {sum(lengths)} at dim {seq_dim}, "
+                    f"got a tensor of shape {tuple(leaf.shape)}"
+                )
+            segments = torch.split(leaf, list(lengths), dim=seq_dim)
+            # As in _split_tensor: views of a leaf need retain_grad()
+            if leaf.requires_grad and leaf.is_leaf:
+                for segment in segments:
+                    segment.retain_grad()
+            pieces.append(segments)
+        else:
+            pieces.append([leaf] * len(lengths))
+    return [
+        tree_unflatten([piece[k] for piece in pieces], tree_spec)
+        for k in range(len(lengths))
+    ]
+
+
+def _merge_segments(chunks: list[Any], seq_chunks: int, seq_dim: int) -> list[Any]:
+    """
+    Merge each run of ``seq_chunks`` consecutive chunks (the segments of one
+    sample) along ``seq_dim``: one merged value per sample.
+    """
+    if not chunks:
+        return []
+    seq_spec = tree_map(lambda _: TensorChunkSpec(seq_dim), chunks[0])
+    return [
+        merge_chunks(chunks[i : i + seq_chunks], seq_spec)
+        for i in range(0, len(chunks), seq_chunks)
+    ]
 
 
 class _SequenceRecvMeta:
