@@ -28,6 +28,7 @@ import seq1f1b._runtime as rt
 from seq1f1b import ScheduleSeq1F1B
 from seq1f1b._runtime import reference as torch_ref
 from seq1f1b.schedules import receives
+from seq1f1b.schedules.upstream import _SequenceRecvMeta
 from seq1f1b.testing import build_stages
 
 pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
@@ -308,7 +309,6 @@ def _unsized_receive_fails(rank: int, world: int) -> None:
     sched = ScheduleSeq1F1B([stage], 1, 3, loss_fn, split=list(case.split))
     # as if a torch release ignored the per-unit sizes (rewritten descriptors, or patch 5's hook)
     rt.set_recv_length = lambda info, dim, length, resize_meta: None
-    receives.resize_meta = lambda meta, dim, length: meta
     rt.register_recv_meta_fn = lambda stage, fn: None
     x, y = data(case)
     if rank == 1:
@@ -354,21 +354,22 @@ def test_presplit_needs_one_entry_per_sample() -> None:
         sched.step(torch.zeros(2, 4), arg_mbs=[(torch.zeros(1, 4),)] * 2)
 
 
-def test_receive_metadata_is_resized_by_patch_6s_code() -> None:
-    """Each unit's receive metadata is torch's resizing (patch 6's ``_resize_seq_meta``, in
-    seq1f1b/schedules/upstream.py): contiguous, a DTensor's global shape in proportion."""
+def test_receive_metadata_is_patch_6s_and_contiguous() -> None:
+    """Each unit's receive metadata is patch 6's (``_SequenceRecvMeta``, in
+    seq1f1b/schedules/upstream.py): contiguous whatever layout torch inferred (p2p backends
+    receive into contiguous buffers), a DTensor's global shape in proportion."""
     plain = rt.DTensorMeta.__bases__[0]  # torch's plain tensor metadata
-    meta = plain(torch.Size([2, 8, 4]), (32, 4, 1), torch.float32, True)
-    out = receives.resize_meta(meta, 1, 3)
-    assert (out.shape, tuple(out.stride)) == (torch.Size([2, 3, 4]), (12, 4, 1))
-    assert receives.resize_meta(out, 1, 3) is out  # already sized: left as it is
+    sizing = _SequenceRecvMeta(seq_dim=1)
+    sizing.lengths = (8, 4)
     transposed = plain(torch.Size([2, 8, 4]), (1, 8, 2), torch.float32, True)
-    assert tuple(receives.resize_meta(transposed, 1, 8).stride) == (32, 4, 1)
+    for unit, n in enumerate(sizing.lengths):
+        out = sizing(unit, "activation", 0, transposed)
+        assert (out.shape, tuple(out.stride)) == (torch.Size([2, n, 4]), (4 * n, 4, 1))
     sharded = rt.DTensorMeta(torch.Size([2, 4, 4]), (16, 4, 1), torch.float32, True,
-                             torch.Size([2, 8, 4]), (32, 4, 1), None, None, None)  # fmt: skip
-    out = receives.resize_meta(sharded, 1, 3)  # 3 of this rank's positions: 6 in all
-    assert (out.shape, out.global_shape) == (torch.Size([2, 3, 4]), torch.Size([2, 6, 4]))
-    assert (tuple(out.stride), tuple(out.global_stride)) == ((12, 4, 1), (24, 4, 1))
+                             torch.Size([2, 8, 4]), (1, 8, 2), None, None, None)  # fmt: skip
+    out = sizing(1, "activation", 1, sharded)  # 2 of this rank's positions: 4 in all
+    assert (out.shape, out.global_shape) == (torch.Size([2, 2, 4]), torch.Size([2, 4, 4]))
+    assert (tuple(out.stride), tuple(out.global_stride)) == ((8, 4, 1), (16, 4, 1))
 
 
 def _sized(lengths: list[int], inferred: int) -> list[int]:

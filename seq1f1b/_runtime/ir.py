@@ -327,15 +327,13 @@ def register_recv_meta_fn(stage: PipelineStageBase, fn: Callable[..., Any]) -> A
     return stage.register_recv_meta_fn(fn)  # type: ignore[attr-defined]
 
 
-def set_recv_length(
-    info: Any, dim: int, length: int, resize_meta: Callable[[Any, int, int], Any]
-) -> None:
+def set_recv_length(info: Any, dim: int, length: int, resize_meta: Callable[[Any], Any]) -> None:
     """Make a descriptor receive ``length`` positions at ``dim`` (other dims unchanged);
-    ``resize_meta(meta, dim, length)`` gives the new metadata where torch sizes receives
-    from it (2.15), else the buffer is reallocated (2.13/2.14)."""
+    ``resize_meta(meta)`` gives the new metadata where torch sizes receives from it (2.15),
+    else the buffer is reallocated (2.13/2.14)."""
     if RECV_BUFFER_PER_RECEIVE:
         # descriptors of different units may share one meta object: give this one its own
-        info.tensor_meta = resize_meta(info.tensor_meta, dim, length)
+        info.tensor_meta = resize_meta(info.tensor_meta)
         return
     buf = info.buffer
     if buf.shape[dim] == length:

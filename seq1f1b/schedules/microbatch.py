@@ -18,6 +18,7 @@ from torch.distributed.pipelining.microbatch import (
 )
 
 from ..attention.masks import Runs
+from .upstream import _merge_segments, _split_into_segments
 
 __all__ = [
     "count_tokens",
@@ -51,7 +52,7 @@ def _cut(t: torch.Tensor, dim: int, lengths: Sequence[int], what: str) -> list[t
             "set seq_dim to the sequence dimension, or for a kwarg that is not per-token pass "
             "kwargs_seq_dims={name: None}"
         )
-    return list(torch.split(t, list(lengths), dim=dim))
+    return _split_into_segments(t, lengths, dim)
 
 
 def split_units(
@@ -199,21 +200,16 @@ def count_tokens(target: torch.Tensor, ignore_index: int | None) -> int:
 def merge_unit_outputs(
     outputs: list[Any], n_microbatches: int, seq_dim: int, output_merge_spec: Any = None
 ) -> Any:
-    """Concatenate each sample's segment outputs along ``seq_dim``, then merge samples."""
+    """Concatenate each sample's segment outputs along ``seq_dim`` (patch 6's
+    ``_merge_segments``), then merge samples; other outputs are returned as they are."""
     if not outputs or len(outputs) % n_microbatches != 0:
         return outputs
-    k = len(outputs) // n_microbatches
-    samples: list[Any] = []
-    for m in range(n_microbatches):
-        segs = outputs[m * k : (m + 1) * k]
-        if all(isinstance(s, torch.Tensor) for s in segs):
-            samples.append(torch.cat(segs, dim=seq_dim))
-        elif all(isinstance(s, tuple) for s in segs):
-            samples.append(
-                tuple(torch.cat(parts, dim=seq_dim) for parts in zip(*segs, strict=True))
-            )
-        else:
-            return outputs
+    if not (
+        all(isinstance(s, torch.Tensor) for s in outputs)
+        or all(isinstance(s, tuple) for s in outputs)
+    ):
+        return outputs
+    samples = _merge_segments(outputs, len(outputs) // n_microbatches, seq_dim)
     return merge_chunks(samples, output_merge_spec)
 
 

@@ -5,26 +5,23 @@ torch sizes all receives of a stage alike, from the first unit it ran (2.13/2.14
 buffers; 2.15: ``tensor_meta`` per receive). Segments differ in length within a step and
 between steps. The sizing is torch's, proposed in patch 6 of upstream/ (``_SequenceRecvMeta``,
 one per stage, in :mod:`.upstream`): each unit gets its segment's share of the positions torch
-inferred, which covers sequence-sharded activations (tensor and context parallelism) and
-samples cut differently. On a torch with the per-microbatch receive hook
-(``register_recv_meta_fn``, patch 5) the stage's hook asks it for each receive's length and
-nothing is rewritten; otherwise the seam's ``set_recv_length`` resizes each receive per unit
-per step to that length. Either way the resized metadata is contiguous (:func:`resize_meta`).
+inferred, in a contiguous layout, which covers sequence-sharded activations (tensor and context
+parallelism) and samples cut differently. On a torch with the per-microbatch receive hook
+(``register_recv_meta_fn``, patch 5) it is the stage's hook; otherwise the seam's
+``set_recv_length`` rewrites each receive per unit per step with it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
+from functools import partial
 
 import torch
 
 from .. import _runtime as rt
 from .._runtime import PipelineStageBase
-from .upstream import _resize_seq_meta, _SequenceRecvMeta
+from .upstream import _SequenceRecvMeta
 
-__all__ = ["ReceiveSizer", "resize_meta"]
+__all__ = ["ReceiveSizer"]
 
 _Key = tuple[int, bool, int, int]  # (stage, backward?, unit, slot)
 _ADVICE = (
@@ -49,15 +46,16 @@ class ReceiveSizer:
         """Give each unit's receives (forward and backward) its segment's share
         (``lengths[u]``: unit ``u``'s length)."""
         for stage in stages:
-            self._of(stage.stage_index).lengths = tuple(lengths)
+            sizing = self._of(stage.stage_index)
+            sizing.lengths = tuple(lengths)
+            if rt.RECV_META_HOOK and stage.stage_index not in self._hooked:
+                rt.register_recv_meta_fn(stage, sizing)
+                self._hooked.add(stage.stage_index)
         if rt.RECV_META_HOOK:
-            for stage in stages:
-                if stage.stage_index not in self._hooked:
-                    rt.register_recv_meta_fn(stage, self._meta_fn(stage.stage_index))
-                    self._hooked.add(stage.stage_index)
             return
         for stage in stages:
             for backward in (False, True):
+                kind = "gradient" if backward else "activation"
                 for u, infos in rt.recv_infos(stage, backward).items():
                     if u >= len(lengths):  # sized for more units by another schedule
                         continue
@@ -67,18 +65,8 @@ class ReceiveSizer:
                             continue
                         want = self.length((stage.stage_index, backward, u, i), shape)
                         if want is not None:
-                            rt.set_recv_length(info, self.seq_dim, want, resize_meta)
-
-    def _meta_fn(self, stage_index: int) -> Callable[[int, str, int, Any], Any]:
-        """The stage's receive hook (patch 5): torch's sizing (``_positions``) in a contiguous
-        layout (``_SequenceRecvMeta`` keeps the inferred one, which gloo cannot receive into)."""
-
-        def fn(mb_index: int, kind: str, arg_index: int, meta: Any) -> Any:
-            key = (stage_index, kind == "gradient", mb_index, arg_index)
-            want = self.length(key, meta.shape)
-            return meta if want is None else resize_meta(meta, self.seq_dim, want)
-
-        return fn
+                            sizing = partial(self._of(stage.stage_index), u, kind, i)
+                            rt.set_recv_length(info, self.seq_dim, want, sizing)
 
     def length(self, key: _Key, shape: torch.Size) -> int | None:
         """Positions the receive ``key`` holds at ``seq_dim`` for its unit (None: not a
@@ -104,25 +92,3 @@ class ReceiveSizer:
                     f"{want} (its segment). The receive was not sized per unit: this torch "
                     "release changed how receive buffers are allocated (see seq1f1b/_runtime/)."
                 )
-
-
-def resize_meta(meta: rt.TensorMeta, dim: int, length: int) -> rt.TensorMeta:
-    """``meta`` with ``length`` local positions at ``dim`` in a contiguous layout (p2p backends
-    send contiguous tensors), a DTensor's global shape in proportion: torch's resizing
-    (``_resize_seq_meta``, patch 6), which takes the global length of a DTensor."""
-    contiguous = {"stride": _contiguous(meta.shape)}
-    global_length = length
-    if isinstance(meta, rt.DTensorMeta):
-        contiguous["global_stride"] = _contiguous(meta.global_shape)
-        global_length = round(meta.global_shape[dim] * length / meta.shape[dim])
-    if meta.shape[dim] == length and tuple(meta.stride) == contiguous["stride"]:
-        return meta
-    return _resize_seq_meta(dataclasses.replace(meta, **contiguous), dim, global_length)
-
-
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(stride))

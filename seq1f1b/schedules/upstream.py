@@ -1,23 +1,28 @@
-"""Per-unit receive sizing and the even segment split, as proposed to torch: one
-implementation for both.
+"""Per-unit receive sizing, the even segment split and the cutting of a sample into segments
+(and back), as proposed to torch: one implementation for both.
 
 The code between the markers below is, character for character, what
 ``upstream/series/0006-*.patch`` adds to ``torch/distributed/pipelining/schedules.py`` for
 them (torch's style: 88 columns, its private names); ``tests/test_upstream_verbatim.py`` fails
 if the two differ, so a fix is made once. This header binds the names that code reads in
-torch's module to the seam's (:mod:`seq1f1b._runtime`). :mod:`.receives` sizes each unit's
-receives with ``_SequenceRecvMeta``: the stages' receive hook on a torch with patch 5, else
-asked for each receive's length (``_positions``), which ``_resize_seq_meta`` applies;
-:mod:`.partition`'s uniform split is ``_get_even_segment_lengths``. Not formatted by ruff
-(``pyproject.toml``): its layout is torch's.
+torch's module to the seam's (:mod:`seq1f1b._runtime`) and to torch's own. :mod:`.receives`
+sizes each unit's receives with ``_SequenceRecvMeta``: the stages' receive hook on a torch with
+patch 5, else called by the package for each receive; :mod:`.partition`'s uniform split is
+``_get_even_segment_lengths``; :mod:`.microbatch` cuts each tensor with
+``_split_into_segments`` and merges outputs with ``_merge_segments``.
+Not formatted by ruff (``pyproject.toml``): its layout is torch's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, merge_chunks
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .._runtime.ir import DTensorMeta as _DTensorMeta
 from .._runtime.ir import TensorMeta
@@ -25,13 +30,19 @@ from .._runtime.ir import TensorMeta
 __all__ = [
     "_SequenceRecvMeta",
     "_get_even_segment_lengths",
+    "_merge_segments",
     "_resize_seq_meta",
-    "_strides_like",
+    "_split_into_segments",
 ]
 
 # upstream: begin (torch/distributed/pipelining/schedules.py, patch 6)
 def _resize_seq_meta(meta: TensorMeta, seq_dim: int, length: int) -> TensorMeta:
-    """Return ``meta`` with ``length`` positions at ``seq_dim``, same layout."""
+    """
+    Return ``meta`` with ``length`` positions at ``seq_dim`` (for a DTensor,
+    the global length; its local length follows in proportion), contiguous:
+    the stage receives into a buffer of this layout, and p2p backends send
+    and receive contiguous tensors, whatever layout the stage inferred.
+    """
     if isinstance(meta, _DTensorMeta):
         old_global = meta.global_shape[seq_dim]
         local = meta.shape[seq_dim] * length
@@ -46,25 +57,14 @@ def _resize_seq_meta(meta: TensorMeta, seq_dim: int, length: int) -> TensorMeta:
         meta = replace(
             meta,
             global_shape=torch.Size(global_shape),
-            global_stride=_strides_like(global_shape, meta.global_stride),
+            global_stride=make_contiguous_strides_for(global_shape),
         )
         length = local // old_global
     shape = list(meta.shape)
     shape[seq_dim] = length
     return replace(
-        meta, shape=torch.Size(shape), stride=_strides_like(shape, meta.stride)
+        meta, shape=torch.Size(shape), stride=make_contiguous_strides_for(shape)
     )
-
-
-def _strides_like(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
-    """Dense strides for ``shape`` with the dim order of ``stride``."""
-    order = sorted(range(len(shape)), key=lambda d: stride[d])
-    new_stride = [0] * len(shape)
-    step = 1
-    for d in order:
-        new_stride[d] = step
-        step *= max(shape[d], 1)
-    return tuple(new_stride)
 
 
 def _get_even_segment_lengths(seq_len: int, seq_chunks: int) -> tuple[int, ...]:
@@ -83,6 +83,49 @@ def _get_even_segment_lengths(seq_len: int, seq_chunks: int) -> tuple[int, ...]:
     return tuple(base + (1 if k < extra else 0) for k in range(seq_chunks))
 
 
+def _split_into_segments(value: Any, lengths: Sequence[int], seq_dim: int) -> list[Any]:
+    """
+    Cut one sample's ``value`` (a pytree) along ``seq_dim`` into segments of
+    ``lengths``: one pytree per segment. Tensors with no ``seq_dim``, and
+    non-tensors, go whole to every segment.
+    """
+    leaves, tree_spec = tree_flatten(value)
+    pieces: list[Sequence[Any]] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > seq_dim:
+            if leaf.size(seq_dim) != sum(lengths):
+                raise ValueError(
+                    f"Expected sequence length {sum(lengths)} at dim {seq_dim}, "
+                    f"got a tensor of shape {tuple(leaf.shape)}"
+                )
+            segments = torch.split(leaf, list(lengths), dim=seq_dim)
+            # As in _split_tensor: views of a leaf need retain_grad()
+            if leaf.requires_grad and leaf.is_leaf:
+                for segment in segments:
+                    segment.retain_grad()
+            pieces.append(segments)
+        else:
+            pieces.append([leaf] * len(lengths))
+    return [
+        tree_unflatten([piece[k] for piece in pieces], tree_spec)
+        for k in range(len(lengths))
+    ]
+
+
+def _merge_segments(chunks: list[Any], seq_chunks: int, seq_dim: int) -> list[Any]:
+    """
+    Merge each run of ``seq_chunks`` consecutive chunks (the segments of one
+    sample) along ``seq_dim``: one merged value per sample.
+    """
+    if not chunks:
+        return []
+    seq_spec = tree_map(lambda _: TensorChunkSpec(seq_dim), chunks[0])
+    return [
+        merge_chunks(chunks[i : i + seq_chunks], seq_spec)
+        for i in range(0, len(chunks), seq_chunks)
+    ]
+
+
 class _SequenceRecvMeta:
     """
     The receive metadata function of a Seq1F1B stage: each unit's activations
@@ -91,10 +134,11 @@ class _SequenceRecvMeta:
     The stage infers each receive's metadata from a unit; a unit of ``n``
     positions receives ``n`` times the positions per token of the first
     inference, so a tensor that holds a shard of its segment (sequence or
-    context parallelism) is sized in proportion. ``lengths`` holds every
-    unit's length (the samples of a step may be cut differently); it is set
-    per step and holds no reference to the schedule (no reference cycle
-    between the schedule and its stages).
+    context parallelism) is sized in proportion, and contiguous (see
+    ``_resize_seq_meta``). ``lengths`` holds every unit's length (the samples
+    of a step may be cut differently); it is set per step and holds no
+    reference to the schedule (no reference cycle between the schedule and
+    its stages).
     """
 
     def __init__(self, seq_dim: int):
@@ -141,7 +185,7 @@ class _SequenceRecvMeta:
         self, mb_index: int, kind: str, arg_index: int, meta: TensorMeta
     ) -> TensorMeta:
         positions = self._positions(mb_index, kind, arg_index, meta.shape)
-        if positions is None or positions == meta.shape[self.seq_dim]:
+        if positions is None:
             return meta
         length = positions
         if isinstance(meta, _DTensorMeta):
