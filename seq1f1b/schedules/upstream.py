@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 from torch._prims_common import make_contiguous_strides_for
-from torch.distributed.pipelining.microbatch import TensorChunkSpec, merge_chunks
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._runtime.ir import DTensorMeta as _DTensorMeta
 from .._runtime.ir import TensorMeta
@@ -115,15 +114,23 @@ def _split_into_segments(value: Any, lengths: Sequence[int], seq_dim: int) -> li
 def _merge_segments(chunks: list[Any], seq_chunks: int, seq_dim: int) -> list[Any]:
     """
     Merge each run of ``seq_chunks`` consecutive chunks (the segments of one
-    sample) along ``seq_dim``: one merged value per sample.
+    sample) along ``seq_dim``: one merged value per sample. Tensors are
+    joined with ``torch.cat``, so a DTensor sharded along ``seq_dim`` is
+    joined as a DTensor (``merge_chunks`` joins the local shards, which would
+    interleave the shards of the segments); other leaves are the first
+    segment's.
     """
-    if not chunks:
-        return []
-    seq_spec = tree_map(lambda _: TensorChunkSpec(seq_dim), chunks[0])
-    return [
-        merge_chunks(chunks[i : i + seq_chunks], seq_spec)
-        for i in range(0, len(chunks), seq_chunks)
-    ]
+    merged = []
+    for i in range(0, len(chunks), seq_chunks):
+        flats = [tree_flatten(chunk) for chunk in chunks[i : i + seq_chunks]]
+        leaves = [
+            torch.cat(parts, dim=seq_dim)
+            if isinstance(parts[0], torch.Tensor)
+            else parts[0]
+            for parts in zip(*(leaves for leaves, _ in flats), strict=True)
+        ]
+        merged.append(tree_unflatten(leaves, flats[0][1]))
+    return merged
 
 
 class _SequenceRecvMeta:
