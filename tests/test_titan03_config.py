@@ -143,13 +143,20 @@ def test_model_shape_is_torchtitans_debug_model() -> None:
         "--model llama3-70b --seq-len 65536 --gpus 64 --gpu-memory-gb 80 --ac full",
     ],
 )
-def test_planner_toml_is_accepted_on_0_3(argv: str, tmp_path: Path) -> None:
-    from seq1f1b.planning.planner import build_parser, problem_from_args
-    from torchtitan_integration.planner import main as plan_main
+def test_planner_toml_is_accepted_on_0_3(argv: str, tmp_path: Path, monkeypatch) -> None:
+    import torchtitan_integration.planner as titan_planner
 
+    searched = []  # the plan the TOML was written from (one search, not two)
+
+    def search(args):
+        searched.append(problem_from_args(args))
+        return searched[-1]
+
+    problem_from_args = titan_planner.problem_from_args
+    monkeypatch.setattr(titan_planner, "problem_from_args", search)
     out = tmp_path / "plan.toml"
-    assert plan_main([*argv.split(), "--output", str(out)]) == 0
-    _, plan = problem_from_args(build_parser().parse_args(argv.split()))
+    assert titan_planner.main([*argv.split(), "--output", str(out)]) == 0
+    ((_, plan),) = searched
     s = plan.best.setting
     config = build_config(out)
     par = config.parallelism
