@@ -47,3 +47,23 @@ def _dtensor_merge(rank: int, world: int, shard_dim: int) -> None:
 @pytest.mark.parametrize("shard_dim", [1, 2], ids=["sequence-sharded", "hidden-sharded"])
 def test_dtensor_outputs_merge_to_the_whole_output(shard_dim: int) -> None:
     run_ranks(_dtensor_merge, 2, shard_dim)
+
+
+def test_dict_outputs_merge_leaf_by_leaf() -> None:
+    full = torch.randn(3, sum(LENGTHS), 5)
+    units = [{"logits": u, "hidden": 3 * u} for u in _units(full)]
+    merged = merge_unit_outputs(units, 3, 1)
+    assert set(merged) == {"logits", "hidden"}
+    assert torch.equal(merged["logits"], full) and torch.equal(merged["hidden"], 3 * full)
+
+
+def test_outputs_that_differ_between_segments_are_an_error() -> None:
+    full = torch.randn(2, sum(LENGTHS), 5)
+    units: list = [{"logits": u} for u in _units(full)]
+    units[1] = {"logits": units[1]["logits"], "aux": units[1]["logits"]}
+    with pytest.raises(ValueError, match="same structure"):
+        merge_unit_outputs(units, 2, 1)
+    nested = [(u, (u,)) for u in _units(full)]
+    nested[2] = (nested[2][0], (nested[2][0], nested[2][0]))
+    with pytest.raises(ValueError, match="same structure"):
+        merge_unit_outputs(nested, 2, 1)

@@ -201,16 +201,35 @@ def merge_unit_outputs(
     outputs: list[Any], n_microbatches: int, seq_dim: int, output_merge_spec: Any = None
 ) -> Any:
     """Concatenate each sample's segment outputs along ``seq_dim`` (patch 6's
-    ``_merge_segments``), then merge samples; other outputs are returned as they are."""
+    ``_merge_segments``), then merge samples. Any pytree output merges leaf by leaf (a dict
+    or a model-output dataclass as torch's ``merge_chunks`` does); every unit must return the
+    same structure, since a leaf missing from one segment has no whole-sample value."""
     if not outputs or len(outputs) % n_microbatches != 0:
         return outputs
-    if not (
-        all(isinstance(s, torch.Tensor) for s in outputs)
-        or all(isinstance(s, tuple) for s in outputs)
-    ):
-        return outputs
-    samples = _merge_segments(outputs, len(outputs) // n_microbatches, seq_dim)
+    layouts = {_layout(out) for out in outputs}
+    if len(layouts) > 1:
+        raise ValueError(_MIXED_OUTPUTS.format(layouts=sorted(map(str, layouts))[:2]))
+    try:
+        samples = _merge_segments(outputs, len(outputs) // n_microbatches, seq_dim)
+    except ValueError as e:  # leaves differ in number between segments
+        raise ValueError(_MIXED_OUTPUTS.format(layouts=e)) from e
     return merge_chunks(samples, output_merge_spec)
+
+
+_MIXED_OUTPUTS = (
+    "The last stage's output differs in structure between sequence segments ({layouts}): "
+    "Seq1F1B joins each output leaf along the sequence, so the model must return the same "
+    "structure (type, tuple length, dict keys, optional fields) for every segment."
+)
+
+
+def _layout(output: Any) -> tuple[Any, ...]:
+    """An output's top-level structure: its type, and its keys or length."""
+    if isinstance(output, Mapping):
+        return (type(output).__name__, tuple(output))
+    if isinstance(output, (tuple, list)):
+        return (type(output).__name__, len(output))
+    return (type(output).__name__,)
 
 
 def shard_sequence(t: torch.Tensor, dim: int, runs: Runs, start: int) -> torch.Tensor:
