@@ -10,7 +10,7 @@
 #      applies cleanly, then its tests PASS; at the end every patch's tests pass together;
 #   4. on the fully patched torch: this package's seam reports every hook found (so the
 #      matching workarounds are off), then its tests run there (QUICK=1: the fast tier, the
-#      lowering-equality grid and the core equivalence tests; default: the whole suite but the
+#      lowering-equality grid, the core equivalence tests and PP 2 x TP 2; default: the whole suite but the
 #      torchtitan grid and the launcher), then the lowering-equality grid.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +77,8 @@ if [ "${QUICK:-0}" = 1 ]; then
   "$PY" -m pytest -q -p no:cacheprovider -m fast
   "$PY" -m pytest -q -p no:cacheprovider tests/test_equivalence.py \
     -k "different_lengths or zero_bubble_split_backward_matches_reference[2-1] or gradients_match_reference[2-1]"
+  # TP's DTensor activations through patch 5's receive metadata (sharded, strided layouts)
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_titan.py -k test_pp2_x_tp2
 else
   "$PY" -m pytest -q -p no:cacheprovider -m "not titan_grid and not default_release_only" \
     --deselect tests/test_main_job.py --deselect tests/test_launcher.py
