@@ -28,7 +28,7 @@ import argparse
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 from seq1f1b.planning.calibration import KINDS, Sample, fit_action_costs, save_action_costs
@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     samples = [s for r in runs for s in samples_of_run(r, preset.model)]
     source = f"benchmarks.planner_models.time_costs {preset.name} @{seq_len}"
     save_action_costs(
-        replace(fit_action_costs(samples, "calibration"), source=source),
+        fit_action_costs(samples, source, precision="fp32"),  # the CPU ranks run fp32
         os.path.join(a.out, "calibration.json"),
         samples,
     )
