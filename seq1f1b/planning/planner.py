@@ -941,7 +941,8 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
         )
     hw, actions, error = _hardware_from_args(a)
     if a.calibration and a.gpu not in (None, "cpu"):  # a GPU's specifications, measured constants
-        actions = load_action_costs(a.calibration)
+        costs = load_action_costs(a.calibration)
+        actions = replace(costs, source=f"calibrated ({costs.source})")
         error = None
     schedules = [x.strip() for x in a.schedules.split(",") if x.strip()] if a.schedules else None
     for name in schedules or ():
