@@ -531,6 +531,7 @@ def _price(
     layers = shape.n_layers // n
     dtype_bytes = dtype_bytes if setting.bf16 else 4  # fp32 activations and TP collectives
     if actions is not None and not setting.bf16 and actions.precision == "bf16":
+        # bf16 kernels' constants (a GPU profile's): fp32 runs on the fp32 units
         actions = replace(actions.scaled(FP32_SLOWDOWN), precision="fp32")
     # pp is the mesh's outermost dimension: the pipeline crosses nodes once the world does
     link = hardware.link_gbps(hardware.gpus) if p > 1 else None
