@@ -96,6 +96,7 @@ def test_results_json(smoke_out: Path) -> None:
     cal = {r["label"] for r in res["calibration"]["rows"]}
     assert cal == {r["label"] for r in pp2["runs"]}
     assert all(r["predicted_vs_1f1b"] > 0 for r in res["calibration"]["rows"])
+    assert all(r["profile_vs_1f1b"] > 0 for r in res["calibration"]["rows"])  # the CPU profile's
     published = {r["schedule"] for r in res["memory_vs_published"]["rows"]}
     assert published == {"1F1B", "1F1B-I", "Seq1F1B", "Seq1F1B-I"}
     with_cp, without = cp[("Seq1F1B K=4 uniform", 2)], cp[("Seq1F1B K=4 uniform", 1)]

@@ -16,10 +16,12 @@ from seq1f1b.planning.calibration import (
     KINDS,
     Sample,
     fit_action_costs,
+    load_action_costs,
     load_samples,
     save_action_costs,
 )
 from seq1f1b.planning.costmodel import (
+    FP32_SLOWDOWN,
     PRESETS,
     ActionCosts,
     Coefficients,
@@ -289,6 +291,31 @@ def test_a_calibration_is_a_profile(tmp_path, capsys) -> None:
     capsys.readouterr()
     assert main([*cpu_argv, "--calibration", str(path)]) == 2
     assert "holds no measured actions" in capsys.readouterr().err
+
+
+def test_fp32_slows_only_constants_measured_in_bf16(tmp_path) -> None:
+    """A setting that runs in fp32 is priced FP32_SLOWDOWN times slower with a GPU profile's
+    constants (bf16 kernels); constants measured in fp32 (a CPU profile, a calibration file
+    saved with its precision) or of no stated precision are priced as they are."""
+    shape = PRESETS["llama3-8b"]
+    hw = Hardware(1, 1e6, reserve_gb=0.0)
+    path = tmp_path / "cal.json"
+    save_action_costs(fit_action_costs(_measured(CPU_TRUTH), precision="fp32"), str(path))
+    costs = {
+        "bf16": A100.action_costs(),
+        "fp32": machine_spec(64.0).action_costs(),
+        "file": load_action_costs(str(path)),
+        "none": ActionCosts(Coefficients(1e-12, 2e-12, overhead=1e-3), Coefficients(2e-12, 4e-12)),
+    }
+    assert [c.precision for c in costs.values()] == ["bf16", "fp32", "fp32", None]
+
+    def step(bf16: bool, actions: ActionCosts) -> float:
+        setting = Setting(1, 1, 1, 1, 2, "uniform", False, bf16, "1F1B")
+        return price(setting, shape, 4096, hw, actions=actions).step_seconds
+
+    for name, c in costs.items():
+        slowdown = FP32_SLOWDOWN if name == "bf16" else 1.0
+        assert step(False, c) == pytest.approx(slowdown * step(True, c)), name
 
 
 CPU_TRUTH = Efficiency(0.3, 0.12, 2.5e-3, 1.0, 1.0, "the truth of a test")

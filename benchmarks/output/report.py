@@ -190,7 +190,7 @@ def markdown_report(results: dict[str, Any]) -> str:
 
 def calibration_section(cal: dict[str, Any]) -> list[str]:
     """The calibrated time model's predicted step time vs 1F1B next to the measured one."""
-    from ..planner_models.time_costs import table
+    from ..planner_models.time_costs import ratio_table, table
 
     f, b = cal["constants"]["forward"], cal["constants"]["backward"]
     return [
@@ -208,6 +208,12 @@ def calibration_section(cal: dict[str, Any]) -> list[str]:
         "median (inflated by other jobs when wall/CPU > 1).",
         "",
         table(cal),
+        "",
+        "The CPU profile (the planner's default `--calibration-model profile`: linear and "
+        "attention efficiencies and an overhead per action, fitted on the same actions) against "
+        "the per-kind constants, each schedule's ratio to 1F1B vs the replayed one:",
+        "",
+        ratio_table(cal),
         "",
     ]
 

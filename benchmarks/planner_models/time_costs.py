@@ -28,7 +28,7 @@ import argparse
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 from seq1f1b.planning.calibration import KINDS, Sample, fit_action_costs, save_action_costs
@@ -42,7 +42,7 @@ from seq1f1b.planning.fitting import (
 )
 from seq1f1b.planning.planner import Setting as PlanSetting
 from seq1f1b.planning.planner import price
-from seq1f1b.planning.profiles import machine_spec
+from seq1f1b.planning.profiles import GpuProfile, machine_spec
 from seq1f1b.registry import REGISTRY, is_baseline, lookup
 from seq1f1b.schedules.partition import resolve_split
 from seq1f1b.testing import TinyConfig
@@ -51,7 +51,14 @@ from ..harness.cpu_replay import replay_step_time
 from ..harness.measured import RunSpec, Setting, measure, model_shape
 from ..harness.presets import PP2_SPECS, PRESETS
 
-__all__ = ["CALIBRATION_SPECS", "calibrate", "profile_summary", "samples_of_run"]
+__all__ = [
+    "CALIBRATION_SPECS",
+    "calibrate",
+    "largest_ratio_errors",
+    "profile_summary",
+    "ratio_table",
+    "samples_of_run",
+]
 
 #: the pp=2 comparison plus the schedules it leaves out (every registry schedule the
 #: benchmark model can run at pp=2 with 1, 2 or 4 stages per rank), each once
@@ -113,7 +120,11 @@ def samples_of_run(run: dict[str, Any], cfg: TinyConfig) -> list[Sample]:
     return out
 
 
-def _predicted_seconds(run: dict[str, Any], cfg: TinyConfig, costs: ActionCosts) -> float:
+def _predicted_seconds(
+    run: dict[str, Any], cfg: TinyConfig, costs: ActionCosts, hw: Hardware | None = None
+) -> float:
+    """The planner's step time of ``run`` priced with ``costs`` on ``hw`` (default: links
+    that cost nothing worth noting)."""
     entry = lookup(run["schedule"])
     k = run["seq_chunks"] if entry.seq_chunked else 1
     setting = PlanSetting(
@@ -128,17 +139,24 @@ def _predicted_seconds(run: dict[str, Any], cfg: TinyConfig, costs: ActionCosts)
         name=entry.name,
         stages_per_rank=entry.stages_per_rank,
     )
-    hw = Hardware(run["pp"], 1e6, reserve_gb=0.0)
+    hw = hw or Hardware(run["pp"], 1e6, reserve_gb=0.0)
     return price(setting, model_shape(cfg), run["seq_len"], hw, actions=costs).step_seconds
 
 
+def _profile_seconds(run: dict[str, Any], cfg: TinyConfig, prof: GpuProfile) -> float:
+    """``run``'s step time as the planner prices it with a CPU profile (``--gpu cpu``)."""
+    return _predicted_seconds(run, cfg, prof.action_costs(), prof.hardware(run["pp"]))
+
+
 def calibrate(runs: Sequence[dict[str, Any]], cfg: TinyConfig) -> dict[str, Any]:
-    """Fit on the runs' traces; each run's predicted and measured step time vs the 1F1B run
-    of the same length."""
+    """Fit on the runs' traces; each run's step time predicted by the per-kind constants and
+    by the CPU profile (each fitted on every run, and refitted without the run: held out),
+    and measured, and each one's ratio to the 1F1B run of the same length."""
     timed = [r for r in runs if (r.get("step_traces") or r.get("trace")) and r.get("step_time_s")]
     per_run = {(r["label"], r["seq_len"]): samples_of_run(r, cfg) for r in timed}
     everything = [s for ss in per_run.values() for s in ss]
     costs = fit_action_costs(everything, source="fit on every measured action")
+    prof = cpu_profile(everything, machine_spec(1.0), held_out=False)
     bases = {r["seq_len"]: r for r in timed if is_baseline(r["schedule"])}
     rows = []
     for r in timed:
@@ -147,20 +165,28 @@ def calibrate(runs: Sequence[dict[str, Any]], cfg: TinyConfig) -> dict[str, Any]
             continue
         others = [s for key, ss in per_run.items() if key != (r["label"], r["seq_len"]) for s in ss]
         held = fit_action_costs(others, source=f"without {r['label']}")
-        pred_all = _predicted_seconds(r, cfg, costs) / _predicted_seconds(base, cfg, costs)
+        held_prof = cpu_profile(others, machine_spec(1.0), held_out=False)
+        pred_s = _predicted_seconds(r, cfg, costs)
+        pred_all = pred_s / _predicted_seconds(base, cfg, costs)
         pred_held = _predicted_seconds(r, cfg, held) / _predicted_seconds(base, cfg, held)
+        prof_s = _profile_seconds(r, cfg, prof)
+        prof_all = prof_s / _profile_seconds(base, cfg, prof)
+        prof_held = _profile_seconds(r, cfg, held_prof) / _profile_seconds(base, cfg, held_prof)
         wall = r["step_time_s"] / base["step_time_s"]
         replay_s = replay_fastest(r)
         replay = replay_s / replay_fastest(base)
-        pred_s = _predicted_seconds(r, cfg, costs)
         rows.append(
             {
                 "label": r["label"],
                 "seq_len": r["seq_len"],
                 "predicted_s": pred_s,
+                "profile_s": prof_s,
                 "replayed_s": replay_s,
+                "wall_s": r["step_time_s"],
                 "predicted_vs_1f1b": pred_all,
                 "predicted_held_out_vs_1f1b": pred_held,
+                "profile_vs_1f1b": prof_all,
+                "profile_held_out_vs_1f1b": prof_held,
                 "measured_wall_vs_1f1b": wall,
                 "measured_replayed_vs_1f1b": replay,
                 "action_wall_over_cpu": r.get("action_wall_over_cpu"),
@@ -168,13 +194,17 @@ def calibrate(runs: Sequence[dict[str, Any]], cfg: TinyConfig) -> dict[str, Any]
                 "error_held_out_vs_wall": pred_held / wall - 1,
                 "error_vs_replayed": pred_all / replay - 1,
                 "error_held_out_vs_replayed": pred_held / replay - 1,
+                "error_profile_vs_replayed": prof_all / replay - 1,
+                "error_profile_held_out_vs_replayed": prof_held / replay - 1,
             }
         )
     residual = [
         costs.of(_kind(s.kind)).seconds(s.work) / s.seconds - 1 for s in everything if s.seconds
     ]
+    e = prof.efficiency
     return {
         "constants": asdict(costs),
+        "profile": {"linear": e.linear, "attention": e.attention, "overhead_s": e.overhead_s},
         "actions": len(everything),
         "action_error_median_abs": sorted(abs(e) for e in residual)[len(residual) // 2],
         "rows": rows,
@@ -211,6 +241,43 @@ def table(result: dict[str, Any]) -> str:
             f"({r['predicted_s'] / r['replayed_s'] - 1:+.1%}) |"
         )
     return "\n".join(lines)
+
+
+def ratio_table(result: dict[str, Any]) -> str:
+    """Each schedule's step time and ratio to 1F1B, measured (replayed) and predicted by the
+    CPU profile and by the per-kind constants, with the ratios' errors (fitted on every run /
+    held out), then the largest of each."""
+    lines = [
+        "| setting | step s: replayed / profile / per-kind | vs 1F1B: replayed | profile | "
+        "error (all / held out) | per-kind | error (all / held out) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['label']} @{r['seq_len']} | {r['replayed_s']:.3f} / {r['profile_s']:.3f} / "
+            f"{r['predicted_s']:.3f} | {r['measured_replayed_vs_1f1b']:.3f} | "
+            f"{r['profile_vs_1f1b']:.3f} | {r['error_profile_vs_replayed']:+.1%} / "
+            f"{r['error_profile_held_out_vs_replayed']:+.1%} | {r['predicted_vs_1f1b']:.3f} | "
+            f"{r['error_vs_replayed']:+.1%} / {r['error_held_out_vs_replayed']:+.1%} |"
+        )
+    worst = largest_ratio_errors(result)
+    lines.append(
+        "largest |error| of a ratio to 1F1B vs replayed (all / held out): profile "
+        f"{worst['profile']:.1%} / {worst['profile_held_out']:.1%}, per-kind constants "
+        f"{worst['per_kind']:.1%} / {worst['per_kind_held_out']:.1%}"
+    )
+    return "\n".join(lines)
+
+
+def largest_ratio_errors(result: dict[str, Any]) -> dict[str, float]:
+    """The largest |error| of a predicted ratio to 1F1B vs the replayed one, per model."""
+    keys = {
+        "profile": "error_profile_vs_replayed",
+        "profile_held_out": "error_profile_held_out_vs_replayed",
+        "per_kind": "error_vs_replayed",
+        "per_kind_held_out": "error_held_out_vs_replayed",
+    }
+    return {k: max((abs(r[v]) for r in result["rows"]), default=0.0) for k, v in keys.items()}
 
 
 def profile_summary(samples: Sequence[Sample], source: str) -> str:
@@ -277,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     samples = [s for r in runs for s in samples_of_run(r, preset.model)]
     source = f"benchmarks.planner_models.time_costs {preset.name} @{seq_len}"
     save_action_costs(
-        replace(fit_action_costs(samples, "calibration"), source=source),
+        fit_action_costs(samples, source, precision="fp32"),  # the CPU ranks run fp32
         os.path.join(a.out, "calibration.json"),
         samples,
     )
@@ -292,6 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{result['action_error_median_abs']:.1%}"
     )
     print(table(result))
+    print(ratio_table(result))
     print(profile_summary(samples, source))
     return 0
 

@@ -30,6 +30,7 @@ __all__ = [
     "fit_action_costs",
     "fit_coefficients",
     "load_action_costs",
+    "load_calibration",
     "load_samples",
     "save_action_costs",
 ]
@@ -107,8 +108,11 @@ def fit_coefficients(samples: Sequence[Sample]) -> Coefficients:
     return Coefficients(*c)
 
 
-def fit_action_costs(samples: Iterable[Sample], source: str = "calibrated") -> ActionCosts:
-    """Constants for every kind measured; I and W fall back to half of B when not measured."""
+def fit_action_costs(
+    samples: Iterable[Sample], source: str = "calibrated", precision: str | None = None
+) -> ActionCosts:
+    """Constants for every kind measured; I and W fall back to half of B when not measured.
+    ``precision``: the dtype the samples ran in (:attr:`ActionCosts.precision`)."""
     by_kind: dict[str, list[Sample]] = {}
     for s in samples:
         if s.kind not in KINDS:
@@ -118,7 +122,7 @@ def fit_action_costs(samples: Iterable[Sample], source: str = "calibrated") -> A
         raise ValueError("need forward and backward samples (B, or both I and W)")
     fits = {k: fit_coefficients(v) for k, v in by_kind.items()}
     backward = fits.get("B") or fits["I"].plus(fits["W"])
-    return ActionCosts(fits["F"], backward, fits.get("I"), fits.get("W"), source)
+    return ActionCosts(fits["F"], backward, fits.get("I"), fits.get("W"), source, precision)
 
 
 def save_action_costs(
@@ -135,16 +139,17 @@ def save_action_costs(
 
 def load_samples(path: str) -> list[Sample]:
     """The measured actions :func:`save_action_costs` wrote; empty if it wrote none."""
-    with open(path) as f:
-        doc = json.load(f)
-    return [
-        Sample(d["kind"], Work(**d["work"]), d["seconds"], d.get("run", ""))
-        for d in doc.get("samples", ())
-    ]
+    return load_calibration(path)[1]
 
 
 def load_action_costs(path: str) -> ActionCosts:
     """Read what :func:`save_action_costs` wrote."""
+    return load_calibration(path)[0]
+
+
+def load_calibration(path: str) -> tuple[ActionCosts, list[Sample]]:
+    """The constants and the measured actions :func:`save_action_costs` wrote, from one read
+    of the file (samples empty if it wrote none)."""
     with open(path) as f:
         doc = json.load(f)
 
@@ -154,10 +159,16 @@ def load_action_costs(path: str) -> ActionCosts:
     forward, backward = coef(doc["forward"]), coef(doc["backward"])
     if forward is None or backward is None:
         raise ValueError(f"{path}: needs forward and backward constants")
-    return ActionCosts(
+    costs = ActionCosts(
         forward,
         backward,
         coef(doc.get("backward_input")),
         coef(doc.get("backward_weight")),
         doc.get("source", path),
+        doc.get("precision"),
     )
+    samples = [
+        Sample(d["kind"], Work(**d["work"]), d["seconds"], d.get("run", ""))
+        for d in doc.get("samples", ())
+    ]
+    return costs, samples

@@ -250,6 +250,10 @@ class ActionCosts:
     backward_input: Coefficients | None = None
     backward_weight: Coefficients | None = None
     source: str = "hardware"  # where the constants come from, for the output
+    #: the dtype the constants were measured or fitted in ("bf16" or "fp32"): the planner
+    #: slows bf16 constants by :data:`FP32_SLOWDOWN` for a setting that runs in fp32; None:
+    #: not stated, used as they are in every precision
+    precision: str | None = None
 
     @classmethod
     def from_throughput(cls, flops_per_second: float) -> ActionCosts:
@@ -277,6 +281,7 @@ class ActionCosts:
             sc(self.backward_input),
             sc(self.backward_weight),
             self.source,
+            self.precision,
         )
 
 

@@ -170,12 +170,15 @@ def held_out_errors(
 _LINKS_FIXED = {"collectives": 1.0, "p2p": 1.0}
 
 
-def cpu_profile(samples: Sequence[Sample], spec: GpuProfile) -> GpuProfile:
+def cpu_profile(
+    samples: Sequence[Sample], spec: GpuProfile, *, held_out: bool = True
+) -> GpuProfile:
     """The measured machine ``spec`` (:func:`~seq1f1b.planning.profiles.machine_spec`), its
     efficiencies (linear, attention, per-action overhead) fitted by :func:`fit_efficiency` to
     its measured actions (``python -m benchmarks.planner_models.time_costs`` saves them),
     links fixed; its error is the largest held-out run's (:func:`held_out_errors`), or "not
-    demonstrated" with fewer than two runs."""
+    demonstrated" with fewer than two runs. ``held_out=False`` skips those refits (one per
+    run) and leaves the error "not demonstrated"."""
     runs = len({s.run for s in samples})
     eff = fit_efficiency(
         spec,
@@ -183,7 +186,7 @@ def cpu_profile(samples: Sequence[Sample], spec: GpuProfile) -> GpuProfile:
         fixed=_LINKS_FIXED,
         source=f"fitted on {len(samples)} measured actions of {runs} runs; {spec.source}",
     )
-    error, error_source = largest_error(held_out_errors(spec, samples))
+    error, error_source = largest_error(held_out_errors(spec, samples) if held_out else {})
     return spec.with_efficiency(replace(eff, error=error, error_source=error_source))
 
 

@@ -31,7 +31,7 @@ from .._runtime import ir as rt
 from .._runtime.ir import Action
 from ..registry import REGISTRY, ScheduleEntry, is_baseline, lookup
 from ..schedules.partition import ModelShape, resolve_split, segment_multiple
-from .calibration import load_action_costs, load_samples
+from .calibration import load_action_costs, load_calibration
 from .costmodel import (
     FP32_SLOWDOWN,
     GB,
@@ -427,13 +427,7 @@ def search(
         error=err[0],
         error_source=err[1],
         precision=precision,
-        time_model=(
-            "hardware"
-            if actions is None
-            else actions.source
-            if actions.source.startswith("profile")
-            else f"calibrated ({actions.source})"
-        ),
+        time_model="hardware" if actions is None else actions.source,
     )
 
 
@@ -536,8 +530,9 @@ def _price(
     n = entry.model_stages(p, setting.stages_per_rank) if entry is not None else 1
     layers = shape.n_layers // n
     dtype_bytes = dtype_bytes if setting.bf16 else 4  # fp32 activations and TP collectives
-    if actions is not None and not setting.bf16 and actions.source.startswith("profile"):
-        actions = actions.scaled(FP32_SLOWDOWN)  # a profile's constants are bf16 kernels'
+    if actions is not None and not setting.bf16 and actions.precision == "bf16":
+        # bf16 kernels' constants (a GPU profile's): fp32 runs on the fp32 units
+        actions = replace(actions.scaled(FP32_SLOWDOWN), precision="fp32")
     # pp is the mesh's outermost dimension: the pipeline crosses nodes once the world does
     link = hardware.link_gbps(hardware.gpus) if p > 1 else None
     p2p = None if link is None else link * hardware.p2p_efficiency
@@ -864,16 +859,16 @@ def _calibrated(a: argparse.Namespace) -> GpuProfile:
     """The measured machine's profile from ``--calibration``: efficiencies fitted to its
     measured actions by the GPU profiles' fit (:func:`~seq1f1b.planning.fitting.cpu_profile`),
     or with ``--calibration-model per-action`` the file's per-kind constants."""
+    costs, samples = load_calibration(a.calibration)
     spec = machine_spec(
         a.gpu_memory_gb,
         tflops=CPU_NOMINAL_TFLOPS if a.tflops is None else a.tflops,
         tp_gbps=300.0 if a.tp_gbps is None else a.tp_gbps,
         reserve_gb=4.0 if a.reserve_gb is None else a.reserve_gb,
-        source=load_action_costs(a.calibration).source,
+        source=costs.source,
     )
-    samples = load_samples(a.calibration)
     if a.calibration_model == "per-action":
-        prof = calibrated_profile(load_action_costs(a.calibration), spec)
+        prof = calibrated_profile(costs, spec)
         error, error_source = largest_error(held_out_errors(spec, samples, per_action=True))
         eff = replace(prof.efficiency, error=error, error_source=error_source)
         return prof.with_efficiency(eff)
@@ -897,9 +892,7 @@ def _hardware_from_args(
             raise ValueError("--calibration needs --gpu-memory-gb (the measured machine's)")
         prof = _calibrated(a)
         hw = replace(prof.hardware(a.gpus), fp32_tflops=a.fp32_tflops)
-        # the measured machine's kernels ran in the precision it measured: not a GPU's bf16
-        # kernels that fp32 would slow down (price scales actions named "profile ...")
-        actions = replace(prof.action_costs(), source=prof.efficiency.source)
+        actions = replace(prof.action_costs(), source=f"calibrated ({prof.efficiency.source})")
         return hw, actions, (prof.efficiency.error, prof.efficiency.error_source)
     if a.gpu is None:
         if a.gpu_memory_gb is None:
@@ -949,7 +942,8 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
         )
     hw, actions, error = _hardware_from_args(a)
     if a.calibration and a.gpu not in (None, "cpu"):  # a GPU's specifications, measured constants
-        actions = load_action_costs(a.calibration)
+        costs = load_action_costs(a.calibration)
+        actions = replace(costs, source=f"calibrated ({costs.source})")
         error = None
     schedules = [x.strip() for x in a.schedules.split(",") if x.strip()] if a.schedules else None
     for name in schedules or ():

@@ -81,6 +81,9 @@ class GpuProfile:
     #: per-action constants fitted to this machine's measured actions, standing in for the
     #: efficiencies (:func:`calibrated_profile`); None: from the efficiencies
     measured: ActionCosts | None = None
+    #: the dtype the kernels its efficiencies describe ran in: a GPU's bf16 (the planner slows
+    #: them for fp32 settings), a measured CPU's fp32 (priced as measured in every precision)
+    precision: str = "bf16"
 
     def action_costs(self) -> ActionCosts:
         """Per-GPU seconds of each action: the measured constants, or FLOPs at the fitted
@@ -100,7 +103,12 @@ class GpuProfile:
         backward_input = Coefficients(lin, FLASH_BACKWARD_FLOPS * att, overhead=o)
         backward_weight = Coefficients(lin, 0.0, overhead=o)
         return ActionCosts(
-            forward, backward, backward_input, backward_weight, source=f"profile {self.name}"
+            forward,
+            backward,
+            backward_input,
+            backward_weight,
+            source=f"profile {self.name}",
+            precision=self.precision,
         )
 
     def hardware(self, gpus: int, reserve_gb: float | None = None) -> Hardware:
@@ -211,6 +219,7 @@ def machine_spec(
         source=f"measured on this machine ({source}); peak {tflops:g} TFLOP/s nominal",
         checked="the measured actions of python -m benchmarks.planner_models.time_costs",
         reserve_gb=reserve_gb,
+        precision="fp32",  # the CPU ranks of benchmarks/harness run fp32
     )
 
 
