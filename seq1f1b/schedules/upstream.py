@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from torch._prims_common import make_contiguous_strides_for
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import _broadcast_to_and_flatten, tree_flatten, tree_unflatten
 
 from .._runtime.ir import DTensorMeta as _DTensorMeta
 from .._runtime.ir import TensorMeta
@@ -82,22 +82,27 @@ def _get_even_segment_lengths(seq_len: int, seq_chunks: int) -> tuple[int, ...]:
     return tuple(base + (1 if k < extra else 0) for k in range(seq_chunks))
 
 
-def _split_into_segments(value: Any, lengths: Sequence[int], seq_dim: int) -> list[Any]:
+def _split_into_segments(value: Any, lengths: Sequence[int], seq_dim: Any) -> list[Any]:
     """
     Cut one sample's ``value`` (a pytree) along ``seq_dim`` into segments of
-    ``lengths``: one pytree per segment. Tensors with no ``seq_dim``, and
-    non-tensors, go whole to every segment.
+    ``lengths``: one pytree per segment. ``seq_dim`` is an int for every
+    leaf or, like ``vmap``'s ``in_dims``, a prefix of ``value``'s tree giving
+    each leaf its own (``None``: not cut). Leaves not cut (non-tensors, tensors
+    with no such dim) go whole to every segment.
     """
     leaves, tree_spec = tree_flatten(value)
+    dims = _broadcast_to_and_flatten(seq_dim, tree_spec, is_leaf=lambda x: x is None)
+    if dims is None:
+        raise ValueError(f"seq_dim {seq_dim!r} is not a prefix of the inputs' tree")
     pieces: list[Sequence[Any]] = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > seq_dim:
-            if leaf.size(seq_dim) != sum(lengths):
+    for leaf, dim in zip(leaves, dims, strict=True):
+        if isinstance(leaf, torch.Tensor) and dim is not None and leaf.dim() > dim:
+            if leaf.size(dim) != sum(lengths):
                 raise ValueError(
-                    f"Expected sequence length {sum(lengths)} at dim {seq_dim}, "
+                    f"Expected sequence length {sum(lengths)} at dim {dim}, "
                     f"got a tensor of shape {tuple(leaf.shape)}"
                 )
-            segments = torch.split(leaf, list(lengths), dim=seq_dim)
+            segments = torch.split(leaf, list(lengths), dim=dim)
             # As in _split_tensor: views of a leaf need retain_grad()
             if leaf.requires_grad and leaf.is_leaf:
                 for segment in segments:
