@@ -1,0 +1,131 @@
+"""Patch 6's ``ScheduleSeq1F1B``, verbatim (seq1f1b/schedules/upstream.py), over the seam's
+``UnitRuntime`` on this torch: where the series is absent the runtime gives the class what it
+takes from a patched torch (``SPLIT_TARGET_HOOK``, ``RECV_META_HOOK``, ``LOSSES_BY_INDEX``...),
+and the loss and every gradient equal the full-sequence model's (fp32, rel. error <= 1e-5),
+over two steps and an ``eval()``.
+
+The package's attention learns the running unit from its unit context, layered on the class
+here as an action context (the shape the package's schedule will take over it)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from equivalence import CFG, Case, data, loss_fn, reference, rel_err
+from mockstages import mock_stages
+from torch.distributed.pipelining import PipelineStage
+
+import seq1f1b._runtime as rt
+from seq1f1b.attention.kv import metadata_inference
+from seq1f1b.schedules.receives import ReceiveSizer
+from seq1f1b.schedules.unit_actions import UnitActions
+from seq1f1b.schedules.upstream import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B
+from seq1f1b.testing import build_stages
+
+pytestmark = pytest.mark.fast
+
+
+class LayeredSeq1F1B(ScheduleSeq1F1B):
+    """Patch 6's class with the package's per-action unit context (K/V state, guards)."""
+
+    def __init__(self, stages: Any, n_microbatches: int, seq_chunks: int,
+                 loss_fn: Callable[..., torch.Tensor] | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(stages, n_microbatches, seq_chunks, loss_fn, **kwargs)
+        self.unit_actions = UnitActions(
+            self.local_stages, seq_chunks, ReceiveSizer(self.seq_dim), None
+        )
+        self.register_action_context(self.unit_actions)
+
+    def stage_init_scope(self) -> contextlib.AbstractContextManager[None]:
+        return metadata_inference()
+
+    @contextlib.contextmanager
+    def unit_scope(self) -> Iterator[None]:
+        self.unit_actions.begin_step([list(self.segment_lengths)] * self.n_samples, None)
+        with self.unit_actions.step_scope(self.local_stages[0], self.pp_group_size):
+            yield
+
+
+def _check(loss: float, ref: float, what: str) -> None:
+    assert abs(loss - ref) <= 1e-5 * abs(ref), (what, loss, ref)
+
+
+def _run(rank: int, world: int, spr: int, k: int, split: tuple[int, ...] | None) -> None:
+    case = Case(spr, k, 3)
+    n = world * spr
+    ref_loss, ref_grads = reference(case, n)
+    mods = build_stages(CFG, n)
+    mine = list(range(rank, n, world))
+    stages = [PipelineStage(mods[s], s, n, torch.device("cpu")) for s in mine]
+    cls = ScheduleInterleavedSeq1F1B if spr > 1 else ScheduleSeq1F1B
+    layered = type("Layered", (LayeredSeq1F1B, cls), {})
+    sched = layered(stages, case.n_microbatches, k, loss_fn, seq_split=split)
+    x, y = data(case)
+    first, last = 0 in mine, n - 1 in mine
+    inputs = (x,) if first else ()
+    out = None
+    for step in range(2):
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        out = sched.step(*inputs, target=y if last else None, losses=losses if last else None)
+        assert sched.unit_actions.kv_state_empty(), "K/V state survived step()"
+        if last:
+            assert len(losses) == case.n_microbatches * k
+            _check(torch.stack(losses).mean().item(), ref_loss, f"step {step}")
+            assert out.shape == (case.batch, case.seq_len, CFG.vocab), out.shape
+    for s in mine:
+        for name, p in mods[s].named_parameters():
+            err = rel_err(p.grad, ref_grads[f"{s}.{name}"])
+            assert err <= 1e-5, f"stage {s} {name}: rel err {err:.2e}"
+    losses = []
+    evaluated = sched.eval(*inputs, target=y if last else None, losses=losses if last else None)
+    if last:
+        _check(torch.stack(losses).mean().item(), ref_loss, "eval")
+        assert torch.allclose(out, evaluated, atol=1e-5)
+
+
+CASES = [
+    (1, 2, None),
+    (1, 3, (10, 8, 6)),
+    (2, 2, (14, 10)),
+    (2, 3, None),
+]
+
+
+@pytest.mark.parametrize(("stages_per_rank", "seq_chunks", "seq_split"), CASES)
+def test_patch_class_matches_reference(
+    stages_per_rank: int, seq_chunks: int, seq_split: tuple[int, ...] | None
+) -> None:
+    run_ranks(_run, 2, stages_per_rank, seq_chunks, seq_split)
+
+
+def test_the_runtime_gives_what_the_class_takes() -> None:
+    """Each emulation is on exactly where its hook is absent; torch's default runtime options
+    pass on any torch (the loss dict under torch's name: the uneven split's weights above)."""
+    stages = mock_stages(2, 2)
+    sched = ScheduleSeq1F1B(stages, 2, 2, max_active_stages=3, unshard_lookahead="full")
+    own = "register_recv_meta_fn" in vars(stages[0])
+    assert own != rt.RECV_META_HOOK
+    assert ("_split_target" in vars(rt.UnitRuntime)) != rt.SPLIT_TARGET_HOOK
+    assert ("step" in vars(rt.UnitRuntime)) != rt.MICROBATCH_INPUTS_HOOK
+    assert len(sched._recv_metas) == 2
+    assert sched.pipeline_order[0] == sched._calculate_single_rank_operations(0)
+
+
+def test_a_registered_recv_meta_fn_can_be_removed() -> None:
+    if rt.RECV_META_HOOK:
+        pytest.skip("torch's own register_recv_meta_fn (patch 5)")
+    stages = mock_stages(2, 1)
+    sched = ScheduleSeq1F1B(stages, 2, 2)
+    fns = sched._recv_meta_fns[stages[0].stage_index]
+    handle = stages[0].register_recv_meta_fn(lambda *a: a[-1])
+    assert len(fns) == 2  # the class's _SequenceRecvMeta and this one
+    handle.remove()
+    assert len(fns) == 1
