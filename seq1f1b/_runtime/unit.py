@@ -174,6 +174,13 @@ class UnitRuntime(ScheduleRuntime):
     * :meth:`register_action_context` -- a context around each F / B / I / W (composable).
 
     Per microbatch losses are kept by index, so a stage may compute them in any order.
+
+    Where a hook of the upstream series is absent, it also gives what patch 6's
+    ``ScheduleSeq1F1B`` (schedules/upstream.py, verbatim) takes from a patched runtime: 2.15's
+    options at their defaults on older torch, ``_internal_losses`` as the dict, the
+    ``loss_kwarg_mbs`` keyword, ``stage.register_recv_meta_fn`` on its stages, and
+    ``_split_target`` with the split that calls it (2.13: a ``step()``). The package's schedules
+    call none of them, so they change nothing there.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
