@@ -24,6 +24,10 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 | schedules._validate_schedule                  | stage -> rank mapping and torch's order checks   |
 | schedules._get_warmup_ops                     | the interleaved warm-up Seq1F1B's order extends  |
 |                                               |   (orders/upstream.py, patch 6's code verbatim)  |
+| microbatch._split_tensor,                     | the target split along dim 0 (``_split_target``, |
+|   schedules._TARGET_CHUNK_SPEC                |   and schedules/upstream.py, patch 6 verbatim)   |
+| utils._pytree._broadcast_to_and_flatten       | a sequence dim per input leaf (patch 6's         |
+|                                               |   ``_split_into_segments``, verbatim)            |
 | reference.py: schedules._add_send_recv,       | tests/benchmarks compare with torch's passes     |
 |   _simulate_comms_compute,                    |   only through reference.py: lowering and        |
 |   _add_unshard_reshard,                       |   deadlock replay ours must equal, the FSDP pass |
@@ -39,10 +43,14 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 |   _update_losses, _initialize_stages,         |   orders (overridden in UnitRuntime only)        |
 |   _step_microbatches, _load_csv, _compute_loss|                                                  |
 | runtime method _warmup_p2p                    | 2.13/2.14: P2P warm-up once per stage chain      |
+| runtime methods _get_microbatch_inputs        | where patch 6 is absent: ``_split_target`` added,|
+|   (2.14.1+), _split_inputs, _merge_outputs,   |   the split calls it (2.13: a copy of torch's    |
+|   step                                        |   ``step()``)                                    |
+| runtime attribute _internal_losses            | where patch 1 is absent: our dict, torch's name  |
 | runtime attributes _stages, _n_microbatches,  | read through UnitRuntime's properties            |
 |   _has_backward, _loss_fn, _num_stages, specs |                                                  |
 | stage._PipelineStageBase                      | type of user stages                              |
-| _utils.TensorMeta, _DTensorMeta               | a receive's metadata, resized per unit (2.15;    |
+| _utils.TensorMeta, _DTensorMeta, _TensorMeta  | a receive's metadata, resized per unit (2.15;    |
 |                                               |   schedules/upstream.py, patch 6's code verbatim)|
 | stage._RecvInfo .buffer (2.13/2.14) or        | per-unit receive shape (segments differ in       |
 |   .tensor_meta (2.15)                         |   length)                                        |
@@ -73,7 +81,15 @@ that has one, the workaround it retires is not used:
 | linear-time lowering (2; no API to detect)    | needs no workaround off: lowering.py equals it   |
 | forward-only eval lowering (3)                | swapping ``pipeline_order_with_comms`` in eval   |
 | ``register_action_context`` (4)               | ``action_contexts_installed`` (stage wrapping)   |
-| ``register_recv_meta_fn`` (5)                 | rewriting ``_RecvInfo.tensor_meta`` per unit     |
+| ``register_recv_meta_fn`` (5)                 | rewriting ``_RecvInfo.tensor_meta`` per unit;    |
+|                                               |   the stage method, given by ``UnitRuntime``     |
+| ``_split_target`` (6, ``SPLIT_TARGET_HOOK``)  | ``UnitRuntime``'s ``_split_target`` and split    |
+
+Patch 6's ``ScheduleSeq1F1B`` (schedules/upstream.py, verbatim) runs on ``UnitRuntime`` on
+torch without the series: where a hook is absent, ``UnitRuntime`` gives what the class takes
+from it (the runtime options at torch's defaults dropped before 2.15, ``_internal_losses`` a
+dict, ``loss_kwarg_mbs``, ``register_recv_meta_fn`` on its stages, ``_split_target``); each
+is inert for the package's own schedules, which do not call it.
 
 Touch points (distinct private torch names, overridden private methods and private attributes
 reached in ir.py + unit.py, counted from their syntax trees): 45; the comparison-only passes
@@ -95,6 +111,7 @@ from .ir import (
     HAS_SEND_WAITS,
     HAS_WARMUP_P2P,
     LOSSES_BY_INDEX,
+    MICROBATCH_INPUTS_HOOK,
     OVERLAP_F_B,
     RECV_B,
     RECV_BUFFER_PER_RECEIVE,
@@ -105,8 +122,10 @@ from .ir import (
     RUNTIME_OPTIONS,
     SEND_B,
     SEND_F,
+    SPLIT_TARGET_HOOK,
     STEP_TAKES_FINALIZE,
     STEP_TAKES_MICROBATCHES,
+    TARGET_CHUNK_SPEC,
     TORCH_HOOKS,
     UNSHARD,
     UNSHARD_KEEPS_INSERTION_ORDER,
@@ -123,6 +142,7 @@ from .ir import (
     TensorMeta,
     add_reduce_grad,
     add_wait_send,
+    broadcast_to_and_flatten,
     default_process_group,
     defer_recv_ops,
     device_type_probe,
@@ -142,6 +162,7 @@ from .ir import (
     register_recv_meta_fn,
     set_pg_timeout,
     set_recv_length,
+    split_tensor,
     stand_in_stages,
     unflatten_dense_tensors,
     validate_schedule,
@@ -159,6 +180,7 @@ __all__ = [
     "HAS_SEND_WAITS",
     "HAS_WARMUP_P2P",
     "LOSSES_BY_INDEX",
+    "MICROBATCH_INPUTS_HOOK",
     "OVERLAP_F_B",
     "RECV_B",
     "RECV_BUFFER_PER_RECEIVE",
@@ -169,8 +191,10 @@ __all__ = [
     "RUNTIME_OPTIONS",
     "SEND_B",
     "SEND_F",
+    "SPLIT_TARGET_HOOK",
     "STEP_TAKES_FINALIZE",
     "STEP_TAKES_MICROBATCHES",
+    "TARGET_CHUNK_SPEC",
     "TORCH_HOOKS",
     "UNSHARD",
     "UNSHARD_KEEPS_INSERTION_ORDER",
@@ -190,6 +214,7 @@ __all__ = [
     "action_contexts_installed",
     "add_reduce_grad",
     "add_wait_send",
+    "broadcast_to_and_flatten",
     "default_process_group",
     "defer_recv_ops",
     "device_type_probe",
@@ -209,6 +234,7 @@ __all__ = [
     "register_recv_meta_fn",
     "set_pg_timeout",
     "set_recv_length",
+    "split_tensor",
     "stand_in_stages",
     "unflatten_dense_tensors",
     "validate_schedule",
@@ -244,6 +270,8 @@ VOCABULARY = (
     "LOSSES_BY_INDEX",
     "RECV_BUFFER_PER_RECEIVE",
     "RUNTIME_OPTIONS",
+    "SPLIT_TARGET_HOOK",
+    "MICROBATCH_INPUTS_HOOK",
     "STEP_TAKES_FINALIZE",
     "STEP_TAKES_MICROBATCHES",
     "UNSHARD_KEEPS_INSERTION_ORDER",

@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
+import torch.utils._pytree as _pytree
 from torch.distributed.pipelining import _utils as _pp_utils
+from torch.distributed.pipelining import microbatch as _microbatch
 from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.pipelining import stage as _stage
 
@@ -27,6 +29,12 @@ PipelineStageBase = _stage._PipelineStageBase
 #: a receive's metadata (2.15 sizes receives from it; patch 5's hook rewrites it per unit)
 TensorMeta = _pp_utils.TensorMeta
 DTensorMeta = _pp_utils._DTensorMeta
+
+
+def tensor_meta_of(tensor: torch.Tensor) -> Any:
+    """A plain tensor's metadata, as torch infers it (``_TensorMeta.from_tensor``)."""
+    return _pp_utils._TensorMeta.from_tensor(tensor)
+
 
 FORWARD = ComputationType.FORWARD
 FULL_BACKWARD = ComputationType.FULL_BACKWARD
@@ -50,6 +58,12 @@ WAIT_REDUCE_GRAD: ComputationType | None = getattr(ComputationType, "WAIT_REDUCE
 validate_schedule = _schedules._validate_schedule
 get_warmup_ops = _schedules._get_warmup_ops  # the interleaved warm-up the Seq1F1B order extends
 add_reduce_grad = _schedules._add_reduce_grad
+#: torch's batch split of a target (``step()`` cuts the target with it along dim 0)
+split_tensor = _microbatch._split_tensor
+TARGET_CHUNK_SPEC = _schedules._TARGET_CHUNK_SPEC
+#: a per-leaf argument broadcast over a pytree (``vmap``'s ``in_dims`` rule): patch 6 cuts each
+#: leaf at its own sequence dim
+broadcast_to_and_flatten = _pytree._broadcast_to_and_flatten
 
 flatten_dense_tensors = torch._utils._flatten_dense_tensors
 unflatten_dense_tensors = torch._utils._unflatten_dense_tensors
@@ -244,12 +258,18 @@ FORWARD_ONLY_EVAL = hasattr(ScheduleRuntime, "_get_forward_only_order_with_comms
 #: patch 4: ``register_action_context(factory)`` on the runtime; retires wrapping the stages'
 #: per-chunk methods for each step (``action_contexts_installed``).
 ACTION_CONTEXT_HOOK = hasattr(ScheduleRuntime, "register_action_context")
+#: patch 6: ``_PipelineSchedule._split_target`` (torch's ``step()`` splits the target through
+#: it); without it the seam's runtime gives the method and the split that calls it.
+SPLIT_TARGET_HOOK = hasattr(ScheduleRuntime, "_split_target")
+#: 2.14.1+: ``step()`` splits its inputs in ``_get_microbatch_inputs`` (2.13: inline).
+MICROBATCH_INPUTS_HOOK = hasattr(ScheduleRuntime, "_get_microbatch_inputs")
 #: every hook of the series, and whether this torch has it (upstream/check.sh asserts all)
 TORCH_HOOKS = {
     "losses kept by microbatch index (patch 1)": LOSSES_BY_INDEX,
     "forward-only eval lowering (patch 3)": FORWARD_ONLY_EVAL,
     "register_action_context (patch 4)": ACTION_CONTEXT_HOOK,
     "register_recv_meta_fn (patch 5)": RECV_META_HOOK,
+    "_split_target (patch 6)": SPLIT_TARGET_HOOK,
 }
 
 

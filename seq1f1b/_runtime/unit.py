@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -24,11 +25,20 @@ from .ir import (
     FORWARD_ONLY_EVAL,
     FULL_BACKWARD,
     LOSSES_BY_INDEX,
+    MICROBATCH_INPUTS_HOOK,
+    RECV_BUFFER_PER_RECEIVE,
+    RECV_META_HOOK,
     RUNTIME_OPTIONS,
+    SPLIT_TARGET_HOOK,
     STEP_TAKES_FINALIZE,
+    TARGET_CHUNK_SPEC,
     Action,
     PipelineStageBase,
     ScheduleRuntime,
+    recv_infos,
+    recv_shape,
+    split_tensor,
+    tensor_meta_of,
     validate_schedule,
 )
 from .lowering import LoweredOrders, SendRecvLowering, StageTopology, fast_path_supported
@@ -110,6 +120,44 @@ def action_contexts_installed(
 
 _ABSENT = object()
 
+#: 2.15's runtime options at torch's defaults: an older torch runs as if they were given
+_NEWER_DEFAULTS: dict[str, Any] = {
+    "max_active_stages": 3,
+    "unshard_lookahead": "full",
+    "defer_reduce_grad_wait": False,
+    "max_outstanding_sends": None,
+}
+assert set(_NEWER_DEFAULTS) == set(_NEWER_OPTIONS)
+
+#: (stage index, backward, unit, arg index) of one receive
+_ReceiveKey = tuple[int, bool, int, int]
+
+
+# ---------------------------------------------------------------------------- receive metadata
+def _register_recv_meta_fn(
+    fns: OrderedDict[int, Callable[..., Any]], fn: Callable[..., Any]
+) -> RemovableHandle:
+    """Patch 5's ``stage.register_recv_meta_fn(fn)``, kept by the runtime that owns it."""
+    handle = RemovableHandle(fns)
+    fns[handle.id] = fn
+    return handle
+
+
+def _meta_of(info: Any) -> Any:
+    """A receive's inferred metadata (2.15), or its buffer's, as one (2.13/2.14)."""
+    if RECV_BUFFER_PER_RECEIVE:
+        return info.tensor_meta
+    return tensor_meta_of(info.buffer)
+
+
+def _apply_meta(info: Any, meta: Any) -> None:
+    """Receive into ``meta``: torch's metadata (2.15), else a buffer of its shape."""
+    if RECV_BUFFER_PER_RECEIVE:
+        info.tensor_meta = meta
+    elif info.buffer.shape != meta.shape:
+        buf = torch.empty(meta.shape, dtype=info.buffer.dtype, device=info.buffer.device)
+        info.buffer = buf.requires_grad_(info.buffer.requires_grad)
+
 
 # ---------------------------------------------------------------------------- runtime base
 class UnitRuntime(ScheduleRuntime):
@@ -126,9 +174,19 @@ class UnitRuntime(ScheduleRuntime):
     * :meth:`register_action_context` -- a context around each F / B / I / W (composable).
 
     Per microbatch losses are kept by index, so a stage may compute them in any order.
+
+    Where a hook of the upstream series is absent, it also gives what patch 6's
+    ``ScheduleSeq1F1B`` (schedules/upstream.py, verbatim) takes from a patched runtime: 2.15's
+    options at their defaults on older torch, ``_internal_losses`` as the dict, the
+    ``loss_kwarg_mbs`` keyword, ``stage.register_recv_meta_fn`` on its stages, and
+    ``_split_target`` with the split that calls it (2.13: a ``step()``). The package's schedules
+    call none of them, so they change nothing there.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for name in [k for k in _NEWER_OPTIONS if k in kwargs and k not in RUNTIME_OPTIONS]:
+            if kwargs[name] == _NEWER_DEFAULTS[name]:
+                del kwargs[name]  # torch's default: what an older torch does anyway
         unknown = [k for k in _NEWER_OPTIONS if k in kwargs and k not in RUNTIME_OPTIONS]
         if unknown:
             raise ValueError(
@@ -136,10 +194,23 @@ class UnitRuntime(ScheduleRuntime):
                 "torch or drop these options"
             )
         super().__init__(*args, **kwargs)
-        # patch 1's torch keeps the losses by microbatch index itself: share its dict
-        self._unit_losses: dict[int, torch.Tensor] = (
-            self._internal_losses if LOSSES_BY_INDEX else {}  # type: ignore[assignment]
-        )
+        # losses by microbatch index, one dict under torch's name: patch 1's torch keeps it
+        # itself; before, torch's list is replaced (its users are overridden below)
+        if LOSSES_BY_INDEX:
+            self._unit_losses: dict[int, torch.Tensor] = self._internal_losses  # type: ignore[assignment]
+        else:
+            self._unit_losses = {}
+            self._internal_losses = self._unit_losses  # type: ignore[assignment]
+        self._loss_kwarg_mbs: list[dict[str, Any]] | None = None
+        # patch 5 emulated: each stage's receive metadata functions, applied once torch
+        # initialized the stages (the functions see each receive's first inferred metadata)
+        self._recv_meta_fns: dict[int, OrderedDict[int, Callable[..., Any]]] = {}
+        self._inferred_recv_metas: dict[_ReceiveKey, Any] = {}
+        if not RECV_META_HOOK:
+            for stage in self._stages:
+                fns = self._recv_meta_fns.setdefault(stage.stage_index, OrderedDict())
+                # the method torch lacks, on the stages this runtime owns
+                stage.register_recv_meta_fn = functools.partial(_register_recv_meta_fn, fns)  # type: ignore[attr-defined]
         if not ACTION_CONTEXT_HOOK:  # patch 4's torch keeps its own (of this name)
             # an OrderedDict, as torch's module hooks use (RemovableHandle: a weak reference)
             self._action_contexts: OrderedDict[int, ActionContextFactory] = OrderedDict()
@@ -322,6 +393,26 @@ class UnitRuntime(ScheduleRuntime):
         with self.stage_init_scope():
             super()._initialize_stages(args, kwargs, target, loss_kwargs)
         self.after_stage_init()
+        self._apply_recv_meta_fns()
+
+    def _apply_recv_meta_fns(self) -> None:
+        """Patch 5 emulated: each receive's metadata (from the first inference) through its
+        stage's registered functions, ``fn(mb_index, kind, arg_index, meta) -> meta``."""
+        for stage in self._stages:
+            fns = list(self._recv_meta_fns.get(stage.stage_index, {}).values())
+            if not fns:
+                continue
+            for backward in (False, True):
+                kind = "gradient" if backward else "activation"
+                for unit, infos in recv_infos(stage, backward).items():
+                    for i, info in enumerate(infos):
+                        if recv_shape(info) is None:
+                            continue
+                        key = (stage.stage_index, backward, unit, i)
+                        meta = self._inferred_recv_metas.setdefault(key, _meta_of(info))
+                        for fn in fns:
+                            meta = fn(unit, kind, i, meta)
+                        _apply_meta(info, meta)
 
     def stage_init_scope(self) -> contextlib.AbstractContextManager[None]:
         """Context for torch's stage initialisation (its forward metadata inference runs the
@@ -329,6 +420,8 @@ class UnitRuntime(ScheduleRuntime):
         return contextlib.nullcontext()
 
     def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):  # type: ignore[override]
+        if self._loss_kwarg_mbs is not None:  # patch 1's per-microbatch loss kwargs, emulated
+            loss_kwargs = self._loss_kwarg_mbs[mb_index]
         if stage.is_last and self._loss_fn is not None:
             self._unit_losses[mb_index] = self.unit_loss(
                 stage, output, target_mbs[mb_index], mb_index, loss_kwargs
@@ -378,6 +471,10 @@ class UnitRuntime(ScheduleRuntime):
         **newer: Any,  # patch 1's step() passes loss_kwarg_mbs
     ) -> None:
         self._unit_losses.clear()
+        if not LOSSES_BY_INDEX:  # patch 1's loss_kwarg_mbs, emulated (None: torch's own path)
+            self._loss_kwarg_mbs = _checked_loss_kwarg_mbs(
+                newer.pop("loss_kwarg_mbs", None), loss_kwargs, self.n_units
+            )
         lowered = self.pipeline_order_with_comms
         if not self._has_backward and not FORWARD_ONLY_EVAL:
             self.pipeline_order_with_comms = self._forward_only_order()
@@ -395,6 +492,58 @@ class UnitRuntime(ScheduleRuntime):
                 )
         finally:
             self.pipeline_order_with_comms = lowered
+            self._loss_kwarg_mbs = None
+
+    if not SPLIT_TARGET_HOOK:  # patch 6's _PipelineSchedule hunk: the target split, a method
+
+        def _split_target(self, target: Any) -> list[Any]:
+            """Splits a full-batch target into one target per microbatch (along dim 0)."""
+            return list(split_tensor(target, TARGET_CHUNK_SPEC, self._n_microbatches))
+
+        def _get_microbatch_inputs(  # type: ignore[override]
+            self,
+            args: tuple[Any, ...],
+            kwargs: dict[str, Any],
+            target: Any,
+            arg_mbs: Any = None,
+            kwarg_mbs: Any = None,
+            target_mbs: Any = None,
+        ) -> tuple[list | None, list | None, list | None]:
+            """torch's (2.14.1+), the whole-batch target split by :meth:`_split_target`."""
+            if any(mbs is not None for mbs in (arg_mbs, kwarg_mbs, target_mbs)):
+                if not MICROBATCH_INPUTS_HOOK:
+                    raise ValueError(f"pre-split inputs need torch >= 2.14.1 ({torch.__version__})")
+                return super()._get_microbatch_inputs(  # type: ignore[misc]
+                    args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs
+                )
+            args_split, kwargs_split = self._split_inputs(args, kwargs)
+            targets_split = self._split_target(target) if target is not None else None
+            return args_split, kwargs_split, targets_split
+
+    if not MICROBATCH_INPUTS_HOOK:  # 2.13: step() splits inline; this one calls the methods
+
+        def step(  # type: ignore[override]
+            self,
+            *args: Any,
+            target: Any = None,
+            losses: list | None = None,
+            return_outputs: bool = True,
+            loss_kwargs: dict[str, Any] | None = None,
+            **kwargs: Any,
+        ) -> Any:
+            """torch 2.13's ``step()``, its inputs split by ``_get_microbatch_inputs``."""
+            self.begin_step()
+            args_split, kwargs_split, targets_split = self._get_microbatch_inputs(
+                args, kwargs, target, None, None, None
+            )
+            self._step_microbatches(
+                args_split, kwargs_split, targets_split, losses, return_outputs,
+                loss_kwargs=loss_kwargs,
+            )  # fmt: skip
+            for stage in self._stages:
+                if stage.is_last and return_outputs:
+                    return self._merge_outputs(stage.output_chunks)
+            return None
 
     def _load_csv(self, filename: str, format: str = "compute_only") -> None:  # type: ignore[override]
         """torch's CSV format; a compute-only order is checked, then lowered like a built one."""
@@ -422,3 +571,18 @@ class UnitRuntime(ScheduleRuntime):
     def lower(self, actions: dict[int, list[Action | None]], format: str = "compute_only") -> None:
         """Lower ``actions`` into ``pipeline_order_with_comms`` (torch's entry point)."""
         self._prepare_schedule_with_comms(actions, format=format)
+
+
+def _checked_loss_kwarg_mbs(
+    loss_kwarg_mbs: Any, loss_kwargs: dict[str, Any] | None, n_units: int
+) -> list[dict[str, Any]] | None:
+    """Patch 1's checks of ``loss_kwarg_mbs``: one dict per microbatch, not with loss_kwargs."""
+    if loss_kwarg_mbs is None:
+        return None
+    if loss_kwargs is not None:
+        raise ValueError("pass loss_kwargs or loss_kwarg_mbs (one dict per microbatch), not both")
+    if not isinstance(loss_kwarg_mbs, list) or not all(isinstance(d, dict) for d in loss_kwarg_mbs):
+        raise TypeError(f"loss_kwarg_mbs must be a list of dicts, got {loss_kwarg_mbs!r}")
+    if len(loss_kwarg_mbs) != n_units:
+        raise ValueError(f"Expecting {n_units} loss_kwarg_mbs but got {len(loss_kwarg_mbs)}")
+    return loss_kwarg_mbs
