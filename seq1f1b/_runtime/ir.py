@@ -355,13 +355,26 @@ def set_recv_length(info: Any, dim: int, length: int, resize_meta: Callable[[Any
         # descriptors of different units may share one meta object: give this one its own
         info.tensor_meta = resize_meta(info.tensor_meta)
         return
-    buf = info.buffer
-    if buf.shape[dim] == length:
-        return
-    shape = list(buf.shape)
+    shape = list(info.buffer.shape)
     shape[dim] = length
-    new = torch.empty(shape, dtype=buf.dtype, device=buf.device)
-    info.buffer = new.requires_grad_(buf.requires_grad)
+    _receive_into(info, torch.Size(shape))
+
+
+def set_recv_meta(info: Any, meta: Any) -> None:
+    """Make a descriptor receive into ``meta``: torch's metadata (2.15), else a buffer of its
+    shape (2.13/2.14)."""
+    if RECV_BUFFER_PER_RECEIVE:
+        info.tensor_meta = meta
+    else:
+        _receive_into(info, torch.Size(meta.shape))
+
+
+def _receive_into(info: Any, shape: torch.Size) -> None:
+    """2.13/2.14: reallocate the descriptor's buffer when its shape differs."""
+    buf = info.buffer
+    if buf.shape != shape:
+        new = torch.empty(shape, dtype=buf.dtype, device=buf.device)
+        info.buffer = new.requires_grad_(buf.requires_grad)
 
 
 def received_tensors(stage: PipelineStageBase, unit: int) -> list[tuple[int, Any, torch.Tensor]]:

@@ -37,6 +37,7 @@ from .ir import (
     ScheduleRuntime,
     recv_infos,
     recv_shape,
+    set_recv_meta,
     split_tensor,
     tensor_meta_of,
     validate_schedule,
@@ -148,15 +149,6 @@ def _meta_of(info: Any) -> Any:
     if RECV_BUFFER_PER_RECEIVE:
         return info.tensor_meta
     return tensor_meta_of(info.buffer)
-
-
-def _apply_meta(info: Any, meta: Any) -> None:
-    """Receive into ``meta``: torch's metadata (2.15), else a buffer of its shape."""
-    if RECV_BUFFER_PER_RECEIVE:
-        info.tensor_meta = meta
-    elif info.buffer.shape != meta.shape:
-        buf = torch.empty(meta.shape, dtype=info.buffer.dtype, device=info.buffer.device)
-        info.buffer = buf.requires_grad_(info.buffer.requires_grad)
 
 
 # ---------------------------------------------------------------------------- runtime base
@@ -412,7 +404,7 @@ class UnitRuntime(ScheduleRuntime):
                         meta = self._inferred_recv_metas.setdefault(key, _meta_of(info))
                         for fn in fns:
                             meta = fn(unit, kind, i, meta)
-                        _apply_meta(info, meta)
+                        set_recv_meta(info, meta)
 
     def stage_init_scope(self) -> contextlib.AbstractContextManager[None]:
         """Context for torch's stage initialisation (its forward metadata inference runs the
