@@ -71,7 +71,7 @@ def main() -> None:
     if rank == 0:
         print(
             f"pp={world} stages/rank={args.stages_per_rank} M={args.microbatches} "
-            f"K={args.seq_chunks} segments={schedule.segment_lengths(args.seq_len)}"
+            f"K={args.seq_chunks} segments={schedule.split_lengths(args.seq_len)}"
         )
 
     g = torch.Generator().manual_seed(0)

@@ -285,7 +285,7 @@ def run_eval_case(rank: int, world: int, case: Case) -> None:
         context_parallel=ContextParallelConfig(cp_group),
     )  # fmt: skip
     if cp_group is not None:  # this rank's positions, segment by segment
-        lengths = sched.segment_lengths(case.seq_len)
+        lengths = sched.split_lengths(case.seq_len)
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         cp_rank = torch.distributed.get_rank(cp_group)
         ids, rows = documents(case), case.batch // case.n_microbatches

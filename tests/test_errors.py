@@ -54,7 +54,7 @@ def test_compute_split_validated_at_construction() -> None:
     shape = ModelShape(hidden=32, n_heads=4, n_layers=4, vocab=64)
     split = SequenceSplit("compute", model_shape=shape, seq_len=64)
     sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=split)
-    lengths = sched.segment_lengths(64)
+    lengths = sched.split_lengths(64)
     assert sum(lengths) == 64 and lengths == sorted(lengths, reverse=True)
 
 

@@ -153,3 +153,38 @@ def test_no_schedule_class_longer_than_torchs_interleaved_1f1b() -> None:
             if size > limit:
                 long.append(f"{path.relative_to(PACKAGE)}: {node.name}, {size} lines > {limit}")
     assert len(long) == 0, "\n".join(long)
+
+
+#: the private methods a Seq1F1B layer may override: patch 6's hooks, and torch's own hooks of a
+#: schedule (its order, its split of the step's inputs, its merge of the outputs)
+LAYER_HOOKS = {
+    "_calculate_single_rank_operations",
+    "_get_microbatch_inputs",
+    "_merge_outputs",
+    "_lengths_for",
+    "_agree_seq_len",
+    "_loss_weight",
+}
+
+
+def test_the_package_schedules_are_layers_over_the_upstream_class() -> None:
+    """``seq1f1b.ScheduleSeq1F1B`` and its kin are patch 6's class (schedules/upstream.py,
+    verbatim) with hooks answered: they derive from it, and of the private methods it and
+    torch's runtime define, they override only :data:`LAYER_HOOKS` (public hooks of the seam's
+    ``UnitRuntime`` aside), so a fix to the class is a fix to the package's schedules."""
+    import seq1f1b
+    from seq1f1b.schedules import upstream
+
+    schedules = [seq1f1b.ScheduleSeq1F1B, seq1f1b.ScheduleInterleavedSeq1F1B,
+                 seq1f1b.ScheduleZBSeq1F1B, seq1f1b.ScheduleZBVSeq1F1B]  # fmt: skip
+    wrong = []
+    for cls in schedules:
+        assert issubclass(cls, upstream.ScheduleSeq1F1B), cls
+        layers = cls.__mro__[: cls.__mro__.index(upstream.ScheduleSeq1F1B)]
+        for layer in layers:
+            for name in vars(layer):
+                inherited = hasattr(upstream.ScheduleSeq1F1B, name)
+                method = callable(vars(layer)[name]) and not name.startswith("__")
+                if method and name.startswith("_") and inherited and name not in LAYER_HOOKS:
+                    wrong.append(f"{layer.__name__}.{name}")
+    assert not wrong, f"layers override private methods that are not hooks: {sorted(set(wrong))}"

@@ -25,18 +25,18 @@ def test_a_split_mode_alone_is_the_split_object() -> None:
     by_name = ScheduleSeq1F1B(mock_stages(2, 1), 2, 3, split=[40, 32, 24])
     grouped = ScheduleSeq1F1B(mock_stages(2, 1), 2, 3, split=SequenceSplit((40, 32, 24)))
     assert by_name.sequence_split == grouped.sequence_split
-    assert by_name.split == grouped.split == [40, 32, 24]
+    assert by_name.seq_split == grouped.seq_split == (40, 32, 24)  # torch's attribute
     split = SequenceSplit("compute", SHAPE, multiple_of=2, seq_len=96)
     sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 3, split=split)
-    assert sched.sequence_split is split and sched.split == "compute"
-    lengths = sched.segment_lengths(96)
+    assert sched.sequence_split is split and sched.seq_split is None  # not fixed lengths
+    lengths = sched.split_lengths(96)
     assert sum(lengths) == 96 and all(n % 2 == 0 for n in lengths)
 
 
 def test_each_step_length_gets_its_own_split() -> None:
     sched = ScheduleSeq1F1B(mock_stages(2, 1), 1, 3, split=SequenceSplit("compute", SHAPE))
     for n in (24, 48, 36):
-        lengths = sched.segment_lengths(n)
+        lengths = sched.split_lengths(n)
         assert sum(lengths) == n and len(lengths) == 3
         assert lengths[0] >= lengths[-1]  # causal: later segments cost more per token
 

@@ -27,7 +27,6 @@ from torch.distributed.pipelining import PipelineStage
 import seq1f1b._runtime as rt
 from seq1f1b import ScheduleSeq1F1B
 from seq1f1b._runtime import reference as torch_ref
-from seq1f1b.schedules import receives
 from seq1f1b.schedules.upstream import _SequenceRecvMeta
 from seq1f1b.testing import build_stages
 
@@ -307,9 +306,8 @@ def _unsized_receive_fails(rank: int, world: int) -> None:
     mods = build_stages(CFG, world)
     stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
     sched = ScheduleSeq1F1B([stage], 1, 3, loss_fn, split=list(case.split))
-    # as if a torch release ignored the per-unit sizes (rewritten descriptors, or patch 5's hook)
-    rt.set_recv_length = lambda info, dim, length, resize_meta: None
-    rt.register_recv_meta_fn = lambda stage, fn: None
+    # as if a torch release ignored the per-unit sizes (patch 5's hook, or its emulation)
+    _SequenceRecvMeta.__call__ = lambda self, mb_index, kind, arg_index, meta: meta
     x, y = data(case)
     if rank == 1:
         with pytest.raises(RuntimeError, match="received an activation with 12 positions"):
@@ -373,20 +371,22 @@ def test_receive_metadata_is_patch_6s_and_contiguous() -> None:
 
 
 def _sized(lengths: list[int], inferred: int) -> list[int]:
-    """Each unit's receive length at dim 1, as the package sizes it on this torch, for a
-    stage that inferred ``inferred`` positions from unit 0."""
+    """Each unit's receive length at dim 1, as this torch sizes it with patch 6's sizing, for
+    a stage that inferred ``inferred`` positions from unit 0."""
     plain = rt.DTensorMeta.__bases__[0]  # torch's plain tensor metadata
     meta = plain(torch.Size([2, inferred, 3]), (3 * inferred, 3, 1), torch.float32, True)
     infos = {
         u: [SimpleNamespace(is_root_arg=False, tensor_meta=meta, buffer=torch.empty(meta.shape))]
         for u in range(len(lengths))
     }
-    hooks: list = []
-    stage = SimpleNamespace(stage_index=1, args_recv_info=infos, grad_recv_info={},
-                            register_recv_meta_fn=hooks.append)  # fmt: skip
-    receives.ReceiveSizer(seq_dim=1).resize([stage], lengths)  # type: ignore[list-item]
-    if hooks:  # patch 5: the stage's hook sizes each receive
-        return [hooks[0](u, "activation", 0, meta).shape[1] for u in range(len(lengths))]
+    sizing = _SequenceRecvMeta(seq_dim=1)
+    sizing.lengths = tuple(lengths)
+    if rt.RECV_META_HOOK:  # patch 5: the stage's hook sizes each receive
+        return [sizing(u, "activation", 0, meta).shape[1] for u in range(len(lengths))]
+    stage = SimpleNamespace(stage_index=1, args_recv_info=infos, grad_recv_info={})
+    runtime = SimpleNamespace(_stages=[stage], _recv_meta_fns={1: {0: sizing}},
+                              _inferred_recv_metas={}, n_units=len(lengths))  # fmt: skip
+    rt.UnitRuntime._apply_recv_meta_fns(runtime)  # type: ignore[arg-type]
     return [rt.recv_shape(infos[u][0])[1] for u in range(len(lengths))]
 
 

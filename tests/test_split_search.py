@@ -94,12 +94,12 @@ def test_falls_back_to_uniform_and_says_why() -> None:
     assert len(heard) == 1 and "keeps the uniform split" in heard[0]
     sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=MemoryCappedSplit(model_shape=LIGHT))
     with pytest.warns(UserWarning, match="raise memory_cap"):
-        assert sched.segment_lengths(24) == [6, 6, 6, 6]
+        assert sched.split_lengths(24) == [6, 6, 6, 6]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ScheduleSeq1F1B(
             mock_stages(2, 1), 2, 1, split=MemoryCappedSplit(model_shape=LIGHT)
-        ).segment_lengths(24) == [24]
+        ).split_lengths(24) == [24]
 
 
 @pytest.mark.parametrize("cls", [ScheduleSeq1F1B, ScheduleZBSeq1F1B])
@@ -107,7 +107,7 @@ def test_schedule_uses_its_own_order(cls: type) -> None:
     """The schedule resolves the split on its order (pp, stages per rank, M, K, split
     backward), identically on every rank."""
     split = MemoryCappedSplit(model_shape=QUICK, memory_cap=1.1, dtype_bytes=4, multiple_of=8)
-    got = [cls(mock_stages(2, 1, r), 2, 4, split=split).segment_lengths(4096) for r in (0, 1)]
+    got = [cls(mock_stages(2, 1, r), 2, 4, split=split).split_lengths(4096) for r in (0, 1)]
     order = OrderSpec(2, 1, 2, 4, split_backward=cls is ScheduleZBSeq1F1B)
     want = memory_capped_split(4096, 4, QUICK, order, multiple_of=8, cap=1.1, dtype_bytes=4)
     assert got == [want, want]

@@ -22,7 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 
 import seq1f1b._runtime as rt
 from seq1f1b.attention.kv import metadata_inference
-from seq1f1b.schedules.receives import ReceiveSizer
+from seq1f1b.schedules.receives import ReceiveCheck
 from seq1f1b.schedules.unit_actions import UnitActions
 from seq1f1b.schedules.upstream import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B
 from seq1f1b.testing import build_stages
@@ -37,8 +37,10 @@ class LayeredSeq1F1B(ScheduleSeq1F1B):
                  loss_fn: Callable[..., torch.Tensor] | None = None,
                  **kwargs: Any) -> None:  # fmt: skip
         super().__init__(stages, n_microbatches, seq_chunks, loss_fn, **kwargs)
+        stages = self.local_stages
+        sizing = {s.stage_index: r for s, r in zip(stages, self._recv_metas, strict=True)}
         self.unit_actions = UnitActions(
-            self.local_stages, seq_chunks, ReceiveSizer(self.seq_dim), None
+            self.local_stages, seq_chunks, ReceiveCheck(self.seq_dim, sizing), None
         )
         self.register_action_context(self.unit_actions)
         self.per_sample: list[tuple[int, ...]] | None = None

@@ -88,8 +88,8 @@ that has one, the workaround it retires is not used:
 Patch 6's ``ScheduleSeq1F1B`` (schedules/upstream.py, verbatim) runs on ``UnitRuntime`` on
 torch without the series: where a hook is absent, ``UnitRuntime`` gives what the class takes
 from it (the runtime options at torch's defaults dropped before 2.15, ``_internal_losses`` a
-dict, ``loss_kwarg_mbs``, ``register_recv_meta_fn`` on its stages, ``_split_target``); each
-is inert for the package's own schedules, which do not call it.
+dict, ``loss_kwarg_mbs``, ``register_recv_meta_fn`` on its stages, ``_split_target``). The
+package's Seq1F1B schedules are layers over that class, so they run on the same emulation.
 
 Touch points (distinct private torch names, overridden private methods and private attributes
 reached in ir.py + unit.py, counted from their syntax trees): 45; the comparison-only passes
@@ -159,9 +159,7 @@ from .ir import (
     received_tensors,
     recv_infos,
     recv_shape,
-    register_recv_meta_fn,
     set_pg_timeout,
-    set_recv_length,
     split_tensor,
     stand_in_stages,
     unflatten_dense_tensors,
@@ -231,9 +229,7 @@ __all__ = [
     "received_tensors",
     "recv_infos",
     "recv_shape",
-    "register_recv_meta_fn",
     "set_pg_timeout",
-    "set_recv_length",
     "split_tensor",
     "stand_in_stages",
     "unflatten_dense_tensors",

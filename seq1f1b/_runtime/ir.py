@@ -246,7 +246,7 @@ RUNTIME_OPTIONS: tuple[str, ...] = (
 #: torch hooks of the upstream series (upstream/README.md), found by feature. Where one is
 #: found, the matching workaround is not used.
 #: patch 5: ``PipelineStage.register_recv_meta_fn`` sizes each receive per microbatch
-#: (retires rewriting ``_RecvInfo.tensor_meta`` / ``.buffer`` per unit in set_recv_length).
+#: (retires rewriting ``_RecvInfo.tensor_meta`` / ``.buffer`` per unit in set_recv_meta).
 RECV_META_HOOK = hasattr(PipelineStageBase, "register_recv_meta_fn")
 #: patch 1: losses kept by microbatch index (with per-microbatch ``loss_kwarg_mbs`` in
 #: ``step``); retires our ``_maybe_get_loss`` override and our own loss dict.
@@ -339,25 +339,6 @@ def recv_shape(info: Any) -> torch.Size | None:
         return None if meta is None else torch.Size(meta.shape)
     buf = getattr(info, "buffer", None)
     return buf.shape if isinstance(buf, torch.Tensor) else None
-
-
-def register_recv_meta_fn(stage: PipelineStageBase, fn: Callable[..., Any]) -> Any:
-    """The upstream hook (patch 5): ``fn(mb_index, kind, arg_index, meta) -> meta`` sizes
-    each receive of ``stage``; returns its removable handle."""
-    return stage.register_recv_meta_fn(fn)  # type: ignore[attr-defined]
-
-
-def set_recv_length(info: Any, dim: int, length: int, resize_meta: Callable[[Any], Any]) -> None:
-    """Make a descriptor receive ``length`` positions at ``dim`` (other dims unchanged);
-    ``resize_meta(meta)`` gives the new metadata where torch sizes receives from it (2.15),
-    else the buffer is reallocated (2.13/2.14)."""
-    if RECV_BUFFER_PER_RECEIVE:
-        # descriptors of different units may share one meta object: give this one its own
-        info.tensor_meta = resize_meta(info.tensor_meta)
-        return
-    shape = list(info.buffer.shape)
-    shape[dim] = length
-    _receive_into(info, torch.Size(shape))
 
 
 def set_recv_meta(info: Any, meta: Any) -> None:

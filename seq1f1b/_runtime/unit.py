@@ -171,8 +171,7 @@ class UnitRuntime(ScheduleRuntime):
     ``ScheduleSeq1F1B`` (schedules/upstream.py, verbatim) takes from a patched runtime: 2.15's
     options at their defaults on older torch, ``_internal_losses`` as the dict, the
     ``loss_kwarg_mbs`` keyword, ``stage.register_recv_meta_fn`` on its stages, and
-    ``_split_target`` with the split that calls it (2.13: a ``step()``). The package's schedules
-    call none of them, so they change nothing there.
+    ``_split_target`` with the split that calls it (2.13: a ``step()``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -397,6 +396,8 @@ class UnitRuntime(ScheduleRuntime):
             for backward in (False, True):
                 kind = "gradient" if backward else "activation"
                 for unit, infos in recv_infos(stage, backward).items():
+                    if unit >= self.n_units:  # left by a schedule of more units on this stage
+                        continue
                     for i, info in enumerate(infos):
                         if recv_shape(info) is None:
                             continue

@@ -1,19 +1,17 @@
-"""Receive sizing: each unit's activation and gradient receives get their own segment length,
-and every received activation is checked against it before it is used.
+"""The received-length check: every received activation has its unit's segment length before
+it is used, never silently another's.
 
 torch sizes all receives of a stage alike, from the first unit it ran (2.13/2.14: preallocated
 buffers; 2.15: ``tensor_meta`` per receive). Segments differ in length within a step and
-between steps. The sizing is torch's, proposed in patch 6 of upstream/ (``_SequenceRecvMeta``,
-one per stage, in :mod:`.upstream`): each unit gets its segment's share of the positions torch
-inferred, in a contiguous layout, which covers sequence-sharded activations (tensor and context
-parallelism) and samples cut differently. On a torch with the per-microbatch receive hook
-(``register_recv_meta_fn``, patch 5) it is the stage's hook; otherwise the seam's
-``set_recv_length`` rewrites each receive per unit per step with it.
+between steps, so the schedule sizes each unit's receives with patch 6's ``_SequenceRecvMeta``
+(one per stage, :mod:`.upstream`): the stage's receive hook on a torch with patch 5, else the
+seam's emulation of it (``UnitRuntime._apply_recv_meta_fns``). This check reads the same sizing,
+so a torch release that changed how receives are allocated fails loudly here.
 """
 
 from __future__ import annotations
 
-from functools import partial
+from collections.abc import Mapping
 
 import torch
 
@@ -21,7 +19,7 @@ from .. import _runtime as rt
 from .._runtime import PipelineStageBase
 from .upstream import _SequenceRecvMeta
 
-__all__ = ["ReceiveSizer"]
+__all__ = ["ReceiveCheck"]
 
 _Key = tuple[int, bool, int, int]  # (stage, backward?, unit, slot)
 _ADVICE = (
@@ -31,42 +29,13 @@ _ADVICE = (
 )
 
 
-class ReceiveSizer:
-    """Sizes one schedule's receives per unit (see the module docstring)."""
+class ReceiveCheck:
+    """Checks one schedule's receives against each unit's segment (see the module docstring);
+    ``sizing``: each stage's ``_SequenceRecvMeta`` (by stage index), which sizes them."""
 
-    def __init__(self, seq_dim: int) -> None:
+    def __init__(self, seq_dim: int, sizing: Mapping[int, _SequenceRecvMeta]) -> None:
         self.seq_dim = seq_dim
-        self._sizing: dict[int, _SequenceRecvMeta] = {}  # by stage index (torch's, patch 6)
-        self._hooked: set[int] = set()  # stages whose receive hook is torch's sizing (patch 5)
-
-    def _of(self, stage_index: int) -> _SequenceRecvMeta:
-        return self._sizing.setdefault(stage_index, _SequenceRecvMeta(self.seq_dim))
-
-    def resize(self, stages: list[PipelineStageBase], lengths: list[int]) -> None:
-        """Give each unit's receives (forward and backward) its segment's share
-        (``lengths[u]``: unit ``u``'s length)."""
-        for stage in stages:
-            sizing = self._of(stage.stage_index)
-            sizing.lengths = tuple(lengths)
-            if rt.RECV_META_HOOK and stage.stage_index not in self._hooked:
-                rt.register_recv_meta_fn(stage, sizing)
-                self._hooked.add(stage.stage_index)
-        if rt.RECV_META_HOOK:
-            return
-        for stage in stages:
-            for backward in (False, True):
-                kind = "gradient" if backward else "activation"
-                for u, infos in rt.recv_infos(stage, backward).items():
-                    if u >= len(lengths):  # sized for more units by another schedule
-                        continue
-                    for i, info in enumerate(infos):
-                        shape = rt.recv_shape(info)
-                        if shape is None:
-                            continue
-                        want = self.length((stage.stage_index, backward, u, i), shape)
-                        if want is not None:
-                            sizing = partial(self._of(stage.stage_index), u, kind, i)
-                            rt.set_recv_length(info, self.seq_dim, want, sizing)
+        self._sizing = dict(sizing)
 
     def length(self, key: _Key, shape: torch.Size) -> int | None:
         """Positions the receive ``key`` holds at ``seq_dim`` for its unit (None: not a
@@ -74,7 +43,7 @@ class ReceiveSizer:
         stage_index, backward, unit, slot = key
         kind = "gradient" if backward else "activation"
         try:
-            return self._of(stage_index)._positions(unit, kind, slot, shape)
+            return self._sizing[stage_index]._positions(unit, kind, slot, shape)
         except ValueError as e:
             raise ValueError(f"stage {stage_index}: {e}: {_ADVICE}") from e
 

@@ -1,19 +1,26 @@
-"""``SequencePipelineSchedule``: what every Seq1F1B-family schedule shares, on torch's runtime.
+"""``SequencePipelineSchedule``: what every Seq1F1B-family schedule shares, as a layer over the
+class proposed to torch.
 
 Each batch is split into ``n_microbatches`` samples along dim 0 and each sample into
 ``seq_chunks`` segments along ``seq_dim``; a (sample, segment) *unit* is what torch's runtime
-calls a microbatch (index ``u = m * K + k``). Subclasses give each rank's compute order
-(``_calculate_single_rank_operations``, as torch's schedules do); lowering to send/recv, FSDP
-unshard/reshard, REDUCE_GRAD and gradient scaling are torch's.
+calls a microbatch (index ``u = m * K + k``). The class is patch 6's ``ScheduleSeq1F1B``
+(:mod:`.upstream`, verbatim): its unit bookkeeping (``segment_lengths``, ``unit_info``), its
+per-unit receive sizing, its loss weighting and torch's runtime underneath. This layer answers
+its hooks with what stays model-side:
 
-The step is torch's ``_step_microbatches`` on units this class cuts: torch's ``step()`` splits
-the target along the batch into ``n_microbatches`` pieces and merges outputs along the batch,
-neither of which fits sequence units. Around it, small collaborators each do one job:
-:class:`~seq1f1b.schedules.options.SequenceSplit` (segment lengths),
-:class:`~seq1f1b.schedules.step_inputs.UnitCutter` (units and token weights),
-:class:`~seq1f1b.schedules.preflight.Preflight` (inputs cut and agreed on before any traffic),
-:class:`~seq1f1b.schedules.receives.ReceiveSizer` (receives per unit) and
-:class:`~seq1f1b.schedules.unit_actions.UnitActions` (the per-action context: K/V state, guard).
+* ``_calculate_single_rank_operations`` (subclasses): the zero-bubble, V and interleaved orders
+  of :mod:`seq1f1b.orders`, run whole on compiled stages;
+* ``_get_microbatch_inputs``: the units after :class:`~seq1f1b.schedules.preflight.Preflight`
+  (every rank cuts its inputs, agrees on the length and fails together on bad input before any
+  pipeline traffic), with packed documents and context-parallel shards
+  (:class:`~seq1f1b.schedules.step_inputs.UnitCutter`);
+* ``_lengths_for``: :class:`~seq1f1b.schedules.options.SequenceSplit` (uniform, compute-balanced,
+  per document); ``_loss_weight``: each unit's token share; ``_merge_outputs``: any pytree;
+* the per-action unit context (:class:`~seq1f1b.schedules.unit_actions.UnitActions`: K/V state,
+  the received-length check, the attention guards), through ``register_action_context``.
+
+``step()`` is torch's in shape; it also takes ``document_ids`` and M pre-split samples on every
+supported torch, and averages gradients over a context-parallel group.
 """
 
 from __future__ import annotations
@@ -34,9 +41,10 @@ from ..orders.order_rules import check_order_rules
 from .microbatch import merge_unit_outputs
 from .options import ContextParallelConfig, SequenceSplit, check_counts, runtime_options
 from .preflight import Preflight
-from .receives import ReceiveSizer
-from .step_inputs import StepInputs, UnitCutter, split_step_inputs, weighted_loss
+from .receives import ReceiveCheck
+from .step_inputs import StepInputs, UnitCutter, split_step_inputs
 from .unit_actions import UnitActions
+from .upstream import ScheduleSeq1F1B as UpstreamSeq1F1B
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +79,9 @@ def compiled_stages(stages: Sequence[PipelineStageBase], cls: type) -> bool:
     return compiled
 
 
-class SequencePipelineSchedule(rt.UnitRuntime):
-    """Base of the Seq1F1B schedules; see :class:`seq1f1b.ScheduleSeq1F1B` for the arguments."""
+class SequencePipelineSchedule(UpstreamSeq1F1B):
+    """The class proposed to torch (:mod:`.upstream`), hooks answered model-side (order, pre-
+    flight, documents, CP, token weights, unit context). Args: :class:`seq1f1b.ScheduleSeq1F1B`."""
 
     def __init__(
         self,
@@ -105,56 +114,42 @@ class SequencePipelineSchedule(rt.UnitRuntime):
         self.context_parallel = context_parallel or ContextParallelConfig()
         self.sequence_split.check(k)
         self._cp = self.context_parallel.resolve()
-        self.n_samples, self.seq_chunks, self.seq_dim = m, k, seq_dim
-        super().__init__(stages=stage_list, n_microbatches=m * k, loss_fn=loss_fn,
-                         args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
-                         output_merge_spec=output_merge_spec, scale_grads=scale_grads,
-                         backward_requires_autograd=backward_requires_autograd,
-                         defer_pp_recv=defer_pp_recv, **runtime_options(
-                             max_active_stages, unshard_lookahead, defer_reduce_grad_wait,
-                             max_outstanding_sends))  # fmt: skip
+        self.order_spec = OrderSpec(stage_list[0].group_size, len(stage_list), m, k,
+                                    self._split_backward, self._placement)  # fmt: skip
+        self._whole_backward = self._split_backward and compiled_stages(stage_list, type(self))
+        mode = self.sequence_split.mode
+        lengths = None if isinstance(mode, str) else mode  # torch's seq_split: fixed lengths
+        options = runtime_options(max_active_stages, unshard_lookahead, defer_reduce_grad_wait,
+                                  max_outstanding_sends)  # fmt: skip
+        super().__init__(stage_list, m, k, loss_fn, args_chunk_spec, kwargs_chunk_spec,
+                         output_merge_spec, scale_grads, seq_dim, lengths,
+                         backward_requires_autograd, defer_pp_recv, **options)  # fmt: skip
+        if self._whole_backward:
+            self._install_order({r: whole_backwards(o) for r, o in self.pipeline_order.items()})
         self.cutter = UnitCutter(m, k, seq_dim, dict(kwargs_seq_dims or {}), ignore_index,
                                  scale_grads, *self.chunk_specs[:2])  # fmt: skip
         self.preflight = Preflight(self.sequence_split, self.cutter, self.sample_lengths,
                                    self._cp, self.pp_group_size)  # fmt: skip
-        self.receives = ReceiveSizer(seq_dim)
-        self.unit_actions = UnitActions(stage_list, k, self.receives, self._cp, skip_invisible,
-                                        check_attention)  # fmt: skip
+        sizing = {s.stage_index: r for s, r in zip(self._stages, self._recv_metas, strict=True)}
+        self.unit_actions = UnitActions(stage_list, k, ReceiveCheck(seq_dim, sizing), self._cp,
+                                        skip_invisible, check_attention)  # fmt: skip
         self.register_action_context(self.unit_actions)
         self._inputs: StepInputs | None = None
-        self.order_spec = OrderSpec(self.pp_group_size, len(stage_list), m, k,
-                                    self._split_backward, self._placement)  # fmt: skip
-        self._whole_backward = self._split_backward and compiled_stages(stage_list, type(self))
-        orders = {r: self._calculate_single_rank_operations(r) for r in range(self.pp_group_size)}
-        whole = self._whole_backward
-        self._install_order({r: whole_backwards(o) if whole else o for r, o in orders.items()})
+        self._document_ids: Any = None  # the current step's, for _get_microbatch_inputs
         if self.sequence_split.seq_len is not None:
-            self.segment_lengths(self.sequence_split.seq_len)  # fail now, not at the first step
+            self.split_lengths(self.sequence_split.seq_len)  # fail now, not at the first step
 
-    #: whether the orders split each backward into BACKWARD_INPUT + BACKWARD_WEIGHT
-    _split_backward = False
-    #: how stages sit on ranks: "looped" (stage s on rank s % pp) or "v" (r and 2*pp-1-r)
-    _placement = "looped"
+    _split_backward = False  # whether the orders split backwards (BACKWARD_INPUT + _WEIGHT)
+    _placement = "looped"  # stage s on rank s % pp; "v": rank r holds r and 2*pp-1-r
 
-    def _calculate_single_rank_operations(self, rank: int) -> list[Action | None]:
-        """This rank's compute-only order (closed form; subclasses)."""
-        raise NotImplementedError
-
-    @property
-    def split(self) -> str | list[int]:
-        mode = self.sequence_split.mode
-        return mode if isinstance(mode, str) else list(mode)
-
-    def segment_lengths(self, seq_len: int) -> list[int]:
-        """Segment lengths for a sequence of ``seq_len`` tokens without packed documents
-        (cached per length): every sample's, unless a step passes ``document_ids``."""
+    def split_lengths(self, seq_len: int) -> list[int]:
+        """Every sample's segment lengths for ``seq_len`` tokens without packed documents."""
         cp = 1 if self._cp is None else self._cp.size
         return self.sequence_split.lengths(seq_len, self.seq_chunks, cp, self.order_spec)
 
     def sample_lengths(self, seq_len: int, document_ids: Any = None) -> list[list[int]]:
-        """Each sample's segment lengths for a step. With the step's ``document_ids`` and
-        ``split="compute"``, each sample's are balanced for its own documents (cached per
-        layout; the same on every rank, which all hold the documents)."""
+        """Each sample's segment lengths; with ``document_ids`` and ``split="compute"`` each
+        is balanced for its own documents (the same on every rank: all hold them)."""
         cp = 1 if self._cp is None else self._cp.size
         return self.sequence_split.sample_lengths(seq_len, self.seq_chunks, self.n_samples, cp,
                                                   self.order_spec, document_ids)  # fmt: skip
@@ -169,39 +164,53 @@ class SequencePipelineSchedule(rt.UnitRuntime):
              target_mbs: list | None = None, finalize_gradients: bool = True,
              document_ids: torch.Tensor | Sequence[torch.Tensor] | None = None,
              **kwargs: Any) -> Any:  # fmt: skip
-        """One step on whole-batch inputs or M pre-split samples, each cut here into its K
-        segments; ``document_ids`` (batch, seq_len) marks packed documents (on every rank);
-        ``losses`` gets M*K unit losses whose mean is the batch's (docs/direct_api.md)."""
-        presplit = split_step_inputs(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs,
-                                     self.n_samples)  # fmt: skip
+        """torch's step on the batch or M pre-split samples; ``document_ids`` (batch, seq_len):
+        packed documents (every rank); ``losses``: M*K unit losses (docs/direct_api.md)."""
+        self._document_ids = document_ids
+        try:
+            units = self._get_microbatch_inputs(args, kwargs, target, arg_mbs, kwarg_mbs,
+                                                target_mbs)  # fmt: skip
+        finally:
+            self._document_ids = None
         self.begin_step(finalize_gradients)
-        self._inputs = inputs = self.preflight.prepare(self.local_stages[0], args, kwargs,
-                                                       target, presplit, document_ids,
-                                                       self._whole_backward)  # fmt: skip
-        self.unit_actions.begin_step(inputs.lengths, inputs.documents)
-        self.run_microbatches(inputs.args, inputs.kwargs, inputs.targets, losses,
-                              return_outputs, loss_kwargs=loss_kwargs)  # fmt: skip
+        self.run_microbatches(*units, losses, return_outputs, loss_kwargs=loss_kwargs)
         if self._cp is not None and self.context_parallel.reduce_grads and self.has_backward:
             self._cp.average_grads(p for s in self.local_stages for p in s.submod.parameters())
         last = [s for s in self.local_stages if s.is_last]
-        if last and return_outputs:
-            return merge_unit_outputs(last[0].output_chunks, self.n_samples, self.seq_dim,
-                                      self.chunk_specs[2])  # fmt: skip
-        return None
+        return self._merge_outputs(last[0].output_chunks) if last and return_outputs else None
+
+    def _get_microbatch_inputs(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs):  # type: ignore[override]
+        """The units, after a pre-flight that fails every rank on any rank's bad input."""
+        presplit = split_step_inputs(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs,
+                                     self.n_samples)  # fmt: skip
+        self._inputs = inputs = self.preflight.prepare(self._stages[0], args, kwargs, target,
+                                                       presplit, self._document_ids,
+                                                       self._whole_backward)  # fmt: skip
+        self.segment_lengths = [tuple(lengths) for lengths in inputs.lengths]
+        for recv_meta in self._recv_metas:
+            recv_meta.lengths = tuple(inputs.unit_lengths)
+        self.unit_actions.begin_step(inputs.lengths, inputs.documents)
+        return inputs.args, inputs.kwargs, inputs.targets
+
+    def _lengths_for(self, seq_len: int) -> list[tuple[int, ...]]:
+        return [tuple(ls) for ls in self.sample_lengths(seq_len, self._document_ids)]
+
+    def _loss_weight(self, mb_index: int) -> float:
+        """The unit's token share; 1.0 for a loss that takes it (:class:`seq1f1b.ChunkedLoss`)."""
+        takes = getattr(self.loss_fn, "takes_unit_weight", False)
+        return 1.0 if self._inputs is None or takes else self._inputs.weights[mb_index]
 
     def unit_loss(self, stage, output, target, mb_index, loss_kwargs):  # type: ignore[override]
-        """torch's per-unit loss, weighted by the unit's share of the batch's tokens (a loss
-        that runs its own backward inside, :class:`seq1f1b.ChunkedLoss`, takes the weight)."""
+        """torch's loss; ChunkedLoss (its own backward) takes the weight. A unit of no counted
+        token (weight 0) has a 0/0 = NaN mean: it adds nothing, and no gradient."""
         weight = self._inputs.weights[mb_index] if self._inputs is not None else 1.0
         if getattr(self.loss_fn, "takes_unit_weight", False):
             return self.loss_fn(output, target, weight=weight, **(loss_kwargs or {}))
         loss = super().unit_loss(stage, output, target, mb_index, loss_kwargs)
-        return weighted_loss(loss, weight)
+        return torch.where(loss.isnan(), torch.zeros_like(loss), loss) if weight == 0.0 else loss
 
-    def after_stage_init(self) -> None:
-        """Give each unit's receives its own segment length (torch sizes them all alike)."""
-        if self._inputs is not None:
-            self.receives.resize(self.local_stages, self._inputs.unit_lengths)
+    def _merge_outputs(self, output_chunks: list[Any]) -> Any:
+        return merge_unit_outputs(output_chunks, self.n_samples, self.seq_dim, self.chunk_specs[2])
 
     @contextlib.contextmanager
     def unit_scope(self) -> Iterator[None]:

@@ -29,7 +29,6 @@ __all__ = [
     "check_presplit",
     "split_step_inputs",
     "token_weights",
-    "weighted_loss",
 ]
 
 Presplit = tuple[list, list, list | None]
@@ -93,14 +92,6 @@ def split_step_inputs(
             "samples (arg_mbs, kwarg_mbs, target_mbs), not both"
         )
     return check_presplit(arg_mbs, kwarg_mbs, target_mbs, n_samples)
-
-
-def weighted_loss(loss: torch.Tensor, weight: float) -> torch.Tensor:
-    """A unit's mean loss times its token share. A unit without a counted token (all
-    ``ignore_index``) has a 0/0 = NaN mean: it adds nothing, and its gradient is zero."""
-    if weight == 0.0:
-        return torch.where(loss.isnan(), torch.zeros_like(loss), loss) * 0.0
-    return loss * weight if weight != 1.0 else loss
 
 
 def token_weights(tokens: Sequence[int], total: int, cp_size: int) -> list[float]:

@@ -22,7 +22,7 @@ from .._runtime import Action, PipelineStageBase
 from ..attention.kv import ContextParallel, SegmentInfo, StageKVState, UnitContext, activate
 from ..attention.mixing_probe import mixes_positions, mixing_error
 from .partition import segment_offsets
-from .receives import ReceiveSizer
+from .receives import ReceiveCheck
 
 __all__ = ["PlainAttentionGuard", "UnitActions"]
 
@@ -63,7 +63,7 @@ class UnitActions:
         self,
         stages: Sequence[PipelineStageBase],
         seq_chunks: int,
-        receives: ReceiveSizer,
+        receives: ReceiveCheck,
         cp: ContextParallel | None,
         skip_invisible: bool = True,
         check_attention: bool = True,

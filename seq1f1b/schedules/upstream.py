@@ -11,12 +11,11 @@ and to torch's own; ``_PipelineScheduleRuntime`` is the seam's ``UnitRuntime``, 
 class, on a torch without the series, what it takes from a patched runtime (see the seam's
 table), so ``ScheduleSeq1F1B`` here runs on torch 2.13 to 2.15 unpatched.
 
-The package uses the helpers: :mod:`.receives` sizes each unit's receives with
-``_SequenceRecvMeta``: the stages' receive hook on a torch with patch 5, else called by the
-package for each receive; :mod:`.partition`'s uniform split is ``_get_even_segment_lengths``;
+The package uses the helpers too: :mod:`.receives` checks each received activation against
+``_SequenceRecvMeta``'s sizing; :mod:`.partition`'s uniform split is ``_get_even_segment_lengths``;
 :mod:`.microbatch` cuts each tensor with ``_split_into_segments`` and merges outputs with
-``_merge_segments``. The package's own schedule is ``seq1f1b.ScheduleSeq1F1B``
-(:mod:`.sequence_schedule`), not this class.
+``_merge_segments``. The package's ``seq1f1b.ScheduleSeq1F1B`` is this class with its hooks
+answered model-side (:mod:`.sequence_schedule`).
 Not formatted by ruff (``pyproject.toml``): its layout is torch's.
 """
 
