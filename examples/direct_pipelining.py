@@ -66,7 +66,7 @@ def main() -> None:
         args.microbatches,
         args.seq_chunks,
         loss_fn,
-        split=SequenceSplit(split, model_shape=shape, seq_len=args.seq_len),
+        seq_split=SequenceSplit(split, model_shape=shape, seq_len=args.seq_len),
     )
     if rank == 0:
         print(

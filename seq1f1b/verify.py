@@ -150,7 +150,7 @@ def verify_model(
 
         n = len(mine)
         pipe = [PipelineStage(m, i, n, device, group=group) for i, m in enumerate(mine)]
-        schedule = ScheduleSeq1F1B(pipe, 1, seq_chunks, loss_fn, split=list(lengths),
+        schedule = ScheduleSeq1F1B(pipe, 1, seq_chunks, loss_fn, seq_split=list(lengths),
                                    seq_dim=seq_dim)  # fmt: skip
         try:
             schedule.step(inputs, target=target, losses=losses, document_ids=document_ids)

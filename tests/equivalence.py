@@ -141,7 +141,7 @@ def run_case(rank: int, world: int, case: Case, tol: float = 1e-5) -> None:
         case.n_microbatches,
         case.seq_chunks,
         loss_fn,
-        split=grouped_split,
+        seq_split=grouped_split,
         context_parallel=ContextParallelConfig(cp_group, case.cp_prefix),
     )
     x, y = data(case)
@@ -281,7 +281,7 @@ def run_eval_case(rank: int, world: int, case: Case) -> None:
     stages = [PipelineStage(mods[s], s, num_stages, dev, group=pp_group) for s in mine]
     split = case.split if isinstance(case.split, str) else list(case.split)
     sched = ScheduleSeq1F1B(
-        stages, case.n_microbatches, case.seq_chunks, loss_fn, split=split,
+        stages, case.n_microbatches, case.seq_chunks, loss_fn, seq_split=split,
         context_parallel=ContextParallelConfig(cp_group),
     )  # fmt: skip
     if cp_group is not None:  # this rank's positions, segment by segment
@@ -386,7 +386,7 @@ def run_changing_lengths(
     stages = [PipelineStage(mods[s], s, num_stages, dev) for s in mine]
     cls = lookup("Seq1F1B").schedule_class()
     shape = ModelShape(hidden=CFG.dim, n_heads=CFG.n_heads, n_layers=CFG.n_layers, vocab=CFG.vocab)
-    sched = cls(stages, 2, 3, loss_fn, split=SequenceSplit(split, model_shape=shape))
+    sched = cls(stages, 2, 3, loss_fn, seq_split=SequenceSplit(split, model_shape=shape))
     has_first, has_last = 0 in mine, num_stages - 1 in mine
     for seq_len in seq_lens:
         case = Case(stages_per_rank, 3, 2, seq_len=seq_len, batch=4)
@@ -420,7 +420,7 @@ def run_changing_lengths(
     if has_last:
         got = torch.stack(losses).mean().item()
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
-    fixed = cls(stages, 2, 3, loss_fn, split=[12, 7, 5])
+    fixed = cls(stages, 2, 3, loss_fn, seq_split=[12, 7, 5])
     x, y = data(Case(stages_per_rank, 3, 2, seq_len=36, batch=4))
     try:
         fixed.step(*((x,) if has_first else ()), target=y if has_last else None)
@@ -450,7 +450,7 @@ def run_with_instance_override(rank: int, world: int) -> None:
 
         stage.forward_one_chunk = traced
         overrides[stage] = traced
-    sched = lookup("Seq1F1B").schedule_class()(stages, 2, 3, loss_fn, split="uniform")
+    sched = lookup("Seq1F1B").schedule_class()(stages, 2, 3, loss_fn, seq_split="uniform")
     x, y = data(case)
     has_first, has_last = 0 in mine, num_stages - 1 in mine
     losses: list[torch.Tensor] = []
@@ -541,7 +541,7 @@ def run_mask_split_steps(rank: int, world: int, schedule: str, stages_per_rank: 
                        window=window, sinks=cfg.sinks,
                        window_layers=CFG.n_layers // 2 if window else None)  # fmt: skip
     sched = lookup(schedule).schedule_class()(
-        stages, m, k, loss_fn, split=SequenceSplit("compute", model_shape=shape),
+        stages, m, k, loss_fn, seq_split=SequenceSplit("compute", model_shape=shape),
         context_parallel=ContextParallelConfig(cp_group),
     )  # fmt: skip
     has_first, has_last = 0 in mine, num_stages - 1 in mine

@@ -34,13 +34,13 @@ pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
         ({"seq_chunks": 0}, "seq_chunks must be an integer >= 1"),
         ({"seq_chunks": True}, "seq_chunks must be an integer >= 1"),
         ({"seq_dim": 0}, "dim 0 is the batch dim"),
-        ({"split": "balanced"}, "split='balanced' is unknown"),
-        ({"split": "compute"}, "needs the model shape"),
-        ({"split": [4, 4, 4]}, "split has 3 lengths but seq_chunks=2"),
-        ({"split": SequenceSplit(multiple_of=0)}, r"SequenceSplit\.multiple_of must be an integer"),
-        ({"split": SequenceSplit(seq_len=1)}, "seq_len"),
-        ({"split": SequenceSplit((3, 3), seq_len=10)}, "sum"),
-        ({"split": SequenceSplit(multiple_of=4, seq_len=6)}, "multiple"),
+        ({"seq_split": "balanced"}, "seq_split='balanced' is unknown"),
+        ({"seq_split": "compute"}, "needs the model shape"),
+        ({"seq_split": [4, 4, 4]}, "split has 3 lengths but seq_chunks=2"),
+        ({"seq_split": SequenceSplit(multiple_of=0)}, r"SequenceSplit\.multiple_of must be an int"),
+        ({"seq_split": SequenceSplit(seq_len=1)}, "seq_len"),
+        ({"seq_split": SequenceSplit((3, 3), seq_len=10)}, "sum"),
+        ({"seq_split": SequenceSplit(multiple_of=4, seq_len=6)}, "multiple"),
         ({"context_parallel": ContextParallelConfig(prefix="ring")}, "cp_prefix='ring' is unknown"),
     ],
 )
@@ -53,7 +53,7 @@ def test_invalid_arguments(kwargs: dict, match: str) -> None:
 def test_compute_split_validated_at_construction() -> None:
     shape = ModelShape(hidden=32, n_heads=4, n_layers=4, vocab=64)
     split = SequenceSplit("compute", model_shape=shape, seq_len=64)
-    sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=split)
+    sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, seq_split=split)
     lengths = sched.split_lengths(64)
     assert sum(lengths) == 64 and lengths == sorted(lengths, reverse=True)
 

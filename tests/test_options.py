@@ -22,19 +22,19 @@ SHAPE = ModelShape(hidden=64, n_heads=4, n_layers=2, vocab=128)
 
 
 def test_a_split_mode_alone_is_the_split_object() -> None:
-    by_name = ScheduleSeq1F1B(mock_stages(2, 1), 2, 3, split=[40, 32, 24])
-    grouped = ScheduleSeq1F1B(mock_stages(2, 1), 2, 3, split=SequenceSplit((40, 32, 24)))
+    by_name = ScheduleSeq1F1B(mock_stages(2, 1), 2, 3, seq_split=[40, 32, 24])
+    grouped = ScheduleSeq1F1B(mock_stages(2, 1), 2, 3, seq_split=SequenceSplit((40, 32, 24)))
     assert by_name.sequence_split == grouped.sequence_split
     assert by_name.seq_split == grouped.seq_split == (40, 32, 24)  # torch's attribute
     split = SequenceSplit("compute", SHAPE, multiple_of=2, seq_len=96)
-    sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 3, split=split)
+    sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 3, seq_split=split)
     assert sched.sequence_split is split and sched.seq_split is None  # not fixed lengths
     lengths = sched.split_lengths(96)
     assert sum(lengths) == 96 and all(n % 2 == 0 for n in lengths)
 
 
 def test_each_step_length_gets_its_own_split() -> None:
-    sched = ScheduleSeq1F1B(mock_stages(2, 1), 1, 3, split=SequenceSplit("compute", SHAPE))
+    sched = ScheduleSeq1F1B(mock_stages(2, 1), 1, 3, seq_split=SequenceSplit("compute", SHAPE))
     for n in (24, 48, 36):
         lengths = sched.split_lengths(n)
         assert sum(lengths) == n and len(lengths) == 3
@@ -61,14 +61,14 @@ def test_flat_spellings_are_not_arguments(flat: dict) -> None:
 
 def test_grouped_arguments_are_validated() -> None:
     with pytest.raises(ValueError, match="split='compute' needs the model shape"):
-        ScheduleSeq1F1B(mock_stages(2, 1), 1, 2, split=SequenceSplit("compute"))
+        ScheduleSeq1F1B(mock_stages(2, 1), 1, 2, seq_split=SequenceSplit("compute"))
     with pytest.raises(ValueError, match="split has 3 lengths but seq_chunks=2"):
-        ScheduleSeq1F1B(mock_stages(2, 1), 1, 2, split=SequenceSplit((4, 4, 4)))
+        ScheduleSeq1F1B(mock_stages(2, 1), 1, 2, seq_split=SequenceSplit((4, 4, 4)))
     with pytest.raises(ValueError, match="cp_prefix='ring' is unknown"):
         ScheduleSeq1F1B(mock_stages(2, 1), 1, 2,
                         context_parallel=ContextParallelConfig(prefix="ring"))  # fmt: skip
     with pytest.raises(ValueError, match=r"SequenceSplit\.multiple_of must be an integer"):
-        ScheduleSeq1F1B(mock_stages(2, 1), 1, 2, split=SequenceSplit(multiple_of=0))
+        ScheduleSeq1F1B(mock_stages(2, 1), 1, 2, seq_split=SequenceSplit(multiple_of=0))
 
 
 @pytest.mark.parametrize(

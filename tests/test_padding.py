@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, checkpointing: bool) -> None:
     ref_loss = loss_fn(full_model(ref_mods)(x), y)
     ref_loss.backward()
     stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
-    sched = ScheduleSeq1F1B([stage], CASE.n_microbatches, 3, loss_fn, split=list(CASE.split))
+    sched = ScheduleSeq1F1B([stage], CASE.n_microbatches, 3, loss_fn, seq_split=list(CASE.split))
     for train in (True, False):
         losses: list[torch.Tensor] = []
         if rank == 0:
@@ -60,7 +60,7 @@ def test_all_ignored_unit_gives_finite_loss_and_exact_grads(checkpointing: bool)
 def _all_ignored(rank: int, world: int) -> None:
     x, y = data(CASE)
     stage = PipelineStage(build_stages(CFG, world)[rank], rank, world, torch.device("cpu"))
-    sched = ScheduleSeq1F1B([stage], CASE.n_microbatches, 3, loss_fn, split=list(CASE.split))
+    sched = ScheduleSeq1F1B([stage], CASE.n_microbatches, 3, loss_fn, seq_split=list(CASE.split))
     if rank == 0:
         with pytest.raises(RuntimeError, match="another pipeline rank rejected its inputs"):
             sched.step(x)

@@ -196,7 +196,7 @@ def test_explicit_and_resolve_split() -> None:
         (lambda: uniform_split(10, True), r"seq_chunks must be an integer"),
         (
             lambda: resolve_split("balanced", 10, 2),
-            r"unknown split='balanced'.*'uniform', 'compute'",
+            r"unknown seq_split='balanced'.*'uniform', 'compute'",
         ),
         (
             lambda: resolve_split("compute", 10, 2),

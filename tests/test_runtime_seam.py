@@ -305,7 +305,7 @@ def _unsized_receive_fails(rank: int, world: int) -> None:
     case = Case(1, 3, 1, split=(12, 8, 4))
     mods = build_stages(CFG, world)
     stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
-    sched = ScheduleSeq1F1B([stage], 1, 3, loss_fn, split=list(case.split))
+    sched = ScheduleSeq1F1B([stage], 1, 3, loss_fn, seq_split=list(case.split))
     # as if a torch release ignored the per-unit sizes (patch 5's hook, or its emulation)
     _SequenceRecvMeta.__call__ = lambda self, mb_index, kind, arg_index, meta: meta
     x, y = data(case)
@@ -327,7 +327,7 @@ def _presplit(rank: int, world: int) -> None:
     ref_loss, ref_grads = reference(case, world)
     mods = build_stages(CFG, world)
     stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
-    sched = ScheduleSeq1F1B([stage], 2, 2, loss_fn, split=list(case.split))
+    sched = ScheduleSeq1F1B([stage], 2, 2, loss_fn, seq_split=list(case.split))
     x, y = data(case)
     xs, ys = list(torch.tensor_split(x, 2)), list(torch.tensor_split(y, 2))
     losses: list[torch.Tensor] = []

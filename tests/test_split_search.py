@@ -92,13 +92,13 @@ def test_falls_back_to_uniform_and_says_why() -> None:
     heard: list[str] = []
     assert memory_capped_split(24, 4, LIGHT, order, warn=heard.append) == [6, 6, 6, 6]
     assert len(heard) == 1 and "keeps the uniform split" in heard[0]
-    sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=MemoryCappedSplit(model_shape=LIGHT))
+    sched = ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, seq_split=MemoryCappedSplit(model_shape=LIGHT))
     with pytest.warns(UserWarning, match="raise memory_cap"):
         assert sched.split_lengths(24) == [6, 6, 6, 6]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ScheduleSeq1F1B(
-            mock_stages(2, 1), 2, 1, split=MemoryCappedSplit(model_shape=LIGHT)
+            mock_stages(2, 1), 2, 1, seq_split=MemoryCappedSplit(model_shape=LIGHT)
         ).split_lengths(24) == [24]
 
 
@@ -107,7 +107,7 @@ def test_schedule_uses_its_own_order(cls: type) -> None:
     """The schedule resolves the split on its order (pp, stages per rank, M, K, split
     backward), identically on every rank."""
     split = MemoryCappedSplit(model_shape=QUICK, memory_cap=1.1, dtype_bytes=4, multiple_of=8)
-    got = [cls(mock_stages(2, 1, r), 2, 4, split=split).split_lengths(4096) for r in (0, 1)]
+    got = [cls(mock_stages(2, 1, r), 2, 4, seq_split=split).split_lengths(4096) for r in (0, 1)]
     order = OrderSpec(2, 1, 2, 4, split_backward=cls is ScheduleZBSeq1F1B)
     want = memory_capped_split(4096, 4, QUICK, order, multiple_of=8, cap=1.1, dtype_bytes=4)
     assert got == [want, want]
@@ -117,18 +117,18 @@ def test_schedule_uses_its_own_order(cls: type) -> None:
 def test_errors_name_the_constraint_and_the_fix() -> None:
     shape_fix = r"needs the model shape.*MemoryCappedSplit\('memory_capped', model_shape="
     with pytest.raises(ValueError, match=shape_fix):
-        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=MemoryCappedSplit())
+        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, seq_split=MemoryCappedSplit())
     with pytest.raises(ValueError, match=r"the planning layer does.*MemoryCappedSplit"):
-        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=SequenceSplit("memory_capped", QUICK))
+        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, seq_split=SequenceSplit("memory_capped", QUICK))
     with pytest.raises(ValueError, match=r"MemoryCappedSplit has mode 'compute'"):
-        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=MemoryCappedSplit("compute", QUICK))
+        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, seq_split=MemoryCappedSplit("compute", QUICK))
     for bad in (0, -1.0, "1.2", True, float("nan")):
         with pytest.raises(ValueError, match="memory_cap must be a number > 0"):
             split = MemoryCappedSplit(model_shape=QUICK, memory_cap=bad)
-            ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=split)
+            ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, seq_split=split)
     with pytest.raises(ValueError, match="dtype_bytes"):
         split = MemoryCappedSplit(model_shape=QUICK, dtype_bytes=3)
-        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=split)
+        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, seq_split=split)
     with pytest.raises(ValueError, match=r"resolve_split does not know.*MemoryCappedSplit"):
         resolve_split("memory_capped", 4096, 4, shape=QUICK)
     with pytest.raises(ValueError, match=r"simulates the schedule's order.*OrderSpec"):
@@ -142,4 +142,4 @@ def test_errors_name_the_constraint_and_the_fix() -> None:
     # fails at construction when the length is fixed
     with pytest.raises(ValueError, match="multiple of 64"):
         split = MemoryCappedSplit(model_shape=QUICK, multiple_of=64, seq_len=4000)
-        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, split=split)
+        ScheduleSeq1F1B(mock_stages(2, 1), 2, 4, seq_split=split)

@@ -239,7 +239,7 @@ def build_schedule(
         batch // mb_size,
         config.seq1f1b.seq_chunks,
         loss_fn,
-        split=split,
+        seq_split=split,
         # context parallelism: our ring attention shards each segment over the cp mesh;
         # FSDP over the fsdp mesh (dp_shard x cp) sums the gradients, as torchtitan's own CP
         context_parallel=ContextParallelConfig(cp_group, reduce_grads=False),

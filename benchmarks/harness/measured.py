@@ -248,7 +248,7 @@ class _Run:
                 m,
                 spec.seq_chunks,
                 loss_fn,
-                split=run_split(spec, setting.model, _seq_len(setting, spec)),
+                seq_split=run_split(spec, setting.model, _seq_len(setting, spec)),
                 skip_invisible=spec.skip_invisible,
                 context_parallel=ContextParallelConfig(cp_group, spec.cp_prefix),
             )

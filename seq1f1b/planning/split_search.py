@@ -110,7 +110,7 @@ def search_capped_split(
     """
     if not isinstance(shape, ModelShape):
         raise ValueError(
-            "split='memory_capped' needs the model shape to simulate step time: pass "
+            "seq_split='memory_capped' needs the model shape to simulate step time: pass "
             "model_shape=ModelShape(hidden=..., n_heads=..., n_layers=..., vocab=...)"
         )
     cap = checked_cap(cap)
@@ -235,13 +235,13 @@ def memory_capped_split(
         seq_len, k, shape, order, multiple_of=multiple_of, cap=cap, dtype_bytes=dtype_bytes
     )
     if found.fallback and warn is not None and k > 1:
-        warn(f"split='memory_capped' keeps the uniform split {found.lengths}: {found.fallback}")
+        warn(f"seq_split='memory_capped' keeps the uniform split {found.lengths}: {found.fallback}")
     return found.lengths
 
 
 @dataclass(frozen=True)
 class MemoryCappedSplit(SequenceSplit):
-    """``split="memory_capped"``: the lengths with the smallest simulated step time whose
+    """``seq_split="memory_capped"``: the lengths with the smallest simulated step time whose
     activation peak, on every stage, stays within ``memory_cap`` times the uniform split's
     (:func:`memory_capped_split`, on the schedule's own order). A :class:`SequenceSplit`
     resolved here, in the planning layer, and handed to the schedule, which never imports the
@@ -280,8 +280,8 @@ class MemoryCappedSplit(SequenceSplit):
         """The memory-capped search for the schedule's ``order`` (warns when it keeps uniform)."""
         if order is None:
             raise ValueError(
-                "split='memory_capped' simulates the schedule's order: hand this split to "
-                "ScheduleSeq1F1B(..., split=MemoryCappedSplit(...)), or call "
+                "seq_split='memory_capped' simulates the schedule's order: hand this split to "
+                "ScheduleSeq1F1B(..., seq_split=MemoryCappedSplit(...)), or call "
                 "seq1f1b.planning.split_search.memory_capped_split with an OrderSpec"
             )
         assert self.model_shape is not None  # check() ran at construction

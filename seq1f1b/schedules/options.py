@@ -100,18 +100,18 @@ class SequenceSplit:
         if isinstance(self.mode, str):
             if self.mode not in SPLIT_MODES:
                 raise ValueError(
-                    f"split={self.mode!r} is unknown: use one of {list(SPLIT_MODES)} or a list "
+                    f"seq_split={self.mode!r} is unknown: use one of {list(SPLIT_MODES)} or a list "
                     "of segment lengths"
                 )
             if self.mode in ("compute", "memory_capped") and self.model_shape is None:
                 raise ValueError(
-                    f"split={self.mode!r} needs the model shape: pass "
-                    f"split={type(self).__name__}({self.mode!r}, model_shape=ModelShape(...))"
+                    f"seq_split={self.mode!r} needs the model shape: pass "
+                    f"seq_split={type(self).__name__}({self.mode!r}, model_shape=ModelShape(...))"
                 )
             if self.mode == "memory_capped" and not self.simulates_order:
                 raise ValueError(
-                    "split='memory_capped' simulates the schedule's order, which the planning "
-                    "layer does: pass split=seq1f1b.MemoryCappedSplit(model_shape=..., "
+                    "seq_split='memory_capped' simulates the schedule's order, which the planning "
+                    "layer does: pass seq_split=seq1f1b.MemoryCappedSplit(model_shape=..., "
                     "memory_cap=...) (a SequenceSplit)"
                 )
         elif len(self.mode) != seq_chunks:

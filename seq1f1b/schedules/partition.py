@@ -319,18 +319,18 @@ def resolve_split(
         if split == "compute":
             if shape is None:
                 raise ValueError(
-                    "split='compute' needs the model shape: pass model_shape=ModelShape(...)"
+                    "seq_split='compute' needs the model shape: pass model_shape=ModelShape(...)"
                 )
             return compute_balanced_split(seq_len, k, shape, multiple_of)
         if split == "memory_capped":
             raise ValueError(
-                "split='memory_capped' simulates the schedule's order, which resolve_split does "
-                "not know: pass it to ScheduleSeq1F1B(split=MemoryCappedSplit("
+                "seq_split='memory_capped' simulates the schedule's order, which resolve_split "
+                "does not know: pass it to ScheduleSeq1F1B(seq_split=MemoryCappedSplit("
                 "model_shape=...)), or call seq1f1b.planning.split_search.memory_capped_split"
             )
         allowed = ", ".join(repr(m) for m in SPLIT_MODES)
         raise ValueError(
-            f"unknown split={split!r}: use one of {allowed}, or a list of {k} segment lengths"
+            f"unknown seq_split={split!r}: use one of {allowed}, or a list of {k} segment lengths"
         )
     return explicit_split(split, seq_len, k, multiple_of)
 

@@ -144,7 +144,7 @@ class Preflight:
             mode = self.split.mode
             masked = document_ids is not None and mode == "compute"
             same = all(ls == lengths[0] for ls in lengths)
-            logger.info("Seq1F1B: segment lengths%s %s (split=%s%s)",
+            logger.info("Seq1F1B: segment lengths%s %s (seq_split=%s%s)",
                         "" if same else " per sample", lengths[0] if same else lengths, mode,
                         ", by document" if masked else "")  # fmt: skip
             self._last_lengths = lengths

@@ -24,7 +24,7 @@ __all__ = ["ReceiveCheck"]
 _Key = tuple[int, bool, int, int]  # (stage, backward?, unit, slot)
 _ADVICE = (
     "uneven segments need activations that keep the sequence at seq_dim (else use "
-    "split='uniform' with a divisible seq_len); a sequence sharded over n ranks needs "
+    "seq_split='uniform' with a divisible seq_len); a sequence sharded over n ranks needs "
     "SequenceSplit(multiple_of=n) (e.g. the TP size)"
 )
 

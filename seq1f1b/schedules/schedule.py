@@ -40,9 +40,10 @@ class ScheduleSeq1F1B(SequencePipelineSchedule):
             along ``seq_dim``).
         scale_grads, backward_requires_autograd, defer_pp_recv: as in torch's schedules.
         seq_dim: sequence dimension of inputs, targets, per-token kwargs and activations.
-        split: how each sample is cut: a :class:`~seq1f1b.schedules.options.SequenceSplit`
-            (mode, model shape, multiple, fixed length), or its mode alone ("uniform",
-            "compute" needs the model shape, or explicit lengths).
+        seq_split: how each sample is cut (torch's ``seq_split``, which takes fixed lengths):
+            a :class:`~seq1f1b.schedules.options.SequenceSplit` (mode, model shape, multiple,
+            fixed length), or its mode alone ("uniform", the default; "compute" needs the model
+            shape; or explicit lengths).
         context_parallel: a :class:`~seq1f1b.schedules.options.ContextParallelConfig` to shard
             each segment over a CP group (ring attention, see
             :mod:`seq1f1b.attention.context_parallel`).

@@ -97,7 +97,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
         defer_pp_recv: bool = False,
         *,
         seq_dim: int = 1,
-        split: SequenceSplit | str | Sequence[int] = "uniform",
+        seq_split: SequenceSplit | str | Sequence[int] | None = None,
         context_parallel: ContextParallelConfig | None = None,
         ignore_index: int | None = -100,
         kwargs_seq_dims: Mapping[str, int | None] | None = None,
@@ -110,7 +110,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
     ) -> None:
         stage_list = _check_stages(stages, self._placement)
         m, k = check_counts(n_microbatches, seq_chunks, seq_dim)
-        self.sequence_split = SequenceSplit.of(split)
+        self.sequence_split = SequenceSplit.of("uniform" if seq_split is None else seq_split)
         self.context_parallel = context_parallel or ContextParallelConfig()
         self.sequence_split.check(k)
         self._cp = self.context_parallel.resolve()
@@ -148,7 +148,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
         return self.sequence_split.lengths(seq_len, self.seq_chunks, cp, self.order_spec)
 
     def sample_lengths(self, seq_len: int, document_ids: Any = None) -> list[list[int]]:
-        """Each sample's segment lengths; with ``document_ids`` and ``split="compute"`` each
+        """Each sample's segment lengths; with ``document_ids`` and ``seq_split="compute"`` each
         is balanced for its own documents (the same on every rank: all hold them)."""
         cp = 1 if self._cp is None else self._cp.size
         return self.sequence_split.sample_lengths(seq_len, self.seq_chunks, self.n_samples, cp,
