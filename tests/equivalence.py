@@ -44,7 +44,7 @@ class Case:
     schedule: str = "Seq1F1B"  # a seq-chunked schedule of the registry
     cp: int = 1  # context-parallel degree (the world is pp x cp, pp outer)
     cp_prefix: str = "auto"
-    memory_cap: float = 1.0  # split="memory_capped" only
+    memory_cap: float = 1.0  # seq_split="memory_capped" only
 
     @property
     def cfg(self) -> TinyConfig:

@@ -28,7 +28,7 @@ def _chunked_case(rank: int, world: int, schedule: str, split, checkpointing: bo
     # segments of 8, or 10/8/6: chunks of 3 tokens, uneven
     chunked = ChunkedLoss(mods[-1].head, chunk_tokens=3)
     split_arg = split if isinstance(split, str) else list(split)
-    sched = lookup(schedule).schedule_class()(stages, 2, 3, chunked, split=split_arg)
+    sched = lookup(schedule).schedule_class()(stages, 2, 3, chunked, seq_split=split_arg)
     x, y = data(case)
     losses: list[torch.Tensor] = []
     sched.step(x, target=y, losses=losses)

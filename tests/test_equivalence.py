@@ -137,6 +137,6 @@ def test_context_parallel_ring_of_three_and_four(cp: int) -> None:
 @pytest.mark.parametrize("stages_per_rank", [1, 2])
 @pytest.mark.parametrize("world", [2, 4])
 def test_memory_capped_split_matches_reference(world: int, stages_per_rank: int) -> None:
-    # split="memory_capped": the lengths the simulator picks under an activation cap (uneven in
+    # seq_split="memory_capped": the lengths the simulator picks under an activation cap (uneven in
     # most cases here), K in {1,2,4}, checkpointing, documents + window, ZBSeq1F1B
     run_ranks(run_capped_grid, world, stages_per_rank)

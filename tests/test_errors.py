@@ -130,7 +130,7 @@ def _no_growth(rank: int, world: int) -> None:
     mods = build_stages(CFG, world)
     x, y = data_case()
     stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
-    sched = ScheduleSeq1F1B([stage], 2, 4, loss_fn, split=[9, 7, 5, 3])
+    sched = ScheduleSeq1F1B([stage], 2, 4, loss_fn, seq_split=[9, 7, 5, 3])
     first, last = rank == 0, rank == world - 1
     counts = []
     for _ in range(5):
@@ -188,10 +188,10 @@ def _cp_errors(rank: int, world: int) -> None:
     stage = PipelineStage(mods[0], 0, 1, torch.device("cpu"), group=singles[rank])
     # each segment must split into 2 * cp chunks: refused at construction, naming the fix
     with pytest.raises(ValueError, match=r"multiple of 4 tokens \(context parallelism over 2"):
-        ScheduleSeq1F1B([stage], 1, 2, loss_fn, split=SequenceSplit(seq_len=30),
+        ScheduleSeq1F1B([stage], 1, 2, loss_fn, seq_split=SequenceSplit(seq_len=30),
                         context_parallel=cp)  # fmt: skip
     with pytest.raises(ValueError, match="split lengths must be a multiple of multiple_of=4"):
-        ScheduleSeq1F1B([stage], 1, 2, loss_fn, split=SequenceSplit((14, 10), seq_len=24),
+        ScheduleSeq1F1B([stage], 1, 2, loss_fn, seq_split=SequenceSplit((14, 10), seq_len=24),
                         context_parallel=cp)  # fmt: skip
     # ... or at the first step when the length comes with the batch (on every CP rank alike)
     sched = ScheduleSeq1F1B([stage], 1, 2, loss_fn, context_parallel=cp)

@@ -72,7 +72,7 @@ def test_pp2_seq1f1b_matches_unpipelined_and_logs_tensorboard(seed, reference, t
     assert_same_curve(run, reference)
     if titan_generation() == "0.3":  # packed documents: the compute split follows each batch
         splits = re.findall(r"segment lengths(?: per sample)? (\[[\[\]\d, ]+\]) "
-                            r"\(split=compute, by document\)", run.output)  # fmt: skip
+                            r"\(seq_split=compute, by document\)", run.output)  # fmt: skip
         assert len(set(splits)) > 1, splits  # changed between steps (logged when it does)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

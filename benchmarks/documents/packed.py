@@ -254,7 +254,7 @@ def snap_savings(
     rows, seq_len = docs.shape
     reach = int(reach_fraction * seq_len / k)
     balanced, snapped, before, after = [], [], 0, 0
-    for r in range(rows):  # each sample its own cuts, as split="compute" cuts them
+    for r in range(rows):  # each sample its own cuts, as seq_split="compute" cuts them
         row = docs[r : r + 1]
         lengths = mask_balanced_split(row, k, shape)
         cuts = [sum(lengths[:j]) for j in range(1, k)]

@@ -67,7 +67,7 @@ class RunSpec:
     documents: int = 0  # packed documents of about this many tokens (0: one sequence)
     skip_invisible: bool = True  # False: the mask-alone baseline (see ScheduleSeq1F1B)
     cp_prefix: str = "auto"  # with Setting.cp > 1: how segments reach the cached prefix
-    memory_cap: float = 1.0  # split="memory_capped": peak allowed, x the uniform split's
+    memory_cap: float = 1.0  # seq_split="memory_capped": peak allowed, x the uniform split's
     compiled: bool = False  # every block torch.compile'd (fullgraph), as torchtitan does
     loss_chunk_tokens: int = 0  # > 0: head + loss by seq1f1b.ChunkedLoss in chunks of this
     document_ids: tuple[tuple[int, ...], ...] = ()  # given packed documents, one row a sample
