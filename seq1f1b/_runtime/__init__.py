@@ -82,7 +82,10 @@ that has one, the workaround it retires is not used:
 | forward-only eval lowering (3)                | swapping ``pipeline_order_with_comms`` in eval   |
 | ``register_action_context`` (4)               | ``action_contexts_installed`` (stage wrapping)   |
 | ``register_recv_meta_fn`` (5)                 | rewriting ``_RecvInfo.tensor_meta`` per unit;    |
-|                                               |   the stage method, given by ``UnitRuntime``     |
+|                                               |   the stage method, given by ``UnitRuntime``;    |
+|                                               |   with it, ``stage._recv_meta_fns`` is reset     |
+|                                               |   when a schedule takes the stages (one function |
+|                                               |   per stage; ``release_recv_meta_fns``)          |
 | ``_split_target`` (6, ``SPLIT_TARGET_HOOK``)  | ``UnitRuntime``'s ``_split_target`` and split    |
 
 Patch 6's ``ScheduleSeq1F1B`` (schedules/upstream.py, verbatim) runs on ``UnitRuntime`` on
@@ -159,6 +162,7 @@ from .ir import (
     received_tensors,
     recv_infos,
     recv_shape,
+    release_recv_meta_fns,
     set_pg_timeout,
     split_tensor,
     stand_in_stages,
@@ -229,6 +233,7 @@ __all__ = [
     "received_tensors",
     "recv_infos",
     "recv_shape",
+    "release_recv_meta_fns",
     "set_pg_timeout",
     "split_tensor",
     "stand_in_stages",

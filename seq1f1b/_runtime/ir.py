@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -339,6 +340,18 @@ def recv_shape(info: Any) -> torch.Size | None:
         return None if meta is None else torch.Size(meta.shape)
     buf = getattr(info, "buffer", None)
     return buf.shape if isinstance(buf, torch.Tensor) else None
+
+
+def release_recv_meta_fns(stages: Sequence[PipelineStageBase]) -> None:
+    """Patch 5 (one receive metadata function per stage at a time): forget the one registered
+    on each stage, so that a schedule built on them takes over their receive sizing (an earlier
+    schedule's sizes units of its own steps); a stand-in stage gets the registry it lacks.
+
+    Upstream hook that would remove this: patch 6's class keeping its registration handles and
+    releasing them when another schedule takes the stages.
+    """
+    for stage in stages if RECV_META_HOOK else ():
+        stage._recv_meta_fns = OrderedDict()  # type: ignore[attr-defined]
 
 
 def set_recv_meta(info: Any, meta: Any) -> None:

@@ -109,6 +109,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
         max_outstanding_sends: int | None = None,
     ) -> None:
         stage_list = _check_stages(stages, self._placement)
+        rt.release_recv_meta_fns(stage_list)  # this schedule takes over their receive sizing
         m, k = check_counts(n_microbatches, seq_chunks, seq_dim)
         self.sequence_split = SequenceSplit.of("uniform" if seq_split is None else seq_split)
         self.context_parallel = context_parallel or ContextParallelConfig()
@@ -117,8 +118,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
         self.order_spec = OrderSpec(stage_list[0].group_size, len(stage_list), m, k,
                                     self._split_backward, self._placement)  # fmt: skip
         self._whole_backward = self._split_backward and compiled_stages(stage_list, type(self))
-        mode = self.sequence_split.mode
-        lengths = None if isinstance(mode, str) else mode  # torch's seq_split: fixed lengths
+        lengths = None if isinstance(mode := self.sequence_split.mode, str) else mode  # fixed
         options = runtime_options(max_active_stages, unshard_lookahead, defer_reduce_grad_wait,
                                   max_outstanding_sends)  # fmt: skip
         super().__init__(stage_list, m, k, loss_fn, args_chunk_spec, kwargs_chunk_spec,
@@ -135,7 +135,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
                                         skip_invisible, check_attention)  # fmt: skip
         self.register_action_context(self.unit_actions)
         self._inputs: StepInputs | None = None
-        self._document_ids: Any = None  # the current step's, for _get_microbatch_inputs
+        self._document_ids: Any = None  # the current step's (step() sets it)
         if self.sequence_split.seq_len is not None:
             self.split_lengths(self.sequence_split.seq_len)  # fail now, not at the first step
 
