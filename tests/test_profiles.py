@@ -474,3 +474,42 @@ def test_split_backward_divides_the_backwards_flops() -> None:
     weight = costs.of(rt.BACKWARD_WEIGHT)
     assert weight.seconds(late) == pytest.approx(weight.seconds(early))
     assert costs.of(rt.BACKWARD_INPUT).seconds(late) > costs.of(rt.BACKWARD_INPUT).seconds(early)
+
+
+def _fork_interleaved_order(p: int, v: int, m: int, k: int, rank: int) -> list[tuple]:
+    """The unit sequence of the Seq1F1B fork's ``forward_backward_pipelining_with_interleaving``
+    on ``rank`` (thunlp/Seq1F1B, megatron/core/pipeline_parallel/schedules.py), rebuilt from
+    its rules: warm-up ``(v-1)*p + 2*(p-rank-1) + k-1`` forwards, then one forward and one
+    backward per step; unit ``j``'s chunk is ``(j % (p*v)) // p`` (reversed for backwards);
+    a chunk's backwards pop each microbatch's segments last first (its ``sp_queue``)."""
+    total = m * v * k
+    warmup = min((v - 1) * p + 2 * (p - rank - 1) + k - 1, total)
+
+    def unit(j: int, forward: bool) -> tuple:
+        chunk = (j % (p * v)) // p
+        index = (j // (p * v)) * p + j % p  # the j-th unit this chunk runs
+        if not forward:
+            chunk = v - 1 - chunk
+            mb, seg = divmod(index, k)
+            index = mb * k + (k - 1 - seg)
+        return ("F" if forward else "B", chunk * p + rank, index)
+
+    seq = [unit(j, True) for j in range(warmup)]
+    for j in range(total - warmup):
+        seq += [unit(j + warmup, True), unit(j, False)]
+    return seq + [unit(j, False) for j in range(total - warmup, total)]
+
+
+def test_the_paper_check_simulates_the_forks_interleaved_order() -> None:
+    """The published Seq1F1B-I cells are priced on the library's InterleavedSeq1F1B order;
+    that is the fork's own order for the paper's setting (pp 4, v 2, M 8, K 4), every rank,
+    action for action, so a gap to the published numbers is not an order difference."""
+    p, v, m, k = 4, 2, 8, 4
+    entry = Setting(p, 8, 1, k, m, "compute", False, True, "InterleavedSeq1F1B", v).entry
+    assert entry is not None
+    order = entry.compute_orders(p, m, k, v)
+    kinds = {rt.FORWARD: "F", rt.FULL_BACKWARD: "B"}
+    for rank in range(p):
+        ours = [(kinds[a.computation_type], a.stage_index, a.microbatch_index)
+                for a in order[rank] if a is not None]  # fmt: skip
+        assert ours == _fork_interleaved_order(p, v, m, k, rank), rank
