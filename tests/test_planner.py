@@ -386,3 +386,38 @@ def test_published_7b_memory_differences_are_reproduced() -> None:
     one = gb(4, 8, "1F1B")
     assert one - gb(4, 8, "Seq1F1B", k=4) == pytest.approx(51.4 - 34.3, rel=0.05)
     assert gb(4, 8, "Interleaved1F1B", v=2) - one == pytest.approx(62.9 - 51.4, rel=0.15)
+
+
+def test_selective_ac_is_priced_between_none_and_full() -> None:
+    """torchtitan's selective AC: it keeps less than no AC and more than full AC, its
+    backward costs more than no AC's and less than full AC's, and it is searched only where
+    attention is torch's (K = 1), the K > 1 settings skipped with the reason."""
+    hw = Hardware(8, 80.0, tflops=400.0, inter_node_gbps=50.0)
+    plan = search(
+        PRESETS["llama3-8b"], 32768, hw, 16, pp=[1, 2], tp=[1], chunks=[1, 4],
+        splits=("uniform",), selective=True, precision="torchtitan-0.3",
+        schedules=["1F1B", "Seq1F1B"],
+    )  # fmt: skip
+    by: dict[tuple, dict[str, Candidate]] = {}
+    for c in plan.candidates:
+        s = c.setting
+        by.setdefault((s.pp, s.seq_chunks), {})[s.ac] = c
+    assert all("selective" not in modes for (pp, k), modes in by.items() if k > 1)
+    assert any("selective AC with K > 1: not priced" in why for why in plan.skipped)
+    for key in [(1, 1), (2, 1)]:
+        none, sel, full = (by[key][m] for m in ("none", "selective", "full"))
+        assert none.step_seconds < sel.step_seconds < full.step_seconds, key
+        assert full.max_bytes < sel.max_bytes < none.max_bytes, key
+        assert sel.setting.label().endswith("selective AC")
+    with pytest.raises(ValueError, match="full or selective"):
+        Setting(1, 1, 8, 1, 2, "uniform", True, True, selective=True)
+
+
+def test_toml_of_a_selective_plan(tmp_path: Path) -> None:
+    """A plan with selective AC says so in torchtitan's words (0.2.2's op-level option too)."""
+    tomllib = pytest.importorskip("tomllib")
+    out = tmp_path / "plan.toml"
+    argv = "--model llama3-8b --seq-len 8192 --gpus 8 --gpu-memory-gb 80 --pp 1 --tp 1"
+    assert toml_main([*argv.split(), "--ac", "selective", "--output", str(out)]) == 0
+    doc = tomllib.loads(out.read_text())
+    assert doc["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}

@@ -57,6 +57,15 @@ from seq1f1b.planning.published import (
     memory_rows,
     tflops_rows,
 )
+from seq1f1b.planning.published_titan import (
+    CELLS,
+    FIT,
+    HELD_OUT,
+    SLACK_CELL,
+    allocator_slack,
+    fit_h100,
+    titan_rows,
+)
 from seq1f1b.planning.simulate import simulate, simulate_blocking
 from seq1f1b.schedules.partition import ModelShape
 
@@ -120,18 +129,19 @@ def test_thirty_b_claim() -> None:
 
 
 def test_memory_row_as_achieved() -> None:
-    """No fitted offset: the items from the fork's code bring 1F1B-I within 15% of the
-    published reserved GiB; 1F1B, Seq1F1B and Seq1F1B-I stay 15-30% under, 4-11 GiB not
-    attributed (the target is met by one cell of four)."""
+    """No offset fitted to these cells: the items from the fork's code and the caching
+    allocator's slack (read from torchtitan's eager H100 cell, not from these) bring every
+    published 64k memory cell within 15% (the target); what is left over is under 8 GiB."""
     rows = {r["schedule"]: r for r in memory_rows(A100)}
-    assert abs(rows["1F1B-I"]["error"]) < 0.15, rows["1F1B-I"]
-    for name in ("1F1B", "Seq1F1B", "Seq1F1B-I"):
-        assert -0.30 < rows[name]["error"] < -0.15, rows[name]
     for r in rows.values():
-        assert 4.0 < r["unattributed_gib"] < 11.0, r
+        assert abs(r["error"]) < 0.15, r
+        assert abs(r["unattributed_gib"]) < 8.0, r
         assert r["total_gib"] == pytest.approx(
             r["base_gib"] + sum(r["items_gib"].values()) + r["gather_gib"] + r["transient_gib"]
-        )
+            + r["allocator_gib"]
+        )  # fmt: skip
+        activations = r["total_gib"] - r["allocator_gib"] - r["state_gib"]
+        assert r["allocator_gib"] == pytest.approx(allocator_slack() * activations)
 
 
 def test_memory_items_of_the_fork() -> None:
@@ -513,3 +523,42 @@ def test_the_paper_check_simulates_the_forks_interleaved_order() -> None:
         ours = [(kinds[a.computation_type], a.stage_index, a.microbatch_index)
                 for a in order[rank] if a is not None]  # fmt: skip
         assert ours == _fork_interleaved_order(p, v, m, k, rank), rank
+
+
+H100 = PROFILES["h100-80gb"]
+
+
+def test_h100_profile_fitted_on_torchtitans_runs_and_held_out() -> None:
+    """The H100 profile: fitted on torchtitan's two compiled FSDP runs (reproduced within
+    0.5%), its stated efficiencies are the fit's (3 figures); the 8B FSDP 8 x TP 8 run it never
+    saw within its stated error, the 70B (full AC) within 20%, as the profile states."""
+    eff = fit_h100(H100)
+    for name in ("linear", "attention", "collectives"):
+        assert float(f"{getattr(eff, name):.3g}") == getattr(H100.efficiency, name), name
+    rows = {r["cell"]: r for r in titan_rows(H100)}
+    for cell in FIT:
+        assert abs(rows[cell.label]["tps_error"]) < 0.005, rows[cell.label]
+    tp8, big = (rows[c.label] for c in HELD_OUT)
+    assert abs(tp8["tps_error"]) <= H100.efficiency.error, tp8
+    fsdp8 = rows[FIT[0].label]
+    ratio = (tp8["predicted_tps"] / fsdp8["predicted_tps"]) / (
+        tp8["published_tps"] / fsdp8["published_tps"]
+    )
+    assert abs(ratio - 1) <= H100.efficiency.error
+    assert -0.20 < big["tps_error"] < -0.10, big  # stated in the profile's error_source
+    assert "15%" in H100.efficiency.error_source
+    assert PROFILES["h200"].efficiency == H100.efficiency
+
+
+def test_allocator_slack_holds_where_it_was_not_read() -> None:
+    """The caching allocator's slack is read from one published cell (torchtitan's eager 8B on
+    8 H100s); torchtitan's other cells with a published memory, whose model state differs 6x,
+    land within 15% with it and 12-21% under without it."""
+    assert 0.2 < allocator_slack() < 0.4
+    rows = {r["cell"]: r for r in titan_rows(H100)}
+    for cell in CELLS:
+        r = rows[cell.label]
+        if cell.memory_gib is None or cell is SLACK_CELL:
+            continue
+        assert abs(r["reserved_error"]) < 0.15, r
+        assert -0.22 < r["gib_error"] < -0.10, r

@@ -141,6 +141,8 @@ def test_model_shape_is_torchtitans_debug_model() -> None:
         # a sequence-chunked plan with several looped stages per rank (layers per stage)
         "--model llama3-8b --seq-len 65536 --gpus 8 --gpu-memory-gb 80",
         "--model llama3-70b --seq-len 65536 --gpus 64 --gpu-memory-gb 80 --ac full",
+        # torchtitan's selective (op-level) activation checkpointing
+        "--model llama3-8b --seq-len 8192 --gpus 8 --gpu-memory-gb 80 --pp 1 --ac selective",
     ],
 )
 def test_planner_toml_is_accepted_on_0_3(argv: str, tmp_path: Path, monkeypatch) -> None:
@@ -163,6 +165,8 @@ def test_planner_toml_is_accepted_on_0_3(argv: str, tmp_path: Path, monkeypatch)
     assert (par.pipeline_parallel_degree, par.tensor_parallel_degree) == (s.pp, s.tp)
     assert config.training.seq_len == plan.seq_len
     assert model_shape(config.model_spec.model) == plan.shape
+    if s.selective:
+        assert type(config.activation_checkpoint).__qualname__ == "SelectiveAC.Config"
     validate_before_start(config)
 
 

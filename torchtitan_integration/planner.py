@@ -175,7 +175,8 @@ def render_toml(
     lines += [
         "",
         "[activation_checkpoint]",
-        f'mode = "{"full" if s.recompute else "none"}"',
+        f'mode = "{s.ac}"',
+        *(['selective_ac_option = "op"'] if s.selective else []),
         "",
         "[checkpoint]",
         "enable = true",

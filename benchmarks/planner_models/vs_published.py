@@ -25,6 +25,12 @@ from seq1f1b.planning.published import (
     memory_vs_published,
     tflops_rows,
 )
+from seq1f1b.planning.published_titan import (
+    SLACK_CELL,
+    allocator_slack,
+    fit_h100,
+    titan_rows,
+)
 
 __all__ = ["main", "memory_vs_published"]
 
@@ -34,7 +40,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__)
     ap.add_argument("--gpu", default="a100-80gb", choices=sorted(PROFILES))
     ap.add_argument("--refit", action="store_true", help="fit the efficiencies again first")
+    ap.add_argument(
+        "--titan", action="store_true",
+        help="torchtitan's published H100 runs instead (the h100-80gb profile's fit)",
+    )  # fmt: skip
     a = ap.parse_args(argv)
+    if a.titan:
+        return _titan(a.refit)
     prof = profile(a.gpu)
     if a.refit:
         prof = prof.with_efficiency(fit(prof))
@@ -68,7 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         "\n64k memory, GiB per GPU (the fork's torch.cuda.max_memory_reserved): the worst "
         "rank's state and activations (base), what each Megatron item adds to its peak, the "
-        "sequence-parallel gather buffer, a layer's backward transient; no fitted offset"
+        "sequence-parallel gather buffer, a layer's backward transient, the caching "
+        f"allocator's slack ({allocator_slack():.0%} of the activations, read from torchtitan's "
+        f"{SLACK_CELL.label} H100 cell); nothing fitted to these cells"
     )
     print(f"{'':<28}" + "".join(f"{r['schedule']:>10}" for r in rows))
     print(f"{'published':<28}" + "".join(f"{r['published_gib']:>10.1f}" for r in rows))
@@ -77,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{'+ ' + item:<28}" + "".join(f"{r['items_gib'][item]:>10.2f}" for r in rows))
     print(f"{'+ gather buffer':<28}" + "".join(f"{r['gather_gib']:>10.2f}" for r in rows))
     print(f"{'+ backward transient':<28}" + "".join(f"{r['transient_gib']:>10.2f}" for r in rows))
+    print(f"{'+ allocator slack':<28}" + "".join(f"{r['allocator_gib']:>10.2f}" for r in rows))
     print(f"{'= total':<28}" + "".join(f"{r['total_gib']:>10.1f}" for r in rows))
     print(f"{'error':<28}" + "".join(f"{r['error']:>+10.1%}" for r in rows))
     print(f"{'not attributed':<28}" + "".join(f"{r['unattributed_gib']:>10.1f}" for r in rows))
@@ -91,6 +106,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         "layers do not cut into 8 equal stages (the only cut the planner prices) and it ran "
         "on Ascend NPUs, which have no profile"
     )
+    return 0
+
+
+def _titan(refit: bool) -> int:
+    """torchtitan's published H100 runs against the h100-80gb profile (fitted on two)."""
+    prof = profile("h100-80gb")
+    if refit:
+        prof = prof.with_efficiency(fit_h100(prof))
+    e = prof.efficiency
+    print(f"profile {prof.name}: {prof.source}")
+    print(
+        f"efficiencies: linear {e.linear:.3g}, attention {e.attention:.3g} of "
+        f"{prof.peak_tflops:g} TFLOP/s, collectives {e.collectives:.3g} of the links' peak; "
+        f"{e.source}\nchecked: {prof.checked}\n"
+    )
+    print(
+        f"{'cell':<38} {'tok/s/GPU':>9} {'predicted':>9} {'error':>7}   "
+        f"{'GiB':>5} {'alloc':>6} {'+slack':>6} {'error':>7}"
+    )
+    for r in titan_rows(prof):
+        mark = "tok/s fitted" if r["fitted"] else ("held out" if r["compiled"] else "eager")
+        mem = "" if r["published_gib"] is None else (
+            f"{r['published_gib']:>5.1f} {r['predicted_gib']:>6.1f} {r['reserved_gib']:>6.1f} "
+            f"{r['reserved_error']:>+7.1%}" + ("  (slack read here)" if r["slack_fitted"] else "")
+        )  # fmt: skip
+        print(
+            f"{r['cell']:<38} {r['published_tps']:>9.1f} {r['predicted_tps']:>9.1f} "
+            f"{r['tps_error']:>+7.1%}   {mem:<40} {mark}"
+        )
+    print(f"\nallocator slack: {allocator_slack():.1%} of the activations ({SLACK_CELL.label})")
     return 0
 
 

@@ -21,6 +21,11 @@ sequence parallelism, so every activation and weight is split ``t`` ways):
   per token per layer, plus, with ``K > 1`` segments, the K/V of earlier segments that later
   segments read (``2*b*h_kv*d``); the backward of one unit recomputes one layer's activations
   of that unit on top (a transient);
+* selective activation checkpointing (torchtitan ``mode = "selective"``, op-level, the default
+  of its Llama configs; :func:`selective_ac_layer`): each block keeps its input, the attention
+  output and every other matmul's output, and its backward recomputes the other matmuls and
+  the elementwise work (0.2.2: ``wq wv w1 w2`` kept, ``wk wo w3`` recomputed; 0.3, whose Llama
+  fuses ``wqkv``: ``wqkv w1 w2`` kept, ``wo w3`` recomputed);
 * last stage: fp32 log-probabilities ``4*V`` per token in flight (the loss's saved state), plus
   the transient logits and, in bf16, their fp32 copy (``6*V``; ``4*V`` in fp32) for the unit
   being run; divided by ``t`` (torchtitan's loss-parallel output layer);
@@ -97,10 +102,12 @@ __all__ = [
     "Coefficients",
     "Hardware",
     "MemoryModel",
+    "SelectiveAC",
     "TimeModel",
     "Work",
     "action_work",
     "fsdp_exposed_seconds",
+    "selective_ac_layer",
 ]
 
 GB = 1e9
@@ -286,6 +293,55 @@ class ActionCosts:
 
 
 @dataclass(frozen=True)
+class SelectiveAC:
+    """What torchtitan's op-level selective activation checkpointing leaves a block with, per
+    token on one rank (``SelectiveAC`` in torchtitan/distributed/activation_checkpoint.py,
+    0.2.2 and 0.3.0 alike).
+
+    Its policy saves the outputs of compute-intensive ops (matmuls, flash attention) and of
+    reduce-scatters, except every second matmul of a block, which its backward recomputes with
+    everything not saved (norms, RoPE, SiLU, products). torchtitan's Llama block runs its
+    matmuls in the order ``wq wk wv wo w1 w3 w2`` (``w1 w2`` without a gated FFN), so it saves
+    ``wq wv w1 w2`` and recomputes ``wk wo w3``; torchtitan 0.3's fuses the first three
+    (``fuse_qkv``: ``wqkv wo w1 w3 w2``), so it saves ``wqkv w1 w2`` and recomputes ``wo w3``.
+    Under tensor parallelism (sequence parallel)
+    a column-parallel matmul's output is split ``t`` ways, a row-parallel one's is the whole
+    sequence's partial sum, and the all-gathers a recomputed matmul reads run again."""
+
+    saved_bytes: float  # per token: the block's input, the saved ops' outputs
+    recompute_flops: float  # per token, at the model's full width (not divided by tp)
+    regathers: int  # all-gathers a backward runs again (tensor parallelism only)
+
+
+def selective_ac_layer(
+    shape: ModelShape, tp: int, dtype_bytes: int, fused_qkv: bool = False
+) -> SelectiveAC:
+    """:class:`SelectiveAC` of one Llama block of ``shape`` at tensor-parallel degree ``tp``
+    (``fused_qkv``: one ``wqkv`` matmul, torchtitan 0.3's Llama)."""
+    s, b, t = shape, dtype_bytes, tp
+    assert s.head_dim is not None and s.ffn_hidden is not None
+    q, kv, h, f = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.hidden, s.ffn_hidden
+    # (input width, output width, row-parallel, all-gather group): torchtitan's call order
+    qkv = [(h, q + 2 * kv, False, 0)] if fused_qkv else [(h, q, False, 0), (h, kv, False, 0)]
+    if not fused_qkv:
+        qkv.append((h, kv, False, 0))
+    mms = [*qkv, (q, h, True, None)]
+    mms += [(h, f, False, 1)] + ([(h, f, False, 1)] if s.gated_ffn else []) + [(f, h, True, None)]
+    saved = b * h / t + (b * q + 4 * s.n_heads) / t  # block input; attention output, its lse
+    if t > 1:
+        saved += 2 * b * h / t  # the two reduce-scatters' outputs
+    flops, gathers = 0.0, set()
+    for i, (n_in, n_out, row, group) in enumerate(mms, start=1):
+        if i % 2:  # saved
+            saved += b * n_out if row and t > 1 else b * n_out / t
+        else:
+            flops += 2 * n_in * n_out
+            if t > 1 and group is not None:
+                gathers.add(group)
+    return SelectiveAC(saved, flops, len(gathers))
+
+
+@dataclass(frozen=True)
 class MemoryModel:
     """Bytes per token and per parameter of one stage; formulas in the module docstring."""
 
@@ -305,6 +361,10 @@ class MemoryModel:
     #: split), e.g. the 1-byte masks of two dropouts (``2*H``, Korthikanti et al. 2022, eq. 1)
     #: or RoPE's saved cos/sin factors (Megatron-LM: seq1f1b.planning.published)
     extra_layer_bytes: float = 0.0
+    #: torchtitan's op-level selective activation checkpointing (:func:`selective_ac_layer`);
+    #: exclusive with ``recompute`` (full)
+    selective: bool = False
+    fused_qkv: bool = False  # one wqkv matmul (torchtitan 0.3's Llama): what selective AC keeps
 
     def _full_layer_bytes(self) -> float:
         s, b = self.shape, self.dtype_bytes
@@ -314,10 +374,13 @@ class MemoryModel:
 
     def layer_bytes_per_token(self, segmented: bool) -> float:
         """Bytes a layer keeps per token of a unit in flight (``segmented``: K > 1)."""
-        if not self.recompute:
-            return (self._full_layer_bytes() + self.extra_layer_bytes) / self.tp
         s, b = self.shape, self.dtype_bytes
         kv = 2 * b * s.n_kv_heads * s.head_dim if segmented else 0
+        if self.selective:  # later segments' K/V kept apart, as under full AC
+            sac = selective_ac_layer(s, self.tp, b, self.fused_qkv)
+            return sac.saved_bytes + kv / self.tp
+        if not self.recompute:
+            return (self._full_layer_bytes() + self.extra_layer_bytes) / self.tp
         return (b * s.hidden + kv) / self.tp
 
     def unit_bytes(self, tokens: float, layers: int, last: bool, segmented: bool) -> float:
@@ -334,7 +397,8 @@ class MemoryModel:
     def transient_bytes(self, unit_tokens: float, last: bool) -> float:
         """Bytes alive only while one unit runs: a recomputed layer, or the logits (and their
         fp32 copy) on the last stage, whichever is larger."""
-        transient = unit_tokens * self._full_layer_bytes() / self.tp if self.recompute else 0.0
+        recomputes = self.recompute or self.selective  # one layer's recomputed tensors
+        transient = unit_tokens * self._full_layer_bytes() / self.tp if recomputes else 0.0
         if last:
             upcast = 4 if self.dtype_bytes < 4 else 0  # the loss's fp32 copy of the logits
             logits = (self.dtype_bytes + upcast) * self.shape.vocab / self.tp
@@ -379,6 +443,8 @@ class TimeModel:
     actions: ActionCosts | None = None  # calibrated constants (per GPU, this precision)
     cp: int = 1
     p2p_gbps: float | None = None  # pipeline send/receive bandwidth; None: not priced
+    selective: bool = False  # torchtitan's op-level selective AC (exclusive with recompute)
+    fused_qkv: bool = False  # one wqkv matmul (torchtitan 0.3's Llama): what selective AC keeps
 
     @property
     def _flops_per_second(self) -> float:
@@ -431,7 +497,22 @@ class TimeModel:
         out += comm + 2 * ring
         if self.recompute:
             out += costs.forward.seconds(local) + comm + ring
+        elif self.selective:
+            out += self._selective_recompute_seconds(work, tokens, layers)
         return out
+
+    def _selective_recompute_seconds(self, work: Work, tokens: int, layers: int) -> float:
+        """What a backward under selective AC adds: the matmuls the policy did not save, the
+        blocks' elementwise work and the all-gathers those matmuls read, on this GPU's share
+        (no attention: flash attention's output is saved)."""
+        sac = selective_ac_layer(self.shape, self.tp, self.dtype_bytes, self.fused_qkv)
+        f = self.costs.forward
+        share = 1.0 / (self.tp * self.cp)
+        blocks = work.elements - (tokens * self.shape.vocab if layers < work.modules else 0)
+        compute = f.linear * tokens * layers * sac.recompute_flops * share
+        compute += f.elements * blocks * share
+        per_gather = self._tp_seconds_per_token_pass(layers) / 4  # one of a layer's four
+        return compute + tokens * sac.regathers * per_gather
 
     def tp_comm_share(self, flops: float, tokens: int) -> float:
         """Share of a forward of the whole model (``flops``, all layers) spent in TP

@@ -113,6 +113,17 @@ class Setting:
     name: str = ""  # registry schedule; "" = 1F1B, or Seq1F1B when seq_chunks > 1
     stages_per_rank: int = 1
     cp: int = 1  # context-parallel degree: each sequence sharded over cp ranks
+    #: torchtitan's op-level selective activation checkpointing (``recompute`` is full AC)
+    selective: bool = False
+
+    def __post_init__(self) -> None:
+        if self.recompute and self.selective:
+            raise ValueError("activation checkpointing is full or selective, not both")
+
+    @property
+    def ac(self) -> str:
+        """torchtitan's ``[activation_checkpoint] mode``: none, selective or full."""
+        return "full" if self.recompute else "selective" if self.selective else "none"
 
     @property
     def schedule(self) -> str:
@@ -135,7 +146,7 @@ class Setting:
         return sched
 
     def label(self) -> str:
-        ac = "full AC" if self.recompute else "no AC"
+        ac = {"full": "full AC", "selective": "selective AC", "none": "no AC"}[self.ac]
         fp32 = "" if self.bf16 else ", fp32"
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         return (
@@ -183,6 +194,8 @@ class Candidate:
             parts.append(f"{entry.replicas} model replicas")
         if self.setting.recompute:
             parts.append("recompute +1 fwd")
+        if self.setting.selective:
+            parts.append("recompute 3 of 7 matmuls")
         mem = f"{self.max_bytes / GB:.1f}/{self.budget_bytes / GB:.0f} GB rank {self.worst_stage}"
         parts.append(mem if self.fits else f"does not fit: {mem}")
         return ", ".join(parts)
@@ -304,6 +317,7 @@ def search(
     chunks: Sequence[int] = DEFAULT_CHUNKS,
     splits: Sequence[str] = ("compute", "uniform"),
     recompute: Sequence[bool] = (False, True),
+    selective: bool = False,
     min_segment: int = 4096,
     dtype_bytes: int = 2,
     state_bytes_per_param: float = 16.0,
@@ -334,7 +348,10 @@ def search(
     profile's, :mod:`seq1f1b.planning.profiles`). ``error``: the time model's relative error
     and where it comes from; candidates closer than it are ranked as ties (:func:`tie_groups`).
     ``blocking_p2p``: price Megatron-LM's blocking sends and receives (:func:`price`); orders
-    with split backwards or replicas are skipped then.
+    with split backwards or replicas are skipped then. ``selective``: also price torchtitan's
+    selective activation checkpointing, where attention is torch's (K = 1): its policy saves
+    flash attention's output but does not know the package's chunk-aware attention, so what
+    it keeps of that (K > 1) is not modelled and those settings are skipped.
     """
     if global_batch < 1 or seq_len < 1 or hardware.gpus < 1:
         raise ValueError(
@@ -395,8 +412,13 @@ def search(
                                 skipped.append(f"pp={p} tp={t} cp={c} K={k} {split}: {exc}")
                                 continue
                             name = entry.name if entry is not None else ""
-                            for rc in recompute:
-                                setting = Setting(p, t, fsdp, k, m, split, rc, bf16, name, v, c)
+                            modes = [(rc, False) for rc in recompute]
+                            if selective and k == 1:
+                                modes.append((False, True))
+                            for rc, sel in modes:
+                                setting = Setting(
+                                    p, t, fsdp, k, m, split, rc, bf16, name, v, c, sel
+                                )
                                 order = _order(setting, orders)
                                 if isinstance(order, str):
                                     skipped.append(f"{setting.label()}: {order}")
@@ -412,6 +434,11 @@ def search(
                                     skipped.append(f"{setting.label()}: {exc}")
                                     break
                                 cands.append(cand)
+    if selective and any(k > 1 for k in chunks):
+        skipped.append(
+            "selective AC with K > 1: not priced (torchtitan's policy saves flash attention's "
+            "output, not the chunk-aware attention's)"
+        )
     cands.sort(
         key=lambda c: (not c.fits, -c.tokens_per_second_per_gpu, c.setting.seq_chunks, c.max_bytes)
     )
@@ -538,7 +565,7 @@ def _price(
     p2p = None if link is None else link * hardware.p2p_efficiency
     time = TimeModel(
         hardware, shape, setting.tp, setting.recompute, layers, dtype_bytes, setting.bf16,
-        actions, c, p2p,
+        actions, c, p2p, selective=setting.selective, fused_qkv=fsdp_at_degree_1,
     )  # fmt: skip
     memory = MemoryModel(
         shape,
@@ -556,6 +583,8 @@ def _price(
             -(-sum(lengths) // TITAN_LOSS_CHUNKS) if fsdp_at_degree_1 or k > 1 else None
         ),
         extra_layer_bytes=extra_layer_bytes,
+        selective=setting.selective,
+        fused_qkv=fsdp_at_degree_1,  # torchtitan 0.3 (its Llama fuses wq, wk, wv)
     )
     seconds = time.cost(lengths, n, seq_chunks=k, sends=not blocking_p2p)
     segmented = k > 1
@@ -648,6 +677,9 @@ def _fsdp_seconds(
     )
 
 
+_AC_COLUMN = {"full": "full", "selective": "sel", "none": "none"}
+
+
 def _is_baseline(s: Setting) -> bool:
     return s.pp > 1 and is_baseline(s.schedule)
 
@@ -668,7 +700,7 @@ def format_plan(plan: Plan, top: int = 12) -> str:
         lines.append(
             f"{i:>2}{mark}  {group:>3} {s.pp:>2} {s.tp:>2} {s.cp:>2} {s.fsdp:>4} "
             f"{s.microbatches:>3} {sched:<34} "
-            f"{'full' if s.recompute else 'none':<4} {c.step_seconds:>7.2f} "
+            f"{_AC_COLUMN[s.ac]:<4} {c.step_seconds:>7.2f} "
             f"{c.tokens_per_second_per_gpu:>9.0f}  {c.why()}"
         )
     lines.append(
@@ -712,7 +744,7 @@ def format_plan(plan: Plan, top: int = 12) -> str:
     for name, pred, applies in (
         ("the best plain 1F1B", _is_baseline, b.pp > 1 and not _is_baseline(b)),
         ("the best without pipelining", lambda s: s.pp == 1, b.pp > 1),
-        ("the best without recomputation", lambda s: not s.recompute, b.recompute),
+        ("the best without recomputation", lambda s: s.ac == "none", b.ac != "none"),
     ):
         if not applies:
             continue
@@ -796,9 +828,10 @@ def build_parser(prog: str = "python -m seq1f1b.planning.planner") -> argparse.A
     ap.add_argument("--split", choices=("compute", "uniform", "both"), default="both")
     ap.add_argument(
         "--ac",
-        choices=("none", "full", "both"),
+        choices=("none", "selective", "full", "both", "all"),
         default="both",
-        help="activation checkpointing to consider",
+        help="activation checkpointing to consider: both = none and full; all adds torchtitan's "
+        "selective (op-level) AC, priced where attention is torch's (K = 1)",
     )
     ap.add_argument(
         "--min-segment",
@@ -960,7 +993,8 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
         actions=actions,
         chunks=_ints(a.chunks, "--chunks") or [1],
         splits=("compute", "uniform") if a.split == "both" else (a.split,),
-        recompute={"none": (False,), "full": (True,), "both": (False, True)}[a.ac],
+        recompute={"none": (False,), "full": (True,), "selective": ()}.get(a.ac, (False, True)),
+        selective=a.ac in ("selective", "all"),
         min_segment=a.min_segment,
         precision=a.precision,
         error=error,

@@ -26,10 +26,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..schedules.partition import ModelShape
-from .costmodel import GB, PRESETS, Hardware
+from .costmodel import GB, PRESETS, Hardware, MemoryModel
 from .fitting import Observation, fit_efficiency
 from .planner import Candidate, Setting, price
 from .profiles import Efficiency, GpuProfile
+from .published_titan import allocator_slack
 
 __all__ = [
     "FIT_CELLS",
@@ -314,10 +315,15 @@ def memory_rows(prof: GpuProfile) -> list[dict[str, Any]]:
     :func:`megatron_layer_items` and the fork's K/V prefix copy
     (:func:`~seq1f1b.planning.planner.kv_prefix_deltas`) adds to that peak, in turn
     (``items``), plus the sequence-parallel gather buffer and the backward's transient
-    (:func:`sp_backward_transient_bytes`). No offset is fitted; what is left is not
-    attributed."""
+    (:func:`sp_backward_transient_bytes`); and the caching allocator's slack, the fraction of
+    the activations read from torchtitan's published H100 cell
+    (:func:`~seq1f1b.planning.published_titan.allocator_slack`), nothing fitted here. What is
+    left is not attributed."""
     rows = []
     layer_items = megatron_layer_items(PAPER_SHAPE, PAPER_TP)
+    slack = allocator_slack()
+    state_model = MemoryModel(PAPER_SHAPE, PAPER_TP, state_bytes_per_param=MEGATRON_STATE_BYTES)
+    layers = PAPER_SHAPE.n_layers // PAPER_PP
     for name, published in PUBLISHED_MEMORY_64K.items():
         cand = paper_candidate(prof, 65536, name, reserve_gb=0.0)
         model = cand.max_bytes / GIB
@@ -331,7 +337,10 @@ def memory_rows(prof: GpuProfile) -> list[dict[str, Any]]:
         items["K/V prefix copy"] = model - previous
         gather = sp_gather_bytes(cand, PAPER_SHAPE) / GIB
         transient = sp_backward_transient_bytes(cand, PAPER_SHAPE, PAPER_TP) / GIB
-        total = model + gather + transient
+        worst = cand.worst_stage  # a rank holds layers / pp layers whatever v is
+        state = state_model.state_bytes(layers, worst == 0, worst == PAPER_PP - 1) / GIB
+        allocator = slack * (model + gather + transient - state)
+        total = model + gather + transient + allocator
         rows.append(
             {
                 "schedule": name,
@@ -341,6 +350,8 @@ def memory_rows(prof: GpuProfile) -> list[dict[str, Any]]:
                 "model_gib": model,
                 "gather_gib": gather,
                 "transient_gib": transient,
+                "state_gib": state,
+                "allocator_gib": allocator,
                 "total_gib": total,
                 "error": total / published - 1,
                 "unattributed_gib": published - total,
