@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from seq1f1b.planning.profiles import PROFILES, profile
+from seq1f1b.planning.profiles import PROFILES, GpuProfile, profile
 from seq1f1b.planning.published import (
     FIT_CELLS,
     claim_30b_rows,
@@ -50,14 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prof = profile(a.gpu)
     if a.refit:
         prof = prof.with_efficiency(fit(prof))
-    e = prof.efficiency
-    print(f"profile {prof.name}: {prof.source}")
-    print(
-        f"efficiencies: linear {e.linear:.3g}, attention {e.attention:.3g} of "
-        f"{prof.peak_tflops:g} TFLOP/s, {e.overhead_s * 1e3:.3g} ms per action, collectives "
-        f"{e.collectives:.3g} and pipeline sends {e.p2p:.3g} of the links' peak; {e.source}"
-    )
-    print(f"checked: {prof.checked}\n")
+    _print_profile(prof)
     print(f"{'cell':<28} {'published':>9} {'predicted':>9} {'error':>7}")
     held = []
     for r in tflops_rows(prof, FIT_CELLS):
@@ -109,18 +102,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _print_profile(prof: GpuProfile) -> None:
+    e = prof.efficiency
+    print(f"profile {prof.name}: {prof.source}")
+    print(
+        f"efficiencies: linear {e.linear:.3g}, attention {e.attention:.3g} of "
+        f"{prof.peak_tflops:g} TFLOP/s, {e.overhead_s * 1e3:.3g} ms per action, collectives "
+        f"{e.collectives:.3g} and pipeline sends {e.p2p:.3g} of the links' peak; {e.source}"
+    )
+    print(f"checked: {prof.checked}\n")
+
+
 def _titan(refit: bool) -> int:
     """torchtitan's published H100 runs against the h100-80gb profile (fitted on two)."""
     prof = profile("h100-80gb")
     if refit:
         prof = prof.with_efficiency(fit_h100(prof))
-    e = prof.efficiency
-    print(f"profile {prof.name}: {prof.source}")
-    print(
-        f"efficiencies: linear {e.linear:.3g}, attention {e.attention:.3g} of "
-        f"{prof.peak_tflops:g} TFLOP/s, collectives {e.collectives:.3g} of the links' peak; "
-        f"{e.source}\nchecked: {prof.checked}\n"
-    )
+    _print_profile(prof)
     print(
         f"{'cell':<38} {'tok/s/GPU':>9} {'predicted':>9} {'error':>7}   "
         f"{'GiB':>5} {'alloc':>6} {'+slack':>6} {'error':>7}"
