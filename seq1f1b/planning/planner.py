@@ -349,9 +349,9 @@ def search(
     and where it comes from; candidates closer than it are ranked as ties (:func:`tie_groups`).
     ``blocking_p2p``: price Megatron-LM's blocking sends and receives (:func:`price`); orders
     with split backwards or replicas are skipped then. ``selective``: also price torchtitan's
-    selective activation checkpointing, where attention is torch's (K = 1): its policy saves
-    flash attention's output but does not know the package's chunk-aware attention, so what
-    it keeps of that (K > 1) is not modelled and those settings are skipped.
+    selective activation checkpointing (attention's output kept, as its policy keeps torch's
+    attention kernels) where a layer's attention runs once per unit (K = 1); the chunk-aware
+    attention's per-tile outputs (K > 1) are not modelled, so those settings are skipped.
     """
     if global_batch < 1 or seq_len < 1 or hardware.gpus < 1:
         raise ValueError(
@@ -436,8 +436,8 @@ def search(
                                 cands.append(cand)
     if selective and any(k > 1 for k in chunks):
         skipped.append(
-            "selective AC with K > 1: not priced (torchtitan's policy saves flash attention's "
-            "output, not the chunk-aware attention's)"
+            "selective AC with K > 1: not priced (what torchtitan's policy keeps of the "
+            "chunk-aware attention's tiles is not modelled)"
         )
     cands.sort(
         key=lambda c: (not c.fits, -c.tokens_per_second_per_gpu, c.setting.seq_chunks, c.max_bytes)
