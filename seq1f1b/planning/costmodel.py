@@ -304,9 +304,9 @@ class SelectiveAC:
     matmuls in the order ``wq wk wv wo w1 w3 w2`` (``w1 w2`` without a gated FFN), so it saves
     ``wq wv w1 w2`` and recomputes ``wk wo w3``; torchtitan 0.3's fuses the first three
     (``fuse_qkv``: ``wqkv wo w1 w3 w2``), so it saves ``wqkv w1 w2`` and recomputes ``wo w3``.
-    Under tensor parallelism (sequence parallel)
-    a column-parallel matmul's output is split ``t`` ways, a row-parallel one's is the whole
-    sequence's partial sum, and the all-gathers a recomputed matmul reads run again."""
+    Under tensor parallelism (sequence parallel) a column-parallel matmul's output is split
+    ``t`` ways, a row-parallel one's is the whole sequence's partial sum, and the all-gathers
+    a recomputed matmul reads run again."""
 
     saved_bytes: float  # per token: the block's input, the saved ops' outputs
     recompute_flops: float  # per token, at the model's full width (not divided by tp)
@@ -322,9 +322,10 @@ def selective_ac_layer(
     assert s.head_dim is not None and s.ffn_hidden is not None
     q, kv, h, f = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.hidden, s.ffn_hidden
     # (input width, output width, row-parallel, all-gather group): torchtitan's call order
-    qkv = [(h, q + 2 * kv, False, 0)] if fused_qkv else [(h, q, False, 0), (h, kv, False, 0)]
-    if not fused_qkv:
-        qkv.append((h, kv, False, 0))
+    if fused_qkv:
+        qkv = [(h, q + 2 * kv, False, 0)]
+    else:
+        qkv = [(h, q, False, 0), (h, kv, False, 0), (h, kv, False, 0)]
     mms = [*qkv, (q, h, True, None)]
     mms += [(h, f, False, 1)] + ([(h, f, False, 1)] if s.gated_ffn else []) + [(f, h, True, None)]
     saved = b * h / t + (b * q + 4 * s.n_heads) / t  # block input; attention output, its lse
@@ -508,7 +509,8 @@ class TimeModel:
         sac = selective_ac_layer(self.shape, self.tp, self.dtype_bytes, self.fused_qkv)
         f = self.costs.forward
         share = 1.0 / (self.tp * self.cp)
-        blocks = work.elements - (tokens * self.shape.vocab if layers < work.modules else 0)
+        last = work.modules > layers  # the output layer and loss are not checkpointed
+        blocks = work.elements - (tokens * self.shape.vocab if last else 0)
         compute = f.linear * tokens * layers * sac.recompute_flops * share
         compute += f.elements * blocks * share
         per_gather = self._tp_seconds_per_token_pass(layers) / 4  # one of a layer's four

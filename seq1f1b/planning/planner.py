@@ -195,7 +195,7 @@ class Candidate:
         if self.setting.recompute:
             parts.append("recompute +1 fwd")
         if self.setting.selective:
-            parts.append("recompute 3 of 7 matmuls")
+            parts.append("recompute every 2nd matmul")
         mem = f"{self.max_bytes / GB:.1f}/{self.budget_bytes / GB:.0f} GB rank {self.worst_stage}"
         parts.append(mem if self.fits else f"does not fit: {mem}")
         return ", ".join(parts)
