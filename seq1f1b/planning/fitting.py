@@ -27,6 +27,7 @@ __all__ = [
     "fit_efficiency",
     "held_out_errors",
     "largest_error",
+    "pattern_search",
     "relative_errors",
 ]
 
@@ -86,13 +87,35 @@ def fit_efficiency(
     if any(o.measured <= 0 for o in observations):
         raise ValueError("every measured value must be > 0")
     free = [i for i, p in enumerate(PARAMETERS) if p not in fixed]
-    x = [fixed.get(p, START[p]) for p in PARAMETERS]
-    bounds = [BOUNDS[p] for p in PARAMETERS]
+    start = [fixed.get(p, START[p]) for p in PARAMETERS]
 
     def loss(v: list[float]) -> float:
         trial = prof.with_efficiency(Efficiency(*v, "fit"))
         return math.fsum(e * e for e in relative_errors(trial, observations))
 
+    x = pattern_search(loss, start, [BOUNDS[p] for p in PARAMETERS], free, rounds=rounds)
+    e0 = prof.efficiency
+    labels = [o.label for o in observations]
+    text = source or (
+        "fitted on " + ", ".join(labels) if len(labels) <= 8 else f"fitted on {len(labels)} values"
+    )
+    return Efficiency(*x, text, e0.error, e0.error_source)
+
+
+def pattern_search(
+    loss: Callable[[list[float]], float],
+    start: Sequence[float],
+    bounds: Sequence[tuple[float, float]],
+    free: Sequence[int],
+    *,
+    rounds: int = 8,
+    tolerance: float = 1e-12,
+) -> list[float]:
+    """The point near ``start`` where ``loss`` is least: for each index in ``free``, multiply or
+    divide it by e**step while that lowers ``loss`` by more than ``tolerance``, within its
+    ``bounds``; then halve the step (from 0.5), ``rounds`` times. Log-space, so fractions
+    and seconds alike move by ratios."""
+    x = list(start)
     best = loss(x)
     step = 0.5
     for _ in range(rounds):
@@ -104,18 +127,10 @@ def fit_efficiency(
                 for sign in (1.0, -1.0):
                     y = list(x)
                     y[i] = min(hi, max(lo, x[i] * math.exp(sign * step)))
-                    if y[i] == x[i]:
-                        continue
-                    val = loss(y)
-                    if val < best - 1e-12:
+                    if y[i] != x[i] and (val := loss(y)) < best - tolerance:
                         x, best, improved = y, val, True
         step /= 2
-    e0 = prof.efficiency
-    labels = [o.label for o in observations]
-    text = source or (
-        "fitted on " + ", ".join(labels) if len(labels) <= 8 else f"fitted on {len(labels)} values"
-    )
-    return Efficiency(*x, text, e0.error, e0.error_source)
+    return x
 
 
 def action_observations(samples: Sequence[Sample]) -> list[Observation]:

@@ -34,7 +34,7 @@ from .costmodel import (
     action_work,
     fsdp_exposed_seconds,
 )
-from .fitting import Observation, relative_errors
+from .fitting import Observation, pattern_search, relative_errors
 from .profiles import A100_FIT, Efficiency, GpuProfile
 
 __all__ = [
@@ -188,24 +188,12 @@ def fit_h100(prof: GpuProfile, cells: Sequence[TitanCell] = FIT, *, rounds: int 
     pipeline sends' fraction stay the A100's: no published H100 cell has a pipeline."""
     observations = _observations(cells)
 
-    def loss(scale: float, coll: float) -> float:
-        trial = prof.with_efficiency(_scaled(A100_FIT, scale, coll))
+    def loss(v: list[float]) -> float:
+        trial = prof.with_efficiency(_scaled(A100_FIT, v[0], v[1]))
         return math.fsum(e * e for e in relative_errors(trial, observations))
 
-    x, step = [0.5, 0.5], 0.5
-    best = loss(*x)
-    for _ in range(rounds):
-        improved = True
-        while improved:
-            improved = False
-            for i in (0, 1):
-                for sign in (1.0, -1.0):
-                    y = list(x)
-                    y[i] = min(1.0 / (A100_FIT.linear if i == 0 else 1.0),
-                               max(0.02, x[i] * math.exp(sign * step)))  # fmt: skip
-                    if y[i] != x[i] and (val := loss(*y)) < best - 1e-14:
-                        x, best, improved = y, val, True
-        step /= 2
+    bounds = [(0.02, 1.0 / A100_FIT.linear), (0.02, 1.0)]  # no fraction above the peak
+    x = pattern_search(loss, [0.5, 0.5], bounds, (0, 1), rounds=rounds, tolerance=1e-14)
     names = ", ".join(c.label for c in cells)
     return _scaled(
         replace(A100_FIT, source=f"fitted on torchtitan's H100 cells {names}"), x[0], x[1]
@@ -219,9 +207,8 @@ def titan_rows(prof: GpuProfile) -> list[dict[str, Any]]:
     slack = allocator_slack()
     for cell in CELLS:
         tps = tokens_per_second(prof, cell)
-        mem = memory_gib(cell)
         state, act = memory_parts(cell)
-        reserved = state + act * (1 + slack)
+        mem, reserved = state + act, state + act * (1 + slack)
         rows.append({
             "cell": cell.label, "published_tps": cell.tps, "predicted_tps": tps,
             "tps_error": tps / cell.tps - 1, "fitted": cell in FIT,
