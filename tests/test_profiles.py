@@ -12,6 +12,7 @@ import torch
 
 from seq1f1b._runtime import ir as rt
 from seq1f1b._runtime.ir import Action
+from seq1f1b.planning import planner as planner_module
 from seq1f1b.planning.calibration import (
     KINDS,
     Sample,
@@ -50,11 +51,13 @@ from seq1f1b.planning.profiles import (
 from seq1f1b.planning.published import (
     FIT_CELLS,
     PUBLISHED_TFLOPS,
+    SCHEDULES,
     claim_30b_rows,
     fit,
     fits_rows,
     megatron_layer_items,
     memory_rows,
+    paper_candidate,
     tflops_rows,
 )
 from seq1f1b.planning.published_titan import (
@@ -523,6 +526,135 @@ def test_the_paper_check_simulates_the_forks_interleaved_order() -> None:
         ours = [(kinds[a.computation_type], a.stage_index, a.microbatch_index)
                 for a in order[rank] if a is not None]  # fmt: skip
         assert ours == _fork_interleaved_order(p, v, m, k, rank), rank
+
+
+def _fork_interleaved_program(p: int, v: int, m: int, k: int, rank: int) -> list[tuple]:
+    """The compute and communication calls of the fork's interleaved loop on ``rank``, rebuilt
+    from its rules (thunlp/Seq1F1B, ``forward_backward_pipelining_with_interleaving``, no P2P
+    overlap, batched sends): ``("run", unit)`` as :func:`_fork_interleaved_order` names them,
+    ``("comm", sends, receives)`` for each blocking ``p2p_communication`` call, a send as
+    (peer rank, the unit whose output or input gradient it carries), a receive as its peer.
+    Its receives are posted where the fork posts them (the first rank is ``p - 1`` steps
+    ahead of the last), not where the received tensor is used."""
+    order = _fork_interleaved_order(p, v, m, k, rank)
+    total = m * v * k
+    warmup = min((v - 1) * p + 2 * (p - rank - 1) + k - 1, total)
+    nxt, prv = (rank + 1) % p, (rank - 1) % p
+    first, last = rank == 0, rank == p - 1
+
+    def chunk(j: int) -> int:
+        return (j % (p * v)) // p
+
+    def comm(send_next=None, send_prev=None, recv_prev=False, recv_next=False) -> tuple:
+        sends = [(peer, u) for peer, u in ((nxt, send_next), (prv, send_prev)) if u is not None]
+        recvs = [peer for peer, on in ((prv, recv_prev), (nxt, recv_next)) if on]
+        return ("comm", sends, recvs)
+
+    prog = [] if first else [comm(recv_prev=True)]
+    fwd, bwd = iter(u for u in order if u[0] == "F"), iter(u for u in order if u[0] == "B")
+    for j in range(warmup):
+        f = next(fwd)
+        out = None if last and chunk(j) == v - 1 else f
+        recv_prev = not (first and chunk(j + 1) == 0) and j != total - 1
+        recv_next = not last if j == warmup - 1 and warmup != total else False
+        prog += [("run", f), comm(send_next=out, recv_prev=recv_prev, recv_next=recv_next)]
+    for j in range(total - warmup):
+        f, b = next(fwd), next(bwd)
+        out = None if last and chunk(j + warmup) == v - 1 else f
+        grad = None if first and v - 1 - chunk(j) == 0 else b
+        recv_prev = not (first and chunk(j + warmup - (p - 1)) == v - 1)
+        recv_next = not (last and v - 1 - chunk(j - (p - 1)) == 0)
+        recv_prev = recv_prev and j != total - warmup - 1
+        prog += [("run", f), ("run", b), comm(out, grad, recv_prev, recv_next)]
+    for j in range(total - warmup, total):
+        b = next(bwd)
+        grad = None if first and v - 1 - chunk(j) == 0 else b
+        recv_next = not (last and v - 1 - chunk(j + 1) == v - 1) and j != total - 1
+        prog += [("run", b), comm(send_prev=grad, recv_next=recv_next)]
+    return prog
+
+
+def _run_fork_programs(programs: dict[int, list[tuple]], seconds, transfer) -> float:
+    """Makespan of :func:`_fork_interleaved_program` per rank: a call returns when each of its
+    transfers is done, a transfer starting once both ends have posted it (NCCL matches a pair's
+    messages in order) and lasting ``transfer`` of the unit it carries."""
+    kinds = {"F": rt.FORWARD, "B": rt.FULL_BACKWARD}
+
+    def action(u: tuple) -> Action:
+        return Action(u[1], kinds[u[0]], u[2])
+
+    posted: dict[tuple, dict[int, float]] = {}  # (src, dst, side) -> message index -> time
+    length: dict[tuple, float] = {}
+    count: dict[tuple, int] = {}
+    clock, pos, waiting = dict.fromkeys(programs, 0.0), dict.fromkeys(programs, 0), {}
+    moved = True
+    while moved:
+        moved = False
+        for r, prog in programs.items():
+            while pos[r] < len(prog):
+                item = prog[pos[r]]
+                if item[0] == "run":
+                    clock[r] += float(seconds(action(item[1])))
+                elif r not in waiting:  # post this call's sends and receives
+                    keys = []
+                    for side, peer, unit in [("s", *s) for s in item[1]] + [
+                        ("r", q, None) for q in item[2]
+                    ]:
+                        pair = (r, peer) if side == "s" else (peer, r)
+                        i = count.get((*pair, side), 0)
+                        count[(*pair, side)] = i + 1
+                        posted.setdefault((*pair, side), {})[i] = clock[r]
+                        if unit is not None:
+                            length[(*pair, i)] = float(transfer(action(unit)))
+                        keys.append((*pair, i))
+                    waiting[r] = keys
+                    continue
+                else:
+                    keys = waiting[r]
+                    done = [posted.get((a, b, s), {}).get(i) for a, b, i in keys for s in "sr"]
+                    if any(t is None for t in done):
+                        break
+                    ends = [
+                        max(posted[(a, b, "s")][i], posted[(a, b, "r")][i]) + length[(a, b, i)]
+                        for a, b, i in keys
+                    ]
+                    clock[r] = max([clock[r], *ends])
+                    del waiting[r]
+                pos[r] += 1
+                moved = True
+    assert all(pos[r] == len(prog) for r, prog in programs.items()), "the fork's loop deadlocks"
+    return max(clock.values())
+
+
+@pytest.mark.parametrize("seq_len", [32768, 65536])
+@pytest.mark.parametrize("name", ["1F1B-I", "Seq1F1B-I"])
+def test_the_paper_check_times_the_forks_interleaved_communication(
+    monkeypatch: pytest.MonkeyPatch, seq_len: int, name: str
+) -> None:
+    """The published interleaved cells are priced by :func:`simulate_blocking` with
+    ``pair_steady``: each rank's receives posted just before the group that uses them. The
+    fork's loop posts a receive where its rules put it (the first and last ranks ``p - 1``
+    steps apart) and matches messages per rank pair in order; run with the same seconds per
+    action and per transfer it takes the same time, so neither published interleaved cell's
+    gap is a communication pattern the simulation lacks. Also with every transfer 100 times
+    longer, where a receive posted at another point would change the time."""
+    seen: dict = {}
+
+    def capture(order, seconds, **kw):
+        seen.update(order=order, seconds=seconds, kw=kw)
+        return simulate_blocking(order, seconds, **kw)
+
+    monkeypatch.setattr(planner_module, "simulate_blocking", capture)
+    paper_candidate(A100, seq_len, name, reserve_gb=0.0)
+    assert seen["kw"]["pair_steady"]
+    _, v, k = SCHEDULES[name]
+    programs = {r: _fork_interleaved_program(4, v, 8, k, r) for r in range(4)}
+    for scale in (1.0, 100.0):
+        kw = {**seen["kw"], "transfer": lambda a, s=scale: s * seen["kw"]["transfer"](a)}
+        ours = simulate_blocking(seen["order"], seen["seconds"], **kw).makespan
+        fork = _run_fork_programs(programs, seen["seconds"], kw["transfer"])
+        assert ours > 0
+        assert fork == pytest.approx(ours, rel=1e-9), scale
 
 
 H100 = PROFILES["h100-80gb"]
