@@ -1,6 +1,6 @@
 """seq1f1b: sequence-level pipeline parallelism (Seq1F1B) for torch.distributed.pipelining."""
 
-from .attention.attention_op import add_layer_key, segment_positions
+from .attention.attention_op import add_layer_key, checkpoint_save_ops, segment_positions
 from .attention.kv import SegmentInfo, current_segment, packed_documents
 from .attention.layer import ChunkAwareAttention, chunk_aware_attention
 from .bitpipe import ScheduleBitPipe, build_bitpipe_stages
@@ -40,6 +40,7 @@ __all__ = [
     "VerificationReport",
     "add_layer_key",
     "build_bitpipe_stages",
+    "checkpoint_save_ops",
     "chunk_aware_attention",
     "compute_balanced_split",
     "current_segment",

@@ -390,21 +390,24 @@ def test_published_7b_memory_differences_are_reproduced() -> None:
 
 def test_selective_ac_is_priced_between_none_and_full() -> None:
     """torchtitan's selective AC: it keeps less than no AC and more than full AC, its
-    backward costs more than no AC's and less than full AC's, and it is searched only where
-    attention is torch's (K = 1), the K > 1 settings skipped with the reason."""
+    backward costs more than no AC's and less than full AC's, with whole sequences and with
+    segments (K = 4: the compiled chunk-aware attention kept, as the integration's policy
+    does); K > 1 under context parallelism (the ring's eager kernels) is skipped with the
+    reason."""
     hw = Hardware(8, 80.0, tflops=400.0, inter_node_gbps=50.0)
     plan = search(
-        PRESETS["llama3-8b"], 32768, hw, 16, pp=[1, 2], tp=[1], chunks=[1, 4],
+        PRESETS["llama3-8b"], 32768, hw, 16, pp=[1, 2], tp=[1], cp=[1, 2], chunks=[1, 4],
         splits=("uniform",), selective=True, precision="torchtitan-0.3",
         schedules=["1F1B", "Seq1F1B"],
     )  # fmt: skip
     by: dict[tuple, dict[str, Candidate]] = {}
     for c in plan.candidates:
         s = c.setting
-        by.setdefault((s.pp, s.seq_chunks), {})[s.ac] = c
-    assert all("selective" not in modes for (pp, k), modes in by.items() if k > 1)
-    assert any("selective AC with K > 1: not priced" in why for why in plan.skipped)
-    for key in [(1, 1), (2, 1)]:
+        by.setdefault((s.pp, s.seq_chunks, s.cp), {})[s.ac] = c
+    assert all("selective" not in modes for (pp, k, cp), modes in by.items() if k > 1 < cp)
+    assert "selective" in by[(2, 4, 1)]
+    assert any("selective AC with K > 1 and cp > 1: not priced" in w for w in plan.skipped)
+    for key in [(1, 1, 1), (2, 1, 1), (2, 4, 1)]:
         none, sel, full = (by[key][m] for m in ("none", "selective", "full"))
         assert none.step_seconds < sel.step_seconds < full.step_seconds, key
         assert full.max_bytes < sel.max_bytes < none.max_bytes, key

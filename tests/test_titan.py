@@ -103,13 +103,16 @@ def test_interleaved_two_stages_per_rank(seed, reference, tmp_path):
     assert_same_curve(run, reference)
 
 
-def test_compiled_blocks_match_unpipelined(seed, reference, tmp_path):
-    """``--compile.enable`` (each block compiled, ``fullgraph=True``) under Seq1F1B with full AC
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_compiled_blocks_match_unpipelined(seed, reference, tmp_path, mode):
+    """``--compile.enable`` (each block compiled, ``fullgraph=True``) under Seq1F1B with full
+    or op-level selective AC (whose save list then holds the chunk-aware attention: patch 8)
     equals the unpipelined eager run (0.3 compares with compiled PP=1: test_titan03.py)."""
     if titan_generation() == "0.3":
         pytest.skip("0.3: test_titan03.py::test_compiled_blocks_match_compiled_unpipelined")
-    run = run_titan(2, *PP2, *seed, "--compile.enable", "--activation_checkpoint.mode", "full",
-                    dump=tmp_path, timeout=600)  # fmt: skip
+    op = ["--activation_checkpoint.selective_ac_option", "op"] if mode == "selective" else []
+    run = run_titan(2, *PP2, *seed, "--compile.enable", "--activation_checkpoint.mode", mode,
+                    *op, dump=tmp_path, timeout=600)  # fmt: skip
     assert_same_curve(run, reference)
 
 

@@ -107,6 +107,18 @@ def test_compiled_blocks_match_compiled_unpipelined(seed, compiled_reference, tm
     assert_same_curve(run, compiled_reference, steps=5)
 
 
+def test_compiled_selective_ac_matches_compiled_unpipelined(seed, compiled_reference, tmp_path):
+    """torchtitan's op-level selective AC on compiled Seq1F1B blocks, through the policy that
+    saves the chunk-aware attention (``ChunkAwareSelectiveAC``, not torchtitan's, which would
+    recompute it): steps 1-5 equal compiled PP=1 with full AC (AC changes no number)."""
+    run = run_titan(2, "--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.pipeline_parallel_schedule", "Seq1F1B", *seed,
+                    "--compile.enable", "--activation_checkpoint.mode", "selective",
+                    dump=tmp_path, timeout=600)  # fmt: skip
+    assert "Applied ChunkAwareSelectiveAC activation checkpointing" in run.output
+    assert_same_curve(run, compiled_reference, steps=5)
+
+
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
 # bf16 keeps 8 significant bits (relative step 2^-8 = 3.9e-3). The two runs round at
 # different places (segment-wise attention merged by log-sum-exp in fp32, per-unit losses),

@@ -239,3 +239,29 @@ def test_start_check_names_positions_taken_from_the_segment() -> None:
     names = _generate_llm_fqn_per_model_part(2, n_layers)
     with pytest.raises(ValueError, match="positions are probably taken from the segment"):
         run_start_check(build, names, 4, True, positions_kwarg=False)
+
+
+def test_selective_ac_saves_the_chunk_aware_attention() -> None:
+    """Where the attention is chunk-aware, torchtitan's ``SelectiveAC.Config`` becomes
+    :class:`ChunkAwareSelectiveAC`'s, the same fields, whose save list is torchtitan's plus
+    :func:`seq1f1b.checkpoint_save_ops`; any other AC config is left as it is."""
+    import dataclasses
+
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    import seq1f1b
+    from torchtitan_integration.v03.checkpointing import (
+        ChunkAwareSelectiveAC,
+        saving_chunk_aware_attention,
+    )
+
+    theirs = SelectiveAC.Config(preserve_rng_state=False, force_recompute_mm_shapes_by_fqns=[])
+    ours = saving_chunk_aware_attention(theirs)
+    assert type(ours) is ChunkAwareSelectiveAC.Config
+    assert dataclasses.asdict(ours) == dataclasses.asdict(theirs)
+    saved = ours.build().get_save_ops()
+    assert saved == theirs.build().get_save_ops() | seq1f1b.checkpoint_save_ops()
+    assert seq1f1b.checkpoint_save_ops() - theirs.build().get_save_ops()  # not on theirs
+    full = FullAC.Config()
+    assert saving_chunk_aware_attention(full) is full
+    assert saving_chunk_aware_attention(None) is None

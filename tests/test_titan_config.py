@@ -203,3 +203,16 @@ def test_planner_toml_reproduces_the_plan(argv: str, tmp_path: Path) -> None:
         assert job.seq1f1b.seq_chunks == s.seq_chunks or s.seq_chunks == 1
     else:  # no pipeline: one sequence at a time, gradient accumulation to the global batch
         assert job.training.local_batch_size == 1
+
+
+def test_selective_ac_save_list_gains_the_chunk_aware_attention() -> None:
+    """Patch 8: for a ``parallelize_fn`` call, torchtitan 0.2.2's op-level save list holds
+    :func:`seq1f1b.checkpoint_save_ops` as well as its own ops; restored afterwards."""
+    import seq1f1b
+    from torchtitan_integration.v022 import _titan
+
+    before = set(_titan.SAC_SAVE_LIST.get())
+    assert not seq1f1b.checkpoint_save_ops() <= before
+    with applied(patches.SAC_SAVES_ATTENTION):
+        assert _titan.SAC_SAVE_LIST.get() == before | seq1f1b.checkpoint_save_ops()
+    assert _titan.SAC_SAVE_LIST.get() == before

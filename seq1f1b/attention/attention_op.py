@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .. import _runtime as rt
-from .kernels import block_attention_kernels
+from .kernels import block_attention_kernels, library_kernel_ops
 from .kv import (
     SegmentKV,
     _add_rows,
@@ -55,6 +55,7 @@ from .tiles import accumulator_dtype, kv_blocks, run_tiles_backward, run_tiles_f
 __all__ = [
     "LAYER_KEY",
     "add_layer_key",
+    "checkpoint_save_ops",
     "compiled_attention",
     "layer_key_of",
     "segment_positions",
@@ -295,3 +296,13 @@ def segment_positions(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     The RoPE / learned-position input that works eager and compiled alike: it is read when the
     op runs, so a compiled block is not specialised to one segment's start."""
     return _segment_positions(x, dim % x.dim())
+
+
+def checkpoint_save_ops() -> set[Any]:
+    """Op overloads whose outputs an op-level selective activation checkpointing policy
+    should save, as torchtitan's saves torch's flash attention: the compiled chunk-aware
+    attention (``seq1f1b::segment_attention``, one opaque op that a policy otherwise
+    recomputes, a whole attention forward again in every backward) and flash-attn's forward
+    where the eager path runs it. Add them to a policy's save list (torchtitan 0.3:
+    ``SelectiveAC.get_save_ops``; the integration does)."""
+    return {torch.ops.seq1f1b.segment_attention.default, *library_kernel_ops()}

@@ -13,7 +13,7 @@ import torch
 from .. import _runtime as rt
 from .tiles import math_backward, math_forward
 
-__all__ = ["block_attention_kernels"]
+__all__ = ["block_attention_kernels", "library_kernel_ops"]
 
 try:  # optional, CUDA only
     from flash_attn import flash_attn_interface as _fa  # type: ignore[import-not-found]
@@ -109,3 +109,15 @@ def block_attention_kernels(t: torch.Tensor) -> tuple[str, Any, Any]:
             return "flash_attn", _flash_attn_fwd, _flash_attn_bwd
         return "cuda_flash", _cuda_aten_fwd, _cuda_aten_bwd
     return "math", math_forward, math_backward
+
+
+def library_kernel_ops() -> set[Any]:
+    """The op overloads of the block kernels that come from an installed library, not torch:
+    flash-attn's forward where it registers one with torch (empty without flash-attn). torch's
+    own flash kernels are on every selective-checkpointing policy's save list already."""
+    if _fa is None:
+        return set()
+    try:  # pragma: no cover - flash-attn is CUDA only
+        return {torch.ops.flash_attn._flash_attn_forward.default}
+    except (AttributeError, RuntimeError):  # pragma: no cover - a release without the op
+        return set()

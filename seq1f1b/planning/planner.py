@@ -349,9 +349,10 @@ def search(
     and where it comes from; candidates closer than it are ranked as ties (:func:`tie_groups`).
     ``blocking_p2p``: price Megatron-LM's blocking sends and receives (:func:`price`); orders
     with split backwards or replicas are skipped then. ``selective``: also price torchtitan's
-    selective activation checkpointing (attention's output kept, as its policy keeps torch's
-    attention kernels) where a layer's attention runs once per unit (K = 1); the chunk-aware
-    attention's per-tile outputs (K > 1) are not modelled, so those settings are skipped.
+    selective activation checkpointing (attention's output kept: its policy keeps torch's
+    attention kernels, and the integration's the compiled chunk-aware attention, what the
+    planner's TOML runs), except with K > 1 under context parallelism, whose ring runs eager
+    kernels per hop (their kept outputs not modelled): those settings are skipped.
     """
     if global_batch < 1 or seq_len < 1 or hardware.gpus < 1:
         raise ValueError(
@@ -370,6 +371,7 @@ def search(
     names = list(schedules) if schedules is not None else None
     cands: list[Candidate] = []
     skipped: list[str] = []
+    sac_on_ring = False  # selective AC asked for K > 1 with cp > 1 (not priced)
     orders: dict[tuple[str, int, int, int, int], Order | str] = {}
     for p in _divisors(hardware.gpus):
         if allowed_pp is not None and p not in allowed_pp:
@@ -413,8 +415,10 @@ def search(
                                 continue
                             name = entry.name if entry is not None else ""
                             modes = [(rc, False) for rc in recompute]
-                            if selective and k == 1:
+                            if selective and (k == 1 or c == 1):
                                 modes.append((False, True))
+                            elif selective:
+                                sac_on_ring = True
                             for rc, sel in modes:
                                 setting = Setting(
                                     p, t, fsdp, k, m, split, rc, bf16, name, v, c, sel
@@ -434,10 +438,10 @@ def search(
                                     skipped.append(f"{setting.label()}: {exc}")
                                     break
                                 cands.append(cand)
-    if selective and any(k > 1 for k in chunks):
+    if sac_on_ring:
         skipped.append(
-            "selective AC with K > 1: not priced (what torchtitan's policy keeps of the "
-            "chunk-aware attention's tiles is not modelled)"
+            "selective AC with K > 1 and cp > 1: not priced (the ring attention runs eager "
+            "kernels per hop, whose outputs torchtitan's policy keeps; not modelled)"
         )
     cands.sort(
         key=lambda c: (not c.fits, -c.tokens_per_second_per_gpu, c.setting.seq_chunks, c.max_bytes)
@@ -831,7 +835,7 @@ def build_parser(prog: str = "python -m seq1f1b.planning.planner") -> argparse.A
         choices=("none", "selective", "full", "both", "all"),
         default="both",
         help="activation checkpointing to consider: both = none and full; all adds torchtitan's "
-        "selective (op-level) AC, priced where attention is torch's (K = 1)",
+        "selective (op-level) AC (not with K > 1 and cp > 1)",
     )
     ap.add_argument(
         "--min-segment",

@@ -30,6 +30,9 @@ Names below are under ``torchtitan.`` unless they say otherwise.
 | models.llama3.infra.parallelize.   | patch 6: the schedule's | 0.2.2 | a per-model switch for    |
 | apply_cp_to_attention_module       | ring attention, not     |       | how CP reaches attention  |
 |                                    | torch's CP              |       |                           |
+| models.llama3.infra.parallelize.   | patch 8: selective AC   | 0.2.2 | a save-list hook (0.3:    |
+| _op_sac_save_list                  | saves the chunk-aware   |       | SelectiveAC.get_save_ops) |
+|                                    | attention too           |       |                           |
 | components.metrics.datetime        | patch 7: one            | 0.2.2 | a run id in the metrics   |
 |                                    | TensorBoard folder per  |       | config                    |
 |                                    | run                     |       |                           |
@@ -77,7 +80,9 @@ MEMORY_STATS = Target(_METRICS, "DeviceMemStats")
 SET_PG_TIMEOUTS = Target(_DIST_UTILS, "set_pg_timeouts")
 PEAK_FLOPS = Target("torchtitan.tools.utils", "get_peak_flops")
 CLIP_GRAD_NORM = Target(_DIST_UTILS, "clip_grad_norm_")
-APPLY_CP = Target("torchtitan.models.llama3.infra.parallelize", "apply_cp_to_attention_module")
+_PARALLELIZE = "torchtitan.models.llama3.infra.parallelize"
+APPLY_CP = Target(_PARALLELIZE, "apply_cp_to_attention_module")
+SAC_SAVE_LIST = Target(_PARALLELIZE, "_op_sac_save_list")
 METRICS_DATETIME = Target(_METRICS, "datetime")
 PP_LOSS_WARNING = Target("torchtitan.train", "ensure_pp_loss_visible")
 EXTRA_TRAIN_SPECS = Target("torchtitan.protocols.train_spec", "_extra_train_specs")

@@ -25,6 +25,10 @@ On any device:
    is chunk-aware (the schedule shards the sequence and runs its own ring attention);
 7. :data:`TRAINER_INIT`, for the trainer's ``__init__``: one TensorBoard folder per run, and
    no "PP loss not visible" warning (the trainer gives rank 0 the loss).
+8. :data:`SAC_SAVES_ATTENTION`, for every ``parallelize_fn`` call: torchtitan's op-level
+   selective AC saves the chunk-aware attention's ops too (:func:`seq1f1b.checkpoint_save_ops`;
+   its list holds torch's attention kernels only, so it would recompute the compiled
+   chunk-aware attention, a whole attention forward, in every backward).
 
 Checked against torchtitan 0.2.2.
 """
@@ -35,6 +39,7 @@ from typing import Any
 
 import torch
 
+from seq1f1b import checkpoint_save_ops
 from seq1f1b._runtime import device_type_probe
 
 from ..bitpipe import clip_counting_each_chunk_once
@@ -85,6 +90,14 @@ def _check_chunk_aware(modules: Any, cp_mesh: Any, attention_type: str) -> None:
 
 #: patch 6, for the parallelize_fn call when the schedule does context parallelism
 PARALLELIZE_WITHOUT_CP = (Patch.to(_titan.APPLY_CP, _check_chunk_aware),)
+
+
+def _saving_chunk_aware_attention(save_list: Any) -> set:
+    return set(save_list) | checkpoint_save_ops()
+
+
+#: patch 8, for every parallelize_fn call
+SAC_SAVES_ATTENTION = (Patch(_titan.SAC_SAVE_LIST, _saving_chunk_aware_attention),)
 
 #: patch 7, for the trainer's __init__
 TRAINER_INIT = (

@@ -7,7 +7,6 @@ models), so existing TOML files keep ``[model] name = "llama3"``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 from typing import Any
@@ -103,8 +102,10 @@ def parallelize_with_pp_replicate(parallelize_fn: Any) -> Any:
             and parallel_dims.world_size != parallel_dims.dp_replicate
         )
         our_cp = schedule_shards_cp(parallel_dims, job_config)
-        # patch 6: torchtitan's CP step only checks the attention (the schedule shards)
-        with applied(patches.PARALLELIZE_WITHOUT_CP) if our_cp else contextlib.nullcontext():
+        # patch 6: torchtitan's CP step only checks the attention (the schedule shards);
+        # patch 8: its selective AC saves the chunk-aware attention
+        scope = patches.SAC_SAVES_ATTENTION + (patches.PARALLELIZE_WITHOUT_CP if our_cp else ())
+        with applied(scope):
             if own_replicate:
                 without_dp = copy.copy(parallel_dims)
                 without_dp.dp_replicate = 1

@@ -29,6 +29,7 @@ from ..config import Seq1F1B
 from ..patches import applied
 from ..pipeline import check_schedule_name, check_world_size
 from . import _titan, patches
+from .checkpointing import saving_chunk_aware_attention
 from .model import default_positions, document_ids_from_positions, make_chunk_aware
 from .pipeline import pipeline_seq1f1b
 from .validate import check_torch_for_parallelism, loss_with_chunks, validate_before_start
@@ -36,12 +37,14 @@ from .validate import check_torch_for_parallelism, loss_with_chunks, validate_be
 
 def _parallelize_chunk_aware(parallelize_fn: Any, convert: bool) -> Any:
     """torchtitan's parallelize_fn, after making the attention chunk-aware (PP = 1 and
-    Seq1F1B stages), with gloo-compatible FSDP reductions."""
+    Seq1F1B stages; selective AC then saves it too), with gloo-compatible FSDP reductions."""
 
     @functools.wraps(parallelize_fn)
     def wrapped(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         if convert:
             make_chunk_aware(model)
+            if "ac_config" in kwargs:
+                kwargs["ac_config"] = saving_chunk_aware_attention(kwargs["ac_config"])
         model = parallelize_fn(model, **kwargs)
         fsdp_reductions_for_gloo(model)
         return model
