@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything GPU-only, in one call on one GPU (well under 10 minutes): the gpu-marked tests
 # (CUDA and flash-attn block kernels against the float32 math reference in bf16, compiled
-# blocks, several stages on one rank under Seq1F1B on CUDA), then the segment-overhead
+# blocks, several stages on one rank under Seq1F1B on CUDA, selective checkpointing keeping
+# the compiled attention), then the segment-overhead
 # benchmark's CUDA mode. Prints a summary. Without a GPU it says so and exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -3,10 +3,19 @@ Seq1F1B schedules against the eager full-sequence reference, and the compile cou
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from equivalence import Case, data, documents, loss_fn, reference, rel_err
+from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
+import seq1f1b
 from seq1f1b import _runtime as rt
 from seq1f1b.registry import lookup
 from seq1f1b.testing import build_stages
@@ -78,3 +87,47 @@ def refuses_compiled_on_some_ranks_only(rank: int, world: int) -> None:
         assert "Compile the blocks of every stage" in str(exc), exc
     else:
         raise AssertionError("ZBSeq1F1B ran with compiled blocks on some ranks only")
+
+
+class _AttentionBlock(nn.Module):
+    """A fused Q/K/V projection and the chunk-aware attention (4 heads of 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96, bias=False)
+        self.attn = seq1f1b.ChunkAwareAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(1, -1, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        return self.attn(q, k, v).transpose(1, 2).reshape(1, -1, 32)
+
+
+def attention_ops_in_backward(
+    save: set, device: str, dtype: torch.dtype
+) -> tuple[int, int, torch.Tensor]:
+    """Calls of the compiled attention's forward and backward ops during the backward of a
+    compiled, op-level selectively checkpointed block that saves ``save`` (torchtitan's kind
+    of policy), and x's gradient."""
+    torch._dynamo.reset()
+
+    def policy(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    block = _AttentionBlock().to(device=device, dtype=dtype)
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    run = torch.compile(
+        lambda x: checkpoint(block, x, use_reentrant=False, context_fn=context), fullgraph=True
+    )
+    x = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    x.requires_grad_()
+    out = run(x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out.float().square().sum().backward()
+    names = [e.name for e in prof.events()]
+    assert x.grad is not None
+    return (
+        names.count("seq1f1b::segment_attention"),
+        names.count("seq1f1b::segment_attention_backward"),
+        x.grad,
+    )

@@ -6,18 +6,14 @@ inductor (gcc). Few and small: compiling is slow on 2 cores."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-from compile_worker import compiled_schedule_steps, refuses_compiled_on_some_ranks_only
-from dist_utils import run_ranks
-from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
+from compile_worker import (
+    attention_ops_in_backward,
+    compiled_schedule_steps,
+    refuses_compiled_on_some_ranks_only,
 )
+from dist_utils import run_ranks
 
 import seq1f1b
 from seq1f1b.attention.attention_op import segment_positions
@@ -52,46 +48,6 @@ def test_segment_positions_outside_a_unit() -> None:
     assert torch.equal(segment_positions(x, dim=-1), torch.arange(3))
 
 
-class _AttentionBlock(nn.Module):
-    """A fused Q/K/V projection and the chunk-aware attention (one head group of 4 x 8)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv = nn.Linear(32, 96, bias=False)
-        self.attn = seq1f1b.ChunkAwareAttention()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).view(1, -1, 3, 4, 8).permute(2, 0, 3, 1, 4)
-        return self.attn(q, k, v).transpose(1, 2).reshape(1, -1, 32)
-
-
-def _backward_under_selective_checkpointing(save: set) -> tuple[int, int, torch.Tensor]:
-    """Calls of the compiled attention's forward and backward ops during the backward of a
-    compiled, op-level selectively checkpointed block that saves ``save``, and x's gradient."""
-    torch._dynamo.reset()
-
-    def policy(ctx, func, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
-
-    torch.manual_seed(0)
-    block = _AttentionBlock()
-    context = functools.partial(create_selective_checkpoint_contexts, policy)
-    run = torch.compile(
-        lambda x: checkpoint(block, x, use_reentrant=False, context_fn=context), fullgraph=True
-    )
-    x = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    out = run(x)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        out.square().sum().backward()
-    names = [e.name for e in prof.events()]
-    assert x.grad is not None
-    return (
-        names.count("seq1f1b::segment_attention"),
-        names.count("seq1f1b::segment_attention_backward"),
-        x.grad,
-    )
-
-
 def test_selective_checkpointing_saves_the_compiled_attention() -> None:
     """Under an op-level selective checkpointing policy (torchtitan's kind), the compiled
     chunk-aware attention is one op: a policy that does not save it runs its forward again in
@@ -99,8 +55,8 @@ def test_selective_checkpointing_saves_the_compiled_attention() -> None:
     only the attention's backward op, with the same gradients."""
     ops = seq1f1b.checkpoint_save_ops()
     assert torch.ops.seq1f1b.segment_attention.default in ops
-    forwards, backwards, grad = _backward_under_selective_checkpointing(ops)
+    forwards, backwards, grad = attention_ops_in_backward(ops, "cpu", torch.float32)
     assert (forwards, backwards > 0) == (0, True)
-    again, backwards, recomputed = _backward_under_selective_checkpointing(set())
+    again, backwards, recomputed = attention_ops_in_backward(set(), "cpu", torch.float32)
     assert again > 0 and backwards > 0
     torch.testing.assert_close(grad, recomputed, rtol=0, atol=0)

@@ -1,6 +1,7 @@
 """GPU-only paths (skip without CUDA; scripts/gpu_check.sh runs them on a lent GPU): the CUDA
-block kernels in bf16 against the float32 math reference, a compiled block, and Seq1F1B with
-several stages on one rank on CUDA tensors against the unpipelined model."""
+block kernels in bf16 against the float32 math reference, a compiled block, Seq1F1B with
+several stages on one rank on CUDA tensors against the unpipelined model, and selective
+checkpointing keeping the compiled attention on CUDA."""
 
 from __future__ import annotations
 
@@ -90,3 +91,17 @@ def test_checkpoint_recomputation_on_a_cuda_worker_thread_sees_the_unit() -> Non
         checkpoint(block, x, use_reentrant=False).sum().backward()
     assert [s[1] is unit for s in seen] == [True, True], seen  # forward, then recomputation
     assert seen[1][0], "recomputation ran on the calling thread: the test proves nothing here"
+
+
+def test_selective_checkpointing_saves_the_compiled_attention_on_cuda() -> None:
+    """On CUDA in bf16 (the compiled attention running torch's or flash-attn's kernels): with
+    :func:`seq1f1b.checkpoint_save_ops` on the policy's list the backward runs no attention
+    forward; without, it runs it again (tests/test_compile.py has the CPU case)."""
+    from compile_worker import attention_ops_in_backward
+
+    ops = seq1f1b.checkpoint_save_ops()
+    forwards, backwards, grad = attention_ops_in_backward(ops, "cuda", torch.bfloat16)
+    assert forwards == 0 and backwards > 0
+    again, _, recomputed = attention_ops_in_backward(set(), "cuda", torch.bfloat16)
+    assert again > 0
+    assert rel_err(grad.float(), recomputed.float()) <= BF16_TOL
