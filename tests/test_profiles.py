@@ -489,6 +489,11 @@ def test_split_backward_divides_the_backwards_flops() -> None:
     assert costs.of(rt.BACKWARD_INPUT).seconds(late) > costs.of(rt.BACKWARD_INPUT).seconds(early)
 
 
+def _fork_warmup(p: int, v: int, m: int, k: int, rank: int) -> int:
+    """Forwards the fork's interleaved loop runs on ``rank`` before its first backward."""
+    return min((v - 1) * p + 2 * (p - rank - 1) + k - 1, m * v * k)
+
+
 def _fork_interleaved_order(p: int, v: int, m: int, k: int, rank: int) -> list[tuple]:
     """The unit sequence of the Seq1F1B fork's ``forward_backward_pipelining_with_interleaving``
     on ``rank`` (thunlp/Seq1F1B, megatron/core/pipeline_parallel/schedules.py), rebuilt from
@@ -496,7 +501,7 @@ def _fork_interleaved_order(p: int, v: int, m: int, k: int, rank: int) -> list[t
     backward per step; unit ``j``'s chunk is ``(j % (p*v)) // p`` (reversed for backwards);
     a chunk's backwards pop each microbatch's segments last first (its ``sp_queue``)."""
     total = m * v * k
-    warmup = min((v - 1) * p + 2 * (p - rank - 1) + k - 1, total)
+    warmup = _fork_warmup(p, v, m, k, rank)
 
     def unit(j: int, forward: bool) -> tuple:
         chunk = (j % (p * v)) // p
@@ -538,7 +543,7 @@ def _fork_interleaved_program(p: int, v: int, m: int, k: int, rank: int) -> list
     ahead of the last), not where the received tensor is used."""
     order = _fork_interleaved_order(p, v, m, k, rank)
     total = m * v * k
-    warmup = min((v - 1) * p + 2 * (p - rank - 1) + k - 1, total)
+    warmup = _fork_warmup(p, v, m, k, rank)
     nxt, prv = (rank + 1) % p, (rank - 1) % p
     first, last = rank == 0, rank == p - 1
 
