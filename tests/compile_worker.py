@@ -131,3 +131,60 @@ def attention_ops_in_backward(
         names.count("seq1f1b::segment_attention_backward"),
         x.grad,
     )
+
+
+class _NormedLinear(nn.Module):
+    """A block's worth of parameters (a user module: dynamo skips torch's containers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.norm = nn.RMSNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x))
+
+
+def fsdp_wider_grads_through_a_recompile(rank: int, world: int, result: str) -> None:
+    """A compiled block under FSDP2 with bf16 parameters and fp32 reduction, gradients
+    accumulated without reduction (as pipelining does between microbatches), then called on a
+    new length (a recompile, ``dynamic=False``). Writes to ``result`` whether FSDP left a
+    wider gradient on a parameter and whether the recompile failed without the seam's
+    context; raises if it fails inside the context or the hidden gradients come back changed."""
+    import json
+
+    from torch._dynamo.exc import Unsupported
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    del rank, world
+    torch.manual_seed(0)
+    inner = _NormedLinear()
+    inner.compile(fullgraph=True, backend="eager", dynamic=False)
+    block = nn.Sequential(inner)  # FSDP's hooks outside the compiled frame, as torchtitan's
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(block, mp_policy=policy, reshard_after_forward=False)
+    block.set_requires_gradient_sync(False)
+    block.set_reshard_after_backward(False)
+    block(torch.randn(2, 4, 8)).float().sum().backward()
+    wider = {
+        p: p.grad for p in block.parameters() if p.grad is not None and p.grad.dtype != p.dtype
+    }
+    outcome = {"wider": bool(wider), "failed_without": False}
+    if not wider:
+        with open(result, "w") as f:
+            json.dump(outcome, f)
+        return
+    try:
+        block(torch.randn(2, 5, 8))
+    except Unsupported as error:
+        outcome["failed_without"] = "dtype mismatch between tensor and its gradient" in str(error)
+    kept = {p: g.clone() for p, g in wider.items()}
+    with rt.wider_grads_hidden_while_tracing([block]):
+        out = block(torch.randn(2, 6, 8))
+        assert all(p.grad is g for p, g in wider.items()), "a gradient was not put back"
+    for p, g in kept.items():
+        assert torch.equal(p.grad, g)
+    out.float().sum().backward()  # accumulates onto the gradients put back
+    assert all(p.grad.dtype == torch.float32 and not torch.equal(p.grad, kept[p]) for p in kept)
+    with open(result, "w") as f:
+        json.dump(outcome, f)

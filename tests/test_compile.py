@@ -6,11 +6,14 @@ inductor (gcc). Few and small: compiling is slow on 2 cores."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from compile_worker import (
     attention_ops_in_backward,
     compiled_schedule_steps,
+    fsdp_wider_grads_through_a_recompile,
     refuses_compiled_on_some_ranks_only,
 )
 from dist_utils import run_ranks
@@ -60,3 +63,16 @@ def test_selective_checkpointing_saves_the_compiled_attention() -> None:
     again, backwards, recomputed = attention_ops_in_backward(set(), "cpu", torch.float32)
     assert again > 0 and backwards > 0
     torch.testing.assert_close(grad, recomputed, rtol=0, atol=0)
+
+
+def test_fsdp_bf16_gradients_are_hidden_from_a_recompile(tmp_path) -> None:
+    """FSDP2 (2.15) keeps a step's accumulated gradients of bf16 parameters in fp32, which
+    dynamo refuses to trace; the runtime's context hides them during a (re)compile, so a
+    compiled block called on a new length after a backward compiles, and its gradients come
+    back and keep accumulating."""
+    result = tmp_path / "outcome.json"
+    run_ranks(fsdp_wider_grads_through_a_recompile, 1, str(result), fresh=True)
+    outcome = json.loads(result.read_text())
+    if not outcome["wider"]:
+        pytest.skip(f"FSDP2 on torch {torch.__version__} keeps no wider gradient on a parameter")
+    assert outcome["failed_without"], "dynamo traced the wider gradient: the workaround can go"

@@ -11,7 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from titan_utils import CONFIG, ROOT, Run, assert_same_curve, parse_run, run_titan, titan_available
+from titan_utils import (
+    CONFIG,
+    ROOT,
+    Run,
+    assert_same_curve,
+    needs_sharding,
+    parse_run,
+    run_titan,
+    titan_available,
+)
 
 titan_available("0.3")
 
@@ -143,4 +152,31 @@ def test_bf16_matches_unpipelined_bf16(seed, tmp_path) -> None:
     worst = max(abs(run.losses[s] - ref.losses[s]) / ref.losses[s] for s in range(1, 6))
     print(f"bf16 Seq1F1B vs bf16 PP=1: largest relative loss difference {worst:.2e}")
     assert worst <= BF16_LOSS_TOL, (run.losses, ref.losses)
+    assert norms <= 10 * BF16_LOSS_TOL, (run.grad_norms, ref.grad_norms)  # printed to 4 digits
     assert max(abs(run.losses[s] - fp32.losses[s]) for s in range(1, 6)) > 1e-5 * run.losses[1]
+
+
+# The planner's configuration (compile + bf16 + FSDP + PP) at the default 512 tokens, where the
+# compute split's per-sample lengths make a compiled block recompile after a step's first
+# backward: 2.15's FSDP2 then holds fp32-accumulated gradients on the bf16 parameters, which
+# dynamo refused to trace ("dtype mismatch between tensor and its gradient") until the runtime
+# hid them from its traces (seq1f1b._runtime.wider_grads_hidden_while_tracing).
+FSDP_COMPILE_BF16 = ["--parallelism.data_parallel_shard_degree", "2", "--compile.enable", *BF16,
+                     "--training.seq_len", "512", "--training.steps", "2"]  # fmt: skip
+
+
+@needs_sharding
+@pytest.mark.titan_grid
+def test_fsdp_compile_bf16_matches_unpipelined(seed, tmp_path) -> None:
+    """PP=2 x FSDP=2, compiled, bf16, under Seq1F1B (the shipped compute split) trains and
+    equals PP=1 x FSDP=2 in the same configuration within bf16's tolerance, steps 1-2."""
+    ref = run_titan(2, "--parallelism.pipeline_parallel_degree", "1", *seed, *FSDP_COMPILE_BF16,
+                    dump=tmp_path / "pp1", timeout=600)  # fmt: skip
+    run = run_titan(4, "--parallelism.pipeline_parallel_degree", "2", *seed, *FSDP_COMPILE_BF16,
+                    dump=tmp_path / "pp2", timeout=900)  # fmt: skip
+    assert sorted(run.losses) == [1, 2], run.output[-3000:]
+    worst = max(abs(run.losses[s] - ref.losses[s]) / ref.losses[s] for s in (1, 2))
+    norms = max(abs(run.grad_norms[s] - ref.grad_norms[s]) / ref.grad_norms[s] for s in (1, 2))
+    print(f"PP2 x FSDP2 compiled bf16 vs PP1: loss {worst:.2e}, grad norm {norms:.2e} (relative)")
+    assert worst <= BF16_LOSS_TOL, (run.losses, ref.losses)
+    assert norms <= 10 * BF16_LOSS_TOL, (run.grad_norms, ref.grad_norms)  # printed to 4 digits

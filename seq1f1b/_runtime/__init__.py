@@ -68,6 +68,9 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 | torch._utils._get_available_device_type       | named (device_type_probe) for torchtitan 0.2.2's |
 |                                               |   CPU patch list, reassigned during the import   |
 | _composable.replicate_with_fsdp.replicate     | DP-replicate that the pipelining runtime reduces |
+| _dynamo.callback.callback_handler,            | a step hides FSDP2's fp32-accumulated gradients  |
+|   CallbackTrigger (register/remove_*_callback)|   of bf16 parameters from dynamo's (re)traces    |
+|                                               |   (``wider_grads_hidden_while_tracing``)         |
 | FSDPModule._get_fsdp_state()                  | ChunkedLoss restores the head's gradient-sync    |
 |   ._fsdp_param_groups[].reduce_grads,         |   and reshard settings (FSDP2 has setters, no    |
 |   .reshard_after_backward                     |   getters)                                       |
@@ -169,6 +172,7 @@ from .ir import (
     unflatten_dense_tensors,
     validate_schedule,
     validate_send_waits,
+    wider_grads_hidden_while_tracing,
 )
 from .unit import ActionContextFactory, UnitRuntime, action_contexts_installed
 
@@ -240,6 +244,7 @@ __all__ = [
     "unflatten_dense_tensors",
     "validate_schedule",
     "validate_send_waits",
+    "wider_grads_hidden_while_tracing",
 ]
 
 #: (a) the action IR every order is written in, and the features detected in this release:

@@ -182,6 +182,54 @@ def fsdp_held_unsharded(module: torch.nn.Module) -> Iterator[None]:
         module.set_reshard_after_backward(reshard, recurse=False)
 
 
+@contextlib.contextmanager
+def wider_grads_hidden_while_tracing(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """While dynamo traces a frame (a compile or a recompile) inside this context, every
+    parameter of ``modules`` whose ``.grad`` has another dtype than itself holds no ``.grad``;
+    each is put back, the same tensor, when the trace ends (also when it fails).
+
+    Why: 2.15's FSDP2 keeps a bf16 unsharded parameter's gradient, accumulated over a step's
+    backwards without reduction (pipelining), in the reduce dtype (fp32, ``grad_dtype``), and
+    dynamo refuses to wrap a tensor whose gradient's dtype differs ("dtype mismatch between
+    tensor and its gradient"). Units of different lengths (segments, per-sample splits) can
+    make a compiled block recompile after a step's first backward, which then fails. A trace
+    reads no gradient: hiding them changes nothing else. Only dynamo's own traces
+    (``CallbackTrigger.DYNAMO``) act; a lazily compiled backward does not.
+
+    Upstream hook that would remove this: dynamo accepting a gradient whose dtype is the
+    tensor's ``grad_dtype`` (``torch/_dynamo/variables/builder.py``'s dtype check).
+    """
+    from torch._dynamo import callback as _callback
+
+    handler = _callback.callback_handler
+    hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def start(args: Any) -> None:
+        if getattr(args, "callback_trigger", None) is not _callback.CallbackTrigger.DYNAMO:
+            return
+        for module in modules:
+            for param in module.parameters():
+                grad = param.grad
+                if grad is not None and grad.dtype != param.dtype:
+                    hidden.append((param, grad))
+                    param.grad = None
+
+    def end(_args: Any) -> None:
+        while hidden:
+            param, grad = hidden.pop()
+            param.grad = grad
+
+    handler.register_start_callback(start)
+    handler.register_end_callback(end)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):  # torch._dynamo.reset() clears every callback
+            handler.remove_start_callback(start)
+            handler.remove_end_callback(end)
+        end(None)
+
+
 def fsdp_replicate() -> Callable[..., Any]:
     """FSDP2's ``replicate`` (DP-replicate whose gradients the pipelining runtime reduces)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate

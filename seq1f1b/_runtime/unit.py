@@ -41,6 +41,7 @@ from .ir import (
     split_tensor,
     tensor_meta_of,
     validate_schedule,
+    wider_grads_hidden_while_tracing,
 )
 from .lowering import LoweredOrders, SendRecvLowering, StageTopology, fast_path_supported
 
@@ -473,7 +474,12 @@ class UnitRuntime(ScheduleRuntime):
             self.pipeline_order_with_comms = self._forward_only_order()
         try:
             factories = [] if ACTION_CONTEXT_HOOK else list(self._action_contexts.values())
-            with self.unit_scope(), action_contexts_installed(self._stages, factories):
+            modules = [s.submod for s in self._stages if isinstance(s.submod, torch.nn.Module)]
+            with (
+                self.unit_scope(),
+                action_contexts_installed(self._stages, factories),
+                wider_grads_hidden_while_tracing(modules),
+            ):
                 super()._step_microbatches(
                     arg_mbs,
                     kwarg_mbs,
