@@ -152,7 +152,6 @@ def test_bf16_matches_unpipelined_bf16(seed, tmp_path) -> None:
     worst = max(abs(run.losses[s] - ref.losses[s]) / ref.losses[s] for s in range(1, 6))
     print(f"bf16 Seq1F1B vs bf16 PP=1: largest relative loss difference {worst:.2e}")
     assert worst <= BF16_LOSS_TOL, (run.losses, ref.losses)
-    assert norms <= 10 * BF16_LOSS_TOL, (run.grad_norms, ref.grad_norms)  # printed to 4 digits
     assert max(abs(run.losses[s] - fp32.losses[s]) for s in range(1, 6)) > 1e-5 * run.losses[1]
 
 
