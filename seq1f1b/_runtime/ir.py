@@ -200,8 +200,8 @@ def wider_grads_hidden_while_tracing(modules: Sequence[torch.nn.Module]) -> Iter
     Upstream hook that would remove this: dynamo accepting a gradient whose dtype is the
     tensor's ``grad_dtype`` (``torch/_dynamo/variables/builder.py``'s dtype check).
     """
-    if "torch._dynamo" not in sys.modules:  # nothing compiled in this process
-        yield  # (importing dynamo would cost seconds and set TORCHINDUCTOR_CACHE_DIR)
+    if "torch._dynamo" not in sys.modules:  # nothing is compiled in this process
+        yield
         return
     from torch._dynamo import callback as _callback
 
