@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
@@ -200,9 +199,6 @@ def wider_grads_hidden_while_tracing(modules: Sequence[torch.nn.Module]) -> Iter
     Upstream hook that would remove this: dynamo accepting a gradient whose dtype is the
     tensor's ``grad_dtype`` (``torch/_dynamo/variables/builder.py``'s dtype check).
     """
-    if "torch._dynamo" not in sys.modules:  # nothing is compiled in this process
-        yield
-        return
     from torch._dynamo import callback as _callback
 
     handler = _callback.callback_handler
