@@ -17,7 +17,7 @@ titan_available("0.3")
 
 from torchtitan.distributed.activation_checkpoint import FullAC  # noqa: E402
 
-from torchtitan_integration.v03.pipeline import model_shape  # noqa: E402
+from torchtitan_integration.v03.models import decoder_shape as model_shape  # noqa: E402
 from torchtitan_integration.v03.toml import (  # noqa: E402
     TomlKeyError,
     build_config,
@@ -86,7 +86,7 @@ def test_overrides_on_top_of_the_toml() -> None:
         (["--training.no_such_key", "1"], "[training] no_such_key has no equivalent"),
         (["--optimizer.beta1", "0.9"], "[optimizer] beta1 has no equivalent"),
         (["--activation_checkpoint.mode", "some"], "use 'none', 'selective' or 'full'"),
-        (["--model.name", "deepseek_v3"], "trains torchtitan's llama3"),
+        (["--model.name", "deepseek_v3"], "integration trains llama3, qwen3"),
         (["--training.steps", "many"], "training.steps = 'many': expected int"),
         (["steps"], "is not of the form --section.key value"),
     ],
@@ -131,16 +131,44 @@ def test_bitpipe_settings_that_can_run_are_accepted() -> None:
 def test_model_shape_is_torchtitans_debug_model() -> None:
     shape = model_shape(build_config(DEBUG).model_spec.model)
     assert (shape.hidden, shape.n_heads, shape.n_layers, shape.vocab) == (256, 16, 6, 2048)
-    assert shape.ffn_hidden == 768
+    assert (shape.ffn_hidden, shape.head_dim) == (768, 16)
+
+
+@pytest.mark.parametrize(("flavor", "ffn"), [("debugmodel", 3072), ("debugmodel_moe", 8 * 768)])
+def test_qwen3_shape_has_its_head_dim_and_active_experts(flavor: str, ffn: int) -> None:
+    """Qwen3's debug flavors through ``[model] name = "qwen3"``: head dim 128 at width 256 (not
+    256 / 16), and an MoE layer priced by the FFN width a token runs (top 8 of 64 experts of
+    width 768); the tied embedding is untied (torchtitan refuses tying under PP)."""
+    config = build_config(DEBUG, ["--model.name", "qwen3", "--model.flavor", flavor])
+    assert config.model_spec.name == "qwen3"
+    assert not config.model_spec.model.enable_weight_tying
+    shape = model_shape(config.model_spec.model)
+    assert (shape.hidden, shape.n_heads, shape.head_dim, shape.n_kv_heads) == (256, 16, 128, 8)
+    assert (shape.n_layers, shape.ffn_hidden) == (8, ffn)
+    validate_before_start(config)
+
+
+def test_unknown_model_is_refused_naming_the_supported_ones() -> None:
+    with pytest.raises(ValueError, match=r"'qwen3_5'.* trains llama3, qwen3"):
+        build_config(DEBUG, ["--model.name", "qwen3_5"])
+    with pytest.raises(ValueError, match=r"flavor = 'tiny' is not a torchtitan qwen3 flavor"):
+        build_config(DEBUG, ["--model.name", "qwen3", "--model.flavor", "tiny"])
 
 
 @pytest.mark.parametrize(
     "argv",
     [
         "--model llama3-8b --seq-len 32768 --gpus 8 --gpu-memory-gb 80",
-        # a sequence-chunked plan with several looped stages per rank (layers per stage)
-        "--model llama3-8b --seq-len 65536 --gpus 8 --gpu-memory-gb 80",
-        "--model llama3-70b --seq-len 65536 --gpus 64 --gpu-memory-gb 80 --ac full",
+        # a sequence-chunked plan with several looped stages per rank (layers per stage); the
+        # larger searches (pure Python, whatever the torch) on the default release only
+        pytest.param(
+            "--model llama3-8b --seq-len 65536 --gpus 8 --gpu-memory-gb 80",
+            marks=pytest.mark.default_release_only,
+        ),
+        pytest.param(
+            "--model llama3-70b --seq-len 65536 --gpus 64 --gpu-memory-gb 80 --ac full",
+            marks=pytest.mark.default_release_only,
+        ),
         # torchtitan's selective (op-level) activation checkpointing
         "--model llama3-8b --seq-len 8192 --gpus 8 --gpu-memory-gb 80 --pp 1 --ac selective",
     ],
@@ -223,19 +251,22 @@ def test_chunked_loss_wrapper_becomes_a_per_segment_chunked_loss() -> None:
     assert not isinstance(plain, ChunkedLoss)
 
 
-def test_start_check_names_positions_taken_from_the_segment() -> None:
-    """``[seq1f1b] verify``'s check on 0.3's Llama3 passes as adapted, and fails naming the
-    positions when each stage's RoPE restarts at every segment (no positions passed)."""
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_start_check_names_positions_taken_from_the_segment(name: str) -> None:
+    """``[seq1f1b] verify``'s check on each family's 0.3 debug model passes as adapted, and
+    fails naming the positions when each stage's RoPE restarts at every segment (no positions
+    passed)."""
     from types import SimpleNamespace
 
     from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
 
     from torchtitan_integration.config import Seq1F1B
+    from torchtitan_integration.v03.models import family
     from torchtitan_integration.v03.validate import check_titan03, titan03_debug_model
     from torchtitan_integration.verify import run_start_check
 
-    check_titan03(SimpleNamespace(seq1f1b=Seq1F1B(seq_chunks=4)), 2)
-    build, n_layers = titan03_debug_model()
+    check_titan03(SimpleNamespace(seq1f1b=Seq1F1B(seq_chunks=4)), 2, family(name))
+    build, n_layers = titan03_debug_model(family(name))
     names = _generate_llm_fqn_per_model_part(2, n_layers)
     with pytest.raises(ValueError, match="positions are probably taken from the segment"):
         run_start_check(build, names, 4, True, positions_kwarg=False)

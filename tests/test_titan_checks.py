@@ -99,3 +99,20 @@ def test_0_3_entry_destroys_groups_on_failure(tmp_path, monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="training failed"):
         train.run([])
     assert not dist.is_initialized()
+
+
+def test_input_gradients_are_sent_contiguous() -> None:
+    """The TP action context: the input gradients a stage keeps to send after its backward
+    (``bwd_cache[chunk]``) become contiguous when strided (gloo and NCCL refuse to send views);
+    contiguous ones, None and other chunks are kept as they are."""
+    import torch
+
+    from torchtitan_integration.pipeline import contiguous_input_grads
+
+    strided, plain, other = torch.randn(4, 6).t(), torch.randn(3), torch.randn(4, 6).t()
+    stage = SimpleNamespace(bwd_cache={1: (strided, None, plain), 2: (other,)})
+    with contiguous_input_grads(stage, SimpleNamespace(microbatch_index=1)):
+        pass
+    got = stage.bwd_cache[1]
+    assert got[0].is_contiguous() and torch.equal(got[0], strided)
+    assert got[1] is None and got[2] is plain and stage.bwd_cache[2][0] is other

@@ -30,7 +30,8 @@ from torchtitan_integration.pipeline import check_config, check_schedule_name  #
 from torchtitan_integration.v022.pipeline import model_shape  # noqa: E402
 from torchtitan_integration.v022.validate import validate_before_start  # noqa: E402
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "train_configs").glob("*.toml"))
+# 0.2.2 trains llama3 (the other families' TOMLs: tests/test_titan03_config.py)
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "train_configs").glob("llama3_*.toml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -48,6 +49,14 @@ def test_config_parses_and_validates(path: Path) -> None:
     assert len(lengths) == job.seq1f1b.seq_chunks
     assert all(n % par.tensor_parallel_degree == 0 for n in lengths)
     assert job.training.local_batch_size % par.pipeline_parallel_microbatch_size == 0
+
+
+def test_other_model_families_are_refused_naming_0_3() -> None:
+    from torchtitan_integration.v022.validate import check_model_name
+
+    check_model_name("llama3")
+    with pytest.raises(ValueError, match=r"\[model\] name = 'qwen3': on torchtitan 0.2.2 .* 0.3"):
+        check_model_name("qwen3")
 
 
 def test_unknown_schedule_names_the_toml_key() -> None:

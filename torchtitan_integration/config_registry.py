@@ -7,6 +7,6 @@ function, which returns a :class:`~torchtitan_integration.v03.trainer.Seq1F1BTra
 
 from __future__ import annotations
 
-from .v03.configs import seq1f1b_debugmodel, seq1f1b_llama3
+from .v03.configs import seq1f1b_debugmodel, seq1f1b_llama3, seq1f1b_model, seq1f1b_qwen3
 
-__all__ = ["seq1f1b_debugmodel", "seq1f1b_llama3"]
+__all__ = ["seq1f1b_debugmodel", "seq1f1b_llama3", "seq1f1b_model", "seq1f1b_qwen3"]

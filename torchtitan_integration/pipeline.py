@@ -10,8 +10,10 @@ field names in 0.2.2's JobConfig and 0.3's ``Trainer.Config``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -275,9 +277,47 @@ def pipelining_result(
     cp = parallel_dims.cp
     cp_group = parallel_dims.get_mesh("cp").get_group() if cp > 1 else None
     schedule = build_schedule(entry, stages, config, lengths, loss_fn, cp_group, shape, v)
+    if parallel_dims.tp > 1:  # where the strided input gradients come from
+        schedule.register_action_context(contiguous_input_grads)
     return (
         schedule,
         parts,
         any(s.is_first for s in stages),
         any(s.is_last for s in stages),
     )
+
+
+@contextlib.contextmanager
+def contiguous_input_grads(stage: Any, action: Any) -> Iterator[None]:
+    """After a backward, the gradients a stage sends to the previous one made contiguous:
+    under tensor parallelism a split backward's input gradient can be a DTensor whose local
+    shard is a strided view (seen with Qwen3 under ZBVSeq1F1B x TP), which gloo and NCCL sends
+    reject, and torch's stage sends the local shard of ``bwd_cache[chunk]`` as it is (the
+    forward's outputs: each version's pipeline module). Upstream: make the local tensor
+    contiguous in ``PipelineStage.get_bwd_send_ops``."""
+    yield
+    grads = getattr(stage, "bwd_cache", {}).get(action.microbatch_index)
+    if grads and any(_strided(g) for g in grads):
+        stage.bwd_cache[action.microbatch_index] = tuple(_contiguous(g) for g in grads)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _strided(g: Any) -> bool:
+    return isinstance(g, torch.Tensor) and not _local(g).is_contiguous()
+
+
+def _contiguous(g: Any) -> Any:
+    """``g`` with a contiguous local tensor (a DTensor keeps its mesh, placements and shape)."""
+    if not _strided(g):
+        return g
+    if not hasattr(g, "to_local"):
+        return g.contiguous()
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        g.to_local().contiguous(), g.device_mesh, g.placements, run_check=False,
+        shape=g.shape, stride=g.stride(),
+    )  # fmt: skip

@@ -17,6 +17,7 @@ from ..pipeline import check_world_size
 from . import patches
 from .model import block_causal, document_ids_from_eos
 from .spec import schedule_shards_cp
+from .validate import check_model_name
 
 
 def warn_if_fp32(job_config: Any, parallel_dims: Any) -> None:
@@ -54,6 +55,7 @@ class Seq1F1BTrainer(TrainerCore, Trainer):
         import os
 
         check_world_size(job_config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
+        check_model_name(job_config.model.name)  # before torchtitan looks the name up
         with applied(patches.TRAINER_INIT):  # patch 7
             super().__init__(job_config)
         warn_if_fp32(job_config, self.parallel_dims)

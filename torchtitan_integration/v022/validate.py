@@ -24,8 +24,19 @@ from .pipeline import model_shape
 logger = logging.getLogger(__name__)
 
 
+def check_model_name(name: str) -> None:
+    """0.2.2's integration adapts torchtitan's llama3 only (the other decoders: 0.3's)."""
+    if name != "llama3":
+        raise ValueError(
+            f"[model] name = {name!r}: on torchtitan 0.2.2 the Seq1F1B integration trains "
+            "llama3; qwen3 runs on torchtitan 0.3 (the default environment, .venv: "
+            "./run_train.sh uses it)"
+        )
+
+
 def validate_before_start(job_config: Any, parallel_dims: Any, model_args: Any) -> None:
     """Refuse settings that cannot run, naming the config key and the fix, on every rank."""
+    check_model_name(job_config.model.name)
     entry = check_schedule_name(job_config.parallelism.pipeline_parallel_schedule)
     check_loss_chunks(job_config.seq1f1b.loss_chunks)
     if job_config.seq1f1b.loss_chunks and not (parallel_dims.pp_enabled and entry.seq_chunked):

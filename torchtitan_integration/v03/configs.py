@@ -2,19 +2,22 @@
 
 :func:`seq1f1b_debugmodel` is the default run of ``train_configs/llama3_debug_seq1f1b.toml``
 in 0.3's terms: torchtitan's Llama3 debug model, PP=2 with Seq1F1B (K=4, compute split) on
-the offline ``pycode`` corpus, sized for 2 CPU processes. :func:`seq1f1b_llama3` is the same
-trainer for any Llama3 flavor; the TOML launcher (:mod:`.toml`) starts from it.
+the offline ``pycode`` corpus, sized for 2 CPU processes. :func:`seq1f1b_model` is the same
+trainer for any supported family and flavor (:mod:`.models`), :func:`seq1f1b_llama3` and
+:func:`seq1f1b_qwen3` name the family; the TOML launcher (:mod:`.toml`) starts from it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .models import family
 from .trainer import Seq1F1BTrainer
 
 
-def seq1f1b_llama3(flavor: str = "debugmodel", attn_backend: str = "flex") -> Any:
-    """torchtitan's llama3 config for ``flavor`` as a :class:`Seq1F1BTrainer.Config`.
+def seq1f1b_model(name: str, flavor: str = "debugmodel", attn_backend: str = "flex") -> Any:
+    """torchtitan's ``name`` model (a :mod:`.models` family) of ``flavor`` as a
+    :class:`Seq1F1BTrainer.Config`.
 
     The attention backend only matters for torch's own schedules: Seq1F1B and unpipelined
     runs replace it with chunk-aware attention over the same packed documents.
@@ -23,9 +26,8 @@ def seq1f1b_llama3(flavor: str = "debugmodel", attn_backend: str = "flex") -> An
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
     from torchtitan.models.common.config_utils import decoder_vocab_size
-    from torchtitan.models.llama3 import model_registry
 
-    spec = model_registry(flavor, attn_backend=attn_backend)
+    spec = family(name).model_spec(flavor, attn_backend)
     config = Seq1F1BTrainer.Config(
         model_spec=spec,
         # as torchtitan's llama3 configs: head + loss in chunks (under Seq1F1B per segment,
@@ -39,6 +41,16 @@ def seq1f1b_llama3(flavor: str = "debugmodel", attn_backend: str = "flex") -> An
     # 0.3's CUDA graphs support no pipeline parallelism; a 0.2.2 TOML never asks for them
     config.training.disable_cuda_graphs = True
     return config
+
+
+def seq1f1b_llama3(flavor: str = "debugmodel", attn_backend: str = "flex") -> Any:
+    """torchtitan's llama3 ``flavor`` with Seq1F1B (:func:`seq1f1b_model`)."""
+    return seq1f1b_model("llama3", flavor, attn_backend)
+
+
+def seq1f1b_qwen3(flavor: str = "debugmodel", attn_backend: str = "flex") -> Any:
+    """torchtitan's qwen3 ``flavor`` (dense or MoE) with Seq1F1B (:func:`seq1f1b_model`)."""
+    return seq1f1b_model("qwen3", flavor, attn_backend)
 
 
 def seq1f1b_debugmodel() -> Any:

@@ -71,8 +71,8 @@ def make_chunk_aware(model: nn.Module) -> int:
         if not isinstance(inner, known):
             raise ValueError(
                 f"{type(inner).__name__} inner attention cannot be chunked by Seq1F1B: use a "
-                "model whose attention backend is flex, varlen or sdpa (llama3's model_registry"
-                "(flavor, attn_backend=...))"
+                "model whose attention backend is flex, varlen or sdpa (the model_registry's "
+                "attn_backend=...)"
             )
         if getattr(inner, "window_size", (-1, 0)) not in ((-1, 0), None):
             raise ValueError(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from seq1f1b import ChunkedLoss, ModelShape
+from seq1f1b import ChunkedLoss
 from seq1f1b.bitpipe.layout import BitPipeLayout
 
 from ..bitpipe import build_bitpipe, check_bitpipe
@@ -29,22 +29,7 @@ from ..pipeline import (
     stages_per_rank,
 )
 from . import _titan
-from .model import make_chunk_aware
-
-
-def model_shape(model_config: Any) -> ModelShape:
-    """The FLOPs-model shape of a 0.3 decoder config (GQA heads, SwiGLU FFN width)."""
-    first = model_config.layers[0]
-    attn = first.attention
-    return ModelShape(
-        hidden=model_config.dim,
-        n_heads=attn.n_heads,
-        n_layers=len(model_config.layers),
-        vocab=model_config.vocab_size,
-        ffn_hidden=first.feed_forward.w1.out_features,
-        n_kv_heads=attn.n_kv_heads or attn.n_heads,
-        gated_ffn=True,
-    )
+from .models import family_of
 
 
 def _contiguous_output(_module: nn.Module, _args: Any, output: Any) -> Any:
@@ -94,6 +79,7 @@ def pipeline_seq1f1b(
         "dump_folder": dump_folder,
     }
     if entry.replicas == 2:
+        family_of(trainer_config.model_spec).make_chunk_aware(model)
         return _pipeline_bitpipe(
             model, spmd, device, model_config, parallelize_fn, unit_loss(loss_fn, training.seq_len)
         )
@@ -109,7 +95,8 @@ def pipeline_seq1f1b(
     config = config_view(trainer_config, parallelism, training)
     pp, tp, cp = parallel_dims.pp, parallel_dims.tp, parallel_dims.cp
     n_layers = len(model_config.layers)
-    shape = model_shape(model_config)
+    model_family = family_of(trainer_config.model_spec)
+    shape = model_family.shape(model_config)
     lengths = check_config(config, pp, n_layers, tp, shape, cp, warn=False)
     v = stages_per_rank(config, n_layers, pp)
     names = parallelism.module_fqns_per_model_part or _titan.FQNS_PER_PART.get()(
@@ -118,7 +105,7 @@ def pipeline_seq1f1b(
         parallelism.pipeline_parallel_first_stage_less_layers,
         parallelism.pipeline_parallel_last_stage_less_layers,
     )
-    make_chunk_aware(model)
+    model_family.make_chunk_aware(model)
     stages, parts = _titan.MODULE_SPLIT.get()(
         model,
         parallel_dims.get_mesh("pp"),
@@ -148,7 +135,8 @@ def _pipeline_bitpipe(
     loss_fn: Any,
 ) -> tuple[Any, list[nn.Module], bool, bool]:
     """BitPipe through 0.3's contract: every model part this rank holds (both replicas'),
-    split by torchtitan's own ``_split_module``, chunk-aware, each parallelized by 0.3."""
+    split by torchtitan's own ``_split_module`` from the chunk-aware model, each parallelized
+    by 0.3."""
     parallel_dims, parallelism = spmd["parallel_dims"], spmd["parallelism"]
     check_bitpipe(parallel_dims)
     names = parallelism.module_fqns_per_model_part or _titan.FQNS_PER_PART.get()(
@@ -157,7 +145,6 @@ def _pipeline_bitpipe(
         parallelism.pipeline_parallel_first_stage_less_layers,
         parallelism.pipeline_parallel_last_stage_less_layers,
     )
-    make_chunk_aware(model)
     training = spmd["training"]
     schedule, parts, has_first, has_last = build_bitpipe(
         model,

@@ -2,11 +2,11 @@
 
 0.3 has no TOML: a run is a config function returning a ``Trainer.Config``. The product's
 usage stays "``CONFIG_FILE=x.toml ./run_train.sh``", so this module maps a 0.2.2 file onto
-:func:`~.configs.seq1f1b_llama3`'s config. Keys keep their section and name where 0.3 has
-them (``parallelism``, ``training`` mostly, ``lr_scheduler``, ``checkpoint``, ``metrics``,
-``compile``, ``debug``, ``comm``, ``seq1f1b``); the keys that moved are in :data:`MOVED`;
-a key with no home in 0.3 is an error that names it and what to use instead, never silently
-dropped. 0.3-native dotted keys (``--dataloader.dataset pycode``) work too.
+:func:`~.configs.seq1f1b_model`'s config (``[model] name`` picks the family). Keys keep their
+section and name where 0.3 has them (``parallelism``, ``training`` mostly, ``lr_scheduler``,
+``checkpoint``, ``metrics``, ``compile``, ``debug``, ``comm``, ``seq1f1b``); the keys that
+moved are in :data:`MOVED`; a key with no home in 0.3 is an error that names it and what to use
+instead, never silently dropped. 0.3-native dotted keys (``--dataloader.dataset pycode``) work too.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ ACCEPTED = {
     "job.config_file": "the file being read",
     "job.custom_config_module": "0.3's Seq1F1BTrainer.Config has the seq1f1b section built in",
     "job.description": "logged at start-up",
-    "model.name": "only 'llama3' (checked)",
-    "model.flavor": "picks torchtitan's llama3 model_registry(flavor)",
+    "model.name": "a family of torchtitan_integration.v03.models (checked)",
+    "model.flavor": "picks that family's torchtitan model_registry(flavor)",
 }
 #: 0.2.2 keys without a home in 0.3 -> what to use instead
 NO_HOME = {
     "model.tokenizer_path": "put tokenizer.json in hf_assets_path (0.3 reads the tokenizer there)",
-    "model.converters": "a config function passing converters to llama3's model_registry()",
+    "model.converters": "a config function passing converters to the model's model_registry()",
     "model.print_after_conversion": "--debug.print_config",
     "job.use_for_integration_test": "nothing (0.3 dropped it)",
     "experimental.custom_args_module": "a Trainer.Config subclass (0.3 has no custom args module)",
@@ -157,7 +157,7 @@ def _no_home(key: str, path: str | None = None) -> str:
         f"{where} has no equivalent in torchtitan 0.3's config"
         + (f" (no field {path})" if path and path != key else "")
         + ": remove it, or see `python -m torchtitan.train --module torchtitan_integration "
-        "--config seq1f1b_llama3 --help` for 0.3's fields"
+        "--config seq1f1b_model --help` for 0.3's fields"
     )
 
 
@@ -200,7 +200,7 @@ def build_config(toml_path: str | Path | None, argv: Iterable[str] = ()) -> Any:
         import tomllib
     except ImportError:  # Python 3.10
         import tomli as tomllib
-    from .configs import seq1f1b_llama3
+    from .configs import seq1f1b_model
 
     values: dict[str, Any] = {}
     if toml_path is not None:
@@ -208,12 +208,12 @@ def build_config(toml_path: str | Path | None, argv: Iterable[str] = ()) -> Any:
             values.update(flatten(tomllib.load(f)))
     values.update(parse_overrides(argv))
 
-    name = values.pop("model.name", "llama3")
-    if name != "llama3":
-        raise TomlKeyError(
-            f"[model] name = {name!r}: the Seq1F1B integration trains torchtitan's llama3"
-        )
-    config = seq1f1b_llama3(str(values.pop("model.flavor", "debugmodel")))
+    name = str(values.pop("model.name", "llama3"))
+    flavor = str(values.pop("model.flavor", "debugmodel"))
+    try:
+        config = seq1f1b_model(name, flavor)
+    except ValueError as err:  # an unknown family or flavor, named with the supported ones
+        raise TomlKeyError(str(err)) from None
     for key in [k for k in values if k in ACCEPTED]:
         values.pop(key)
     optimizer = {

@@ -30,19 +30,21 @@ from ..patches import applied
 from ..pipeline import check_schedule_name, check_world_size
 from . import _titan, patches
 from .checkpointing import saving_chunk_aware_attention
-from .model import default_positions, document_ids_from_positions, make_chunk_aware
+from .model import default_positions, document_ids_from_positions
+from .models import ModelFamily, family_of
 from .pipeline import pipeline_seq1f1b
 from .validate import check_torch_for_parallelism, loss_with_chunks, validate_before_start
 
 
-def _parallelize_chunk_aware(parallelize_fn: Any, convert: bool) -> Any:
-    """torchtitan's parallelize_fn, after making the attention chunk-aware (PP = 1 and
-    Seq1F1B stages; selective AC then saves it too), with gloo-compatible FSDP reductions."""
+def _parallelize_chunk_aware(parallelize_fn: Any, family: ModelFamily | None) -> Any:
+    """torchtitan's parallelize_fn, after making the attention chunk-aware the ``family``'s
+    way (PP = 1 and Seq1F1B stages; None: torch's schedules, unchanged; selective AC then
+    saves it too), with gloo-compatible FSDP reductions."""
 
     @functools.wraps(parallelize_fn)
     def wrapped(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
-        if convert:
-            make_chunk_aware(model)
+        if family is not None:
+            family.make_chunk_aware(model)
             if "ac_config" in kwargs:
                 kwargs["ac_config"] = saving_chunk_aware_attention(kwargs["ac_config"])
         model = parallelize_fn(model, **kwargs)
@@ -86,7 +88,10 @@ class Seq1F1BTrainer(TrainerCore, Trainer):
         spec = config.model_spec
         ours = self._chunk_aware(config)
         pp = config.parallelism.pipeline_parallel_degree > 1
-        if ours or not pp:
+        # the attention becomes chunk-aware unless torch's own schedules run: the model's
+        # family must be known then (refused at start-up, on every rank, naming those known)
+        family = family_of(spec) if ours or not pp else None
+        if family is not None:
             config.validator = _chunk_aware_validator(config.validator)
         base_pipelining = spec.pipelining_fn
         if getattr(base_pipelining, "func", None) is pipeline_seq1f1b:
@@ -97,7 +102,7 @@ class Seq1F1BTrainer(TrainerCore, Trainer):
                 pipeline_seq1f1b, trainer_config=config, base_pipelining_fn=base_pipelining
             ),
             parallelize_fn=_parallelize_chunk_aware(
-                getattr(spec.parallelize_fn, "__wrapped__", spec.parallelize_fn), ours or not pp
+                getattr(spec.parallelize_fn, "__wrapped__", spec.parallelize_fn), family
             ),
         )
         assets.ensure_assets()  # the offline tokenizer and corpus, once, in ./assets

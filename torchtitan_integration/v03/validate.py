@@ -15,7 +15,7 @@ from torch import nn
 from ..pipeline import check_config, check_loss_chunks, check_schedule_name, stages_per_rank
 from ..verify import run_start_check
 from . import _titan
-from .model import make_chunk_aware
+from .models import ModelFamily, family_of
 
 #: torchtitan 0.3's FSDP and TP (its full-DTensor ``fully_shard(..., dp_mesh_dims=...)``) need
 #: torch 2.15: torch 2.13's fully_shard rejects the plain-tensor parameters 0.3 hands it
@@ -54,8 +54,6 @@ def check_torch_for_parallelism(par: Any, world: int | None = None) -> None:
 
 def validate_before_start(config: Any) -> None:
     """Refuse settings that cannot run, naming the config key and the fix, on every rank."""
-    from .pipeline import model_shape
-
     par = config.parallelism
     entry = check_schedule_name(par.pipeline_parallel_schedule)
     if par.pipeline_parallel_degree <= 1:
@@ -65,7 +63,8 @@ def validate_before_start(config: Any) -> None:
         return
     if not entry.seq_chunked:
         return
-    shape = model_shape(config.model_spec.model)
+    model_family = family_of(config.model_spec)  # an unknown family is refused here
+    shape = model_family.shape(config.model_spec.model)
     check_config(
         config,  # (the whole config: check_config also reads [compile])
         par.pipeline_parallel_degree,
@@ -76,7 +75,7 @@ def validate_before_start(config: Any) -> None:
     )
     if config.seq1f1b.verify:
         pp = par.pipeline_parallel_degree
-        check_titan03(config, pp * stages_per_rank(config, shape.n_layers, pp))
+        check_titan03(config, pp * stages_per_rank(config, shape.n_layers, pp), model_family)
 
 
 def loss_with_chunks(loss: Any, chunks: Any) -> Any:
@@ -118,24 +117,23 @@ def check_bitpipe_settings(par: Any, training: Any) -> None:
         )
 
 
-def titan03_debug_model() -> tuple[Callable[[], nn.Module], int]:
-    """0.3's Llama3 debug flavor, chunk-aware: a builder and its number of layers."""
-    from torchtitan.models.llama3 import model_registry
-
-    spec = model_registry("debugmodel")
+def titan03_debug_model(model_family: ModelFamily) -> tuple[Callable[[], nn.Module], int]:
+    """The family's debug flavor, chunk-aware the family's way: a builder, its layer count."""
+    spec = model_family.model_spec("debugmodel")
 
     def build() -> nn.Module:
         model = spec.model.build()
         with torch.no_grad():
             model.init_weights(buffer_device=None)
-        make_chunk_aware(model)
+        model_family.make_chunk_aware(model)
         return model
 
     return build, len(spec.model.layers)
 
 
-def check_titan03(config: Any, num_stages: int) -> None:
-    """The start-up check on torchtitan 0.3's Llama3 (``Decoder``; packed documents always)."""
-    build, n_layers = titan03_debug_model()
+def check_titan03(config: Any, num_stages: int, model_family: ModelFamily) -> None:
+    """The start-up check on the model family's debug flavor (``Decoder``; packed documents
+    always), adapted as the run adapts its model."""
+    build, n_layers = titan03_debug_model(model_family)
     names = _titan.FQNS_PER_PART.get()(min(num_stages, n_layers), n_layers)
     run_start_check(build, names, config.seq1f1b.seq_chunks, True, positions_kwarg=True)

@@ -1,0 +1,70 @@
+"""The decoder families other than Llama3 that the integration trains on torchtitan 0.3
+(``torchtitan_integration/v03/models``), end to end on CPU/gloo: PP=2 under the Seq1F1B
+schedules equals PP=1 from one seed checkpoint (fp32: losses and grad norms, steps 1-4), with
+the mix users run (tensor parallelism, zero-bubble V placement, compiled blocks with full
+activation checkpointing, the chunked loss of the shipped TOML). Llama3's grid:
+tests/test_titan.py and tests/test_titan03.py."""
+
+from __future__ import annotations
+
+import pytest
+from titan_utils import assert_same_curve, needs_sharding, run_titan, titan_available
+
+titan_available("0.3")
+pytestmark = pytest.mark.titan_grid
+
+NO_PP = ["--parallelism.pipeline_parallel_degree", "1"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+STEPS = 4
+# Qwen3's debug flavor (8 layers, 16 query heads of 128, q/k norms) at 128 tokens: its blocks
+# are 4x Llama3's debug blocks, so the runs keep to what tells (4 steps, K = 4 segments)
+QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel", "--training.seq_len", "128",
+         "--training.steps", str(STEPS)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen3_seed(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    dump = tmp_path_factory.mktemp("qwen3_seed")
+    run_titan(1, *NO_PP, *QWEN3, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+              dump=dump)  # fmt: skip
+    step0 = dump / "checkpoint" / "step-0"
+    assert step0.is_dir()
+    return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(step0),
+            "--checkpoint.interval", "1000"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen3_reference(qwen3_seed, tmp_path_factory: pytest.TempPathFactory):
+    return run_titan(1, *NO_PP, *QWEN3, *qwen3_seed, dump=tmp_path_factory.mktemp("qwen3_ref"))
+
+
+def test_qwen3_seq1f1b_matches_unpipelined(qwen3_seed, qwen3_reference, tmp_path) -> None:
+    """Qwen3 dense under Seq1F1B, the start-up self-check on Qwen3's own blocks included."""
+    run = run_titan(2, *PP2, *QWEN3, *qwen3_seed, "--seq1f1b.verify", dump=tmp_path)
+    assert "Seq1F1B: pp=2 stages/rank=1 M=2 K=4" in run.output
+    assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, run.output[-3000:]
+    assert "Seq1F1B: qwen3 debugmodel: enable_weight_tying = False" in run.output
+    assert_same_curve(run, qwen3_reference, steps=STEPS)
+
+
+@needs_sharding
+def test_qwen3_zbv_x_tp2_matches_unpipelined(qwen3_seed, qwen3_reference, tmp_path) -> None:
+    """ZBVSeq1F1B (two stages a rank, split backward) x TP=2 (Qwen3's sharding: q/k norms on
+    sharded heads, loss parallel), with the head and loss in 8 chunks a sample."""
+    run = run_titan(4, *PP2, *QWEN3, *qwen3_seed,
+                    "--parallelism.pipeline_parallel_schedule", "ZBVSeq1F1B",
+                    "--parallelism.tensor_parallel_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "1", dump=tmp_path)  # fmt: skip
+    assert "Seq1F1B: pp=2 stages/rank=2" in run.output, run.output[-3000:]
+    assert_same_curve(run, qwen3_reference, steps=STEPS)
+
+
+def test_qwen3_compiled_interleaved_matches_unpipelined(qwen3_seed, qwen3_reference, tmp_path):
+    """InterleavedSeq1F1B with each Qwen3 block compiled (``fullgraph=True``) and fully
+    checkpointed, against the eager PP=1 run (compiling changes no number at fp32's 1e-4)."""
+    run = run_titan(2, *PP2, *QWEN3, *qwen3_seed,
+                    "--parallelism.pipeline_parallel_schedule", "InterleavedSeq1F1B",
+                    "--compile.enable", "--activation_checkpoint.mode", "full",
+                    dump=tmp_path, timeout=600)  # fmt: skip
+    assert "stages/rank=2" in run.output
+    assert_same_curve(run, qwen3_reference, steps=STEPS)

@@ -1,0 +1,32 @@
+"""The decoder families Seq1F1B trains in torchtitan 0.3, one module each, holding only what
+differs between them (:class:`.base.ModelFamily`). Supporting another decoder is one module
+here, one entry in :data:`FAMILIES` and a test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import llama3, qwen3
+from .base import ModelFamily, active_ffn_hidden, decoder_shape
+
+__all__ = ["FAMILIES", "ModelFamily", "active_ffn_hidden", "decoder_shape", "family", "family_of"]
+
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (llama3.FAMILY, qwen3.FAMILY)}
+
+
+def family(name: str) -> ModelFamily:
+    """The family called ``name`` (``[model] name``), or a refusal listing the supported ones."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(
+            f"[model] name = {name!r}: Seq1F1B's torchtitan integration trains "
+            f"{', '.join(FAMILIES)} (torchtitan.models.<name>); a decoder it does not know "
+            "could be adapted wrongly, so it is refused (docs/models.md: adding one is a "
+            "module in torchtitan_integration/v03/models)"
+        ) from None
+
+
+def family_of(model_spec: Any) -> ModelFamily:
+    """The family of a torchtitan ``ModelSpec`` (by its ``name``)."""
+    return family(model_spec.name)
