@@ -19,10 +19,10 @@ from seq1f1b.schedules.partition import segment_offsets
 pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
 
 
-def _qkv(dtype: torch.dtype, h: int = 4, hkv: int = 2, s: int = 20, seed: int = 0):
+def _qkv(dtype: torch.dtype, h: int = 4, hkv: int = 2, s: int = 20, seed: int = 0, dv: int = 8):
     g = torch.Generator().manual_seed(seed)
-    mk = lambda heads: torch.randn(2, heads, s, 8, generator=g, dtype=dtype).requires_grad_()  # noqa: E731
-    return mk(h), mk(hkv), mk(hkv)
+    mk = lambda heads, d=8: torch.randn(2, heads, s, d, generator=g, dtype=dtype).requires_grad_()  # noqa: E731
+    return mk(h), mk(hkv), mk(hkv, dv)
 
 
 def _segmented(q, k, v, lengths, checkpoint_like: bool = False):
@@ -48,8 +48,8 @@ def _segmented(q, k, v, lengths, checkpoint_like: bool = False):
     ("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 3e-2)]
 )
 @pytest.mark.parametrize("lengths", [[20], [10, 10], [9, 6, 5], [2, 3, 4, 5, 6]])
-def test_segments_equal_full_attention(dtype, tol, lengths) -> None:
-    q, k, v = _qkv(dtype)
+def test_segments_equal_full_attention(dtype, tol, lengths, dv: int = 8) -> None:
+    q, k, v = _qkv(dtype, dv=dv)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     go = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, (q, k, v), go)
@@ -66,6 +66,14 @@ def test_segments_equal_full_attention(dtype, tol, lengths) -> None:
     assert state.is_empty()
     for t, r in zip((q, k, v), ref_grads, strict=True):
         assert ((t.grad - r).float().norm() / r.float().norm()).item() <= tol
+
+
+@pytest.mark.parametrize("dv", [5, 12])
+@pytest.mark.parametrize("lengths", [[20], [9, 6, 5]])
+def test_value_head_dim_may_differ(lengths, dv: int) -> None:
+    """Values narrower (DeepSeek-V3's MLA: v 128 against q/k 192) or wider than the queries and
+    keys: forward and every gradient equal full causal attention, segment by segment."""
+    test_segments_equal_full_attention(torch.float32, 1e-5, lengths, dv)
 
 
 def test_cpu_flash_block_kernels_match_math() -> None:

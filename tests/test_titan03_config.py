@@ -86,7 +86,7 @@ def test_overrides_on_top_of_the_toml() -> None:
         (["--training.no_such_key", "1"], "[training] no_such_key has no equivalent"),
         (["--optimizer.beta1", "0.9"], "[optimizer] beta1 has no equivalent"),
         (["--activation_checkpoint.mode", "some"], "use 'none', 'selective' or 'full'"),
-        (["--model.name", "deepseek_v3"], "integration trains llama3, qwen3"),
+        (["--model.name", "gpt_oss"], "integration trains llama3, qwen3, deepseek_v3"),
         (["--training.steps", "many"], "training.steps = 'many': expected int"),
         (["steps"], "is not of the form --section.key value"),
     ],
@@ -148,6 +148,20 @@ def test_qwen3_shape_has_its_head_dim_and_active_experts(flavor: str, ffn: int) 
     validate_before_start(config)
 
 
+def test_deepseek_v3_shape_counts_mla_and_dense_then_moe_layers() -> None:
+    """DeepSeek-V3's debug flavor: one head dim for the FLOPs model, the mean of q/k's 192 and
+    v's 128; every head its own K/V (MLA expands them); the FFN width a token computes averaged
+    over the dense first layer (1024) and the MoE layers (top 3 of width 256 plus 2 shared)."""
+    from torchtitan_integration.v03.models import family
+
+    config = build_config(DEBUG, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"])
+    shape = family("deepseek_v3").shape(config.model_spec.model)
+    moe = 3 * 256 + config.model_spec.model.layers[1].moe.shared_experts.w1.out_features
+    assert (shape.head_dim, shape.n_heads, shape.n_kv_heads) == (160, 16, 16)
+    assert shape.ffn_hidden == round((1024 + 5 * moe) / 6)
+    validate_before_start(config)
+
+
 def test_unknown_model_is_refused_naming_the_supported_ones() -> None:
     with pytest.raises(ValueError, match=r"'qwen3_5'.* trains llama3, qwen3"):
         build_config(DEBUG, ["--model.name", "qwen3_5"])
@@ -160,13 +174,10 @@ def test_unknown_model_is_refused_naming_the_supported_ones() -> None:
     [
         "--model llama3-8b --seq-len 32768 --gpus 8 --gpu-memory-gb 80",
         # a sequence-chunked plan with several looped stages per rank (layers per stage); the
-        # larger searches (pure Python, whatever the torch) on the default release only
+        # larger searches (pure Python, whatever the torch) on the default release only (70B
+        # with full AC: train_configs/llama3_70b_seq1f1b_64k.toml maps and validates above)
         pytest.param(
             "--model llama3-8b --seq-len 65536 --gpus 8 --gpu-memory-gb 80",
-            marks=pytest.mark.default_release_only,
-        ),
-        pytest.param(
-            "--model llama3-70b --seq-len 65536 --gpus 64 --gpu-memory-gb 80 --ac full",
             marks=pytest.mark.default_release_only,
         ),
         # torchtitan's selective (op-level) activation checkpointing
@@ -296,3 +307,28 @@ def test_selective_ac_saves_the_chunk_aware_attention() -> None:
     full = FullAC.Config()
     assert saving_chunk_aware_attention(full) is full
     assert saving_chunk_aware_attention(None) is None
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-32b"])
+def test_planner_presets_are_torchtitans_flavors(preset: str) -> None:
+    """Each planner preset the TOML writer names a torchtitan flavor for has that flavor's
+    shape, read from torchtitan 0.3's config the way the integration reads it."""
+    from seq1f1b.planning.costmodel import PRESETS
+    from torchtitan_integration.planner import FLAVORS
+    from torchtitan_integration.v03.models import family
+
+    name, flavor = FLAVORS[preset]
+    models = family(name)
+    assert models.shape(models.model_spec(flavor).model) == PRESETS[preset]
+
+
+def test_learned_sinks_are_refused_not_dropped() -> None:
+    """GPT-OSS passes its sinks as ``out_transform(out, lse)``: the chunk-aware inner attention
+    refuses the call rather than train without them."""
+    import torch
+
+    from torchtitan_integration.v03.model import ChunkAwareInnerAttention
+
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(NotImplementedError, match="learned attention sinks"):
+        ChunkAwareInnerAttention()(q, q, q, out_transform=lambda out, lse: out)

@@ -33,7 +33,12 @@ from seq1f1b.planning.planner import (
 __all__ = ["FLAVORS", "launch_lines", "main", "render_toml"]
 
 #: preset -> (torchtitan model name, flavor); presets without one get a placeholder flavor.
-FLAVORS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B")}
+FLAVORS = {
+    "llama3-8b": ("llama3", "8B"),
+    "llama3-70b": ("llama3", "70B"),
+    "qwen3-8b": ("qwen3", "8B"),
+    "qwen3-32b": ("qwen3", "32B"),
+}
 GPUS_PER_NODE = 8
 
 

@@ -108,8 +108,11 @@ def _documents_arg(documents: int) -> bool | None:
     return None if documents < 0 else bool(documents)
 
 
-def _out_shapes(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+def _out_shapes(
+    q: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shapes only: the output has the queries' shape with the values' head dim."""
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=accumulator_dtype(q), device=q.device)
     return out, lse, torch.zeros(1, dtype=torch.int64)  # call 0: no record (shapes only)
 
@@ -135,10 +138,10 @@ def segment_attention(
     backward that consumes its saved tensors."""
     spec = MaskSpec(window, sinks)
     if q.device.type == "meta":
-        return _out_shapes(q)
+        return _out_shapes(q, v)
     ctx = current_unit()
     if ctx is None and inferring_metadata():
-        return _out_shapes(q)
+        return _out_shapes(q, v)
     call = attention_call(ctx, _documents_arg(documents), spec, q.shape[0], q.shape[-2], "compiled")
     unit, plain, groups = call.unit, call.plain, call.groups
     if unit is not None and unit.info.cp is not None:
@@ -178,7 +181,7 @@ def segment_attention(
 
 @segment_attention.register_fake
 def _(q, k, v, layer_key, scale, window, sinks, documents, needs_grad, donated):
-    return _out_shapes(q)
+    return _out_shapes(q, v)
 
 
 @torch.library.custom_op("seq1f1b::segment_attention_backward", mutates_args=())

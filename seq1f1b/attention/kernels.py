@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .. import _runtime as rt
+from .head_dims import one_head_dim_backward, one_head_dim_forward
 from .tiles import math_backward, math_forward
 
 __all__ = ["block_attention_kernels", "library_kernel_ops"]
@@ -21,19 +22,23 @@ except Exception:
     _fa = None
 
 
+@one_head_dim_forward
 def _cpu_fwd(q, k, v, causal: bool, scale: float):
     return rt.flash_cpu_forward(q, k, v, causal, scale)
 
 
+@one_head_dim_backward
 def _cpu_bwd(g, q, k, v, out, lse, causal: bool, scale: float):
     return rt.flash_cpu_backward(g, q, k, v, out, lse, causal, scale)
 
 
+@one_head_dim_forward
 def _cuda_aten_fwd(q, k, v, causal: bool, scale: float):  # pragma: no cover - GPU only
     res = rt.flash_cuda_forward(q, k, v, causal, scale)
     return res[0], res[1]
 
 
+@one_head_dim_backward
 def _cuda_aten_bwd(g, q, k, v, out, lse, causal, scale):  # pragma: no cover - GPU only
     empty = torch.empty(0, device=q.device)
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
@@ -63,6 +68,7 @@ def _fa_call(fn: Any, **named: Any) -> Any:  # pragma: no cover - GPU only
     return fn(**{name: value for name, value in named.items() if name in params})
 
 
+@one_head_dim_forward
 def _flash_attn_fwd(q, k, v, causal: bool, scale: float):  # pragma: no cover - GPU only
     # flash-attn wants (B, S, H, D)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
@@ -72,6 +78,7 @@ def _flash_attn_fwd(q, k, v, causal: bool, scale: float):  # pragma: no cover - 
     return out.transpose(1, 2), lse
 
 
+@one_head_dim_backward
 def _flash_attn_bwd(g, q, k, v, out, lse, causal, scale):  # pragma: no cover - GPU only
     qt, kt, vt, ot, gt = (t.transpose(1, 2).contiguous() for t in (q, k, v, out, g))
     dq, dk, dv = torch.empty_like(qt), torch.empty_like(kt), torch.empty_like(vt)

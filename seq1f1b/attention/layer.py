@@ -50,6 +50,7 @@ from .tiles import (
     accumulator_dtype,
     kv_blocks,
     merge,
+    output_shape,
     run_tiles_backward,
     run_tiles_forward,
 )
@@ -131,7 +132,7 @@ class _SegmentAttention(torch.autograd.Function):
         acc = accumulator_dtype(q)
         blocks = kv_blocks(k, v, prefix)
         if flex_docs is not None:  # one FlexAttention call per block the plan touches
-            out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+            out_acc = torch.zeros(output_shape(q, blocks), dtype=acc, device=q.device)
             lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
             starts = tuple(e.start for e in entries)
             for block in sorted({entry[0] for entry in plan}):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .. import _runtime as rt
+from .head_dims import one_head_dim_backward, one_head_dim_forward
 from .masks import MaskSpec, PlanEntry, tile_mask
 
 __all__ = ["kv_blocks", "merge", "run_tiles_backward", "run_tiles_forward"]
@@ -92,11 +93,16 @@ def _cpu_flash(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
 
 
+#: the CPU flash kernels of masked tiles, for any value head dim
+_masked_cpu_forward = one_head_dim_forward(rt.flash_cpu_forward)
+_masked_cpu_backward = one_head_dim_backward(rt.flash_cpu_backward)
+
+
 def masked_forward(q, k, v, visible: torch.Tensor, scale: float):
     """One masked tile: (out, lse) with out 0 and lse -inf on rows that see no key."""
     if _cpu_flash(q):
         bias = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))
-        out, lse = rt.flash_cpu_forward(q, k, v, False, scale, bias)
+        out, lse = _masked_cpu_forward(q, k, v, False, scale, bias)
     else:  # GPU masked tiles: plain torch (the fast GPU paths are whole-tile kernels)
         out, lse = math_forward(q, k, v, False, scale, visible)
     empty = ~visible.any(-1)
@@ -109,7 +115,7 @@ def masked_forward(q, k, v, visible: torch.Tensor, scale: float):
 def masked_backward(g, q, k, v, out, lse, visible: torch.Tensor, scale: float):
     if _cpu_flash(q):
         bias = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))
-        return rt.flash_cpu_backward(g, q, k, v, out, lse, False, scale, bias)
+        return _masked_cpu_backward(g, q, k, v, out, lse, False, scale, bias)
     return math_backward(g, q, k, v, out, lse, False, scale, visible)
 
 
@@ -137,6 +143,13 @@ def new_accumulator(like: torch.Tensor, shape: Any, fill: float, dtype: torch.dt
     return torch.full(shape, fill, dtype=dtype, device=like.device)
 
 
+def output_shape(q: torch.Tensor, blocks: Mapping[int, KV]) -> tuple[int, ...]:
+    """The attention output's shape: the queries' with the values' head dim (which may differ
+    from the queries': DeepSeek-V3's MLA)."""
+    dv = next(iter(blocks.values()))[1].shape[-1] if blocks else q.shape[-1]
+    return (*q.shape[:-1], dv)
+
+
 def run_tiles_forward(
     q: torch.Tensor,
     blocks: Mapping[int, KV],
@@ -160,6 +173,7 @@ def run_tiles_forward(
     fwd = kernels[1]
     acc = accumulator_dtype(q)
     lone = final and len(plan) == 1
+    out_shape = output_shape(q, blocks)
     for entry in plan:
         kb, vb = blocks[entry[0]]
         t = entry[1]
@@ -175,13 +189,13 @@ def run_tiles_forward(
             out_acc, lse_acc = (o if lone else o.to(acc)), lse.to(acc)
             continue
         if out_acc is None or lse_acc is None:
-            out_acc = new_accumulator(q, q.shape, 0.0, acc)
+            out_acc = new_accumulator(q, out_shape, 0.0, acc)
             lse_acc = new_accumulator(q, q.shape[:-1], float("-inf"), acc)
         out_acc[rows, :, qs], lse_acc[rows, :, qs] = merge(
             out_acc[rows, :, qs], lse_acc[rows, :, qs], o, lse.to(lse_acc.dtype)
         )
     if out_acc is None or lse_acc is None:  # nothing planned: no query sees a key
-        out_acc = new_accumulator(q, q.shape, 0.0, acc)
+        out_acc = new_accumulator(q, out_shape, 0.0, acc)
         lse_acc = new_accumulator(q, q.shape[:-1], float("-inf"), acc)
     return out_acc, lse_acc
 

@@ -116,10 +116,17 @@ GB = 1e9
 FP32_SLOWDOWN = 15.0
 
 #: Model shapes by name. Llama 3: Meta's published configs (torchtitan's ``llama3_args``);
+#: Qwen3 dense: torchtitan 0.3's ``qwen3_configs`` (head dim 128 at every width);
 #: ``paper-7b``: the Seq1F1B paper's 7B (GPT-style FFN of 4H, vocabulary 50304, no GQA).
 PRESETS: dict[str, ModelShape] = {
     "llama3-8b": ModelShape(4096, 32, 32, 128256, ffn_hidden=14336, n_kv_heads=8, gated_ffn=True),
     "llama3-70b": ModelShape(8192, 64, 80, 128256, ffn_hidden=28672, n_kv_heads=8, gated_ffn=True),
+    "qwen3-8b": ModelShape(
+        4096, 32, 36, 151936, ffn_hidden=12288, head_dim=128, n_kv_heads=8, gated_ffn=True
+    ),
+    "qwen3-32b": ModelShape(
+        5120, 64, 64, 151936, ffn_hidden=25600, head_dim=128, n_kv_heads=8, gated_ffn=True
+    ),
     "paper-7b": ModelShape(4096, 32, 32, 50304),
 }
 

@@ -42,6 +42,12 @@ class ChunkAwareInnerAttention(nn.Module):
         enable_gqa: bool = False,
         **kwargs: Any,
     ) -> torch.Tensor:
+        if kwargs.get("out_transform") is not None:  # GPT-OSS's learned sinks, on the LSE
+            raise NotImplementedError(
+                "inner attention called with out_transform (learned attention sinks): the "
+                "chunk-aware attention cannot apply it on the log-sum-exp merged over the "
+                "segments yet, and dropping it would train a different model"
+            )
         del attention_masks, enable_gqa, kwargs  # documents come with the step; GQA by shape
         out = chunk_aware_attention(
             q_BLNH.transpose(1, 2),

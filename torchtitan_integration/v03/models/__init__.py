@@ -6,12 +6,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import llama3, qwen3
-from .base import ModelFamily, active_ffn_hidden, decoder_shape
+from . import deepseek_v3, llama3, qwen3
+from .base import ModelFamily, active_ffn_hidden, decoder_shape, mean_ffn_hidden
 
-__all__ = ["FAMILIES", "ModelFamily", "active_ffn_hidden", "decoder_shape", "family", "family_of"]
+__all__ = [
+    "FAMILIES",
+    "ModelFamily",
+    "active_ffn_hidden",
+    "decoder_shape",
+    "family",
+    "family_of",
+    "mean_ffn_hidden",
+]
 
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (llama3.FAMILY, qwen3.FAMILY)}
+FAMILIES: dict[str, ModelFamily] = {
+    f.name: f for f in (llama3.FAMILY, qwen3.FAMILY, deepseek_v3.FAMILY)
+}
 
 
 def family(name: str) -> ModelFamily:

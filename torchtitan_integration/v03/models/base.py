@@ -35,6 +35,7 @@ class ModelFamily:
     """
 
     name: str
+    configs: str = ""  # the module's flavor table, when not ``<name>_configs``
     make_chunk_aware: Callable[[nn.Module], int] = make_chunk_aware
     shape: Callable[[Any], ModelShape] = lambda config: decoder_shape(config)
     adapt: Callable[[Any], list[str]] = _unchanged
@@ -58,25 +59,34 @@ class ModelFamily:
     def flavors(self) -> list[str]:
         """The flavors torchtitan ships for this family."""
         module = importlib.import_module(f"torchtitan.models.{self.name}")
-        return list(getattr(module, f"{self.name}_configs"))
+        return list(getattr(module, self.configs or f"{self.name}_configs"))
 
 
-def decoder_shape(config: Any) -> ModelShape:
-    """The FLOPs shape of a 0.3 ``Decoder`` config: GQA heads and head dim, and the FFN width a
-    token goes through (SwiGLU; for MoE layers the active width, ``top_k`` routed experts plus
-    the shared ones, so FLOPs follow active parameters)."""
-    first = config.layers[0]
-    attn = first.attention
+def decoder_shape(
+    config: Any, *, head_dim: int | None = None, n_kv_heads: int | None = None
+) -> ModelShape:
+    """The FLOPs shape of a 0.3 ``Decoder`` config: GQA heads and head dim (or the family's
+    ``head_dim`` / ``n_kv_heads``), and the FFN width a token goes through (SwiGLU; for MoE
+    layers the active width, ``top_k`` routed experts plus the shared ones, so FLOPs follow
+    active parameters)."""
+    attn = config.layers[0].attention
     return ModelShape(
         hidden=config.dim,
         n_heads=attn.n_heads,
         n_layers=len(config.layers),
         vocab=config.vocab_size,
-        ffn_hidden=active_ffn_hidden(first),
-        head_dim=attn.head_dim or config.dim // attn.n_heads,
-        n_kv_heads=attn.n_kv_heads or attn.n_heads,
+        ffn_hidden=mean_ffn_hidden(config),
+        head_dim=head_dim or getattr(attn, "head_dim", None) or config.dim // attn.n_heads,
+        n_kv_heads=n_kv_heads or getattr(attn, "n_kv_heads", None) or attn.n_heads,
         gated_ffn=True,
     )
+
+
+def mean_ffn_hidden(config: Any) -> int:
+    """The FFN width a token computes, averaged over the layers (DeepSeek-V3's first layers
+    are dense and wide, the rest MoE): the shape has one width, and FLOPs add up by layer."""
+    widths = [active_ffn_hidden(layer) for layer in config.layers]
+    return round(sum(widths) / len(widths))
 
 
 def active_ffn_hidden(layer: Any) -> int:
