@@ -173,7 +173,6 @@ def run_tiles_forward(
     fwd = kernels[1]
     acc = accumulator_dtype(q)
     lone = final and len(plan) == 1
-    out_shape = output_shape(q, blocks)
     for entry in plan:
         kb, vb = blocks[entry[0]]
         t = entry[1]
@@ -189,13 +188,13 @@ def run_tiles_forward(
             out_acc, lse_acc = (o if lone else o.to(acc)), lse.to(acc)
             continue
         if out_acc is None or lse_acc is None:
-            out_acc = new_accumulator(q, out_shape, 0.0, acc)
+            out_acc = new_accumulator(q, output_shape(q, blocks), 0.0, acc)
             lse_acc = new_accumulator(q, q.shape[:-1], float("-inf"), acc)
         out_acc[rows, :, qs], lse_acc[rows, :, qs] = merge(
             out_acc[rows, :, qs], lse_acc[rows, :, qs], o, lse.to(lse_acc.dtype)
         )
     if out_acc is None or lse_acc is None:  # nothing planned: no query sees a key
-        out_acc = new_accumulator(q, out_shape, 0.0, acc)
+        out_acc = new_accumulator(q, output_shape(q, blocks), 0.0, acc)
         lse_acc = new_accumulator(q, q.shape[:-1], float("-inf"), acc)
     return out_acc, lse_acc
 

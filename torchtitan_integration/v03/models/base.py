@@ -21,47 +21,6 @@ def _unchanged(model_config: Any) -> list[str]:
     return []
 
 
-@dataclass(frozen=True)
-class ModelFamily:
-    """One torchtitan model family (``torchtitan.models.<name>``) as Seq1F1B trains it.
-
-    ``name`` is torchtitan's ``ModelSpec.name`` and the TOML's ``[model] name``;
-    ``make_chunk_aware`` turns a built model's attention into chunk-aware attention (returns
-    how many layers it converted); ``shape`` reads the FLOPs-model shape from the model config
-    (for the compute split and the planner); ``adapt`` edits a model config so that it can be
-    pipelined, returning what it changed (logged at start-up). Positions come from torchtitan's
-    dataloader in every 0.3 family (reset at each packed document), so no segment needs a
-    position offset; stages are cut by torchtitan's own module names.
-    """
-
-    name: str
-    configs: str = ""  # the module's flavor table, when not ``<name>_configs``
-    make_chunk_aware: Callable[[nn.Module], int] = make_chunk_aware
-    shape: Callable[[Any], ModelShape] = lambda config: decoder_shape(config)
-    adapt: Callable[[Any], list[str]] = _unchanged
-
-    def model_spec(self, flavor: str, attn_backend: str = "flex") -> Any:
-        """torchtitan's ``ModelSpec`` of ``flavor``, adapted (:attr:`adapt`)."""
-        registry = importlib.import_module(f"torchtitan.models.{self.name}").model_registry
-        flavors = self.flavors()
-        if flavor not in flavors:
-            raise ValueError(
-                f"[model] flavor = {flavor!r} is not a torchtitan {self.name} flavor: use one "
-                f"of {', '.join(flavors)}"
-            )
-        spec = registry(flavor, attn_backend=attn_backend)
-        from torchtitan.tools.logging import logger
-
-        for change in self.adapt(spec.model):
-            logger.info("Seq1F1B: %s %s: %s", self.name, flavor, change)
-        return spec
-
-    def flavors(self) -> list[str]:
-        """The flavors torchtitan ships for this family."""
-        module = importlib.import_module(f"torchtitan.models.{self.name}")
-        return list(getattr(module, self.configs or f"{self.name}_configs"))
-
-
 def decoder_shape(
     config: Any, *, head_dim: int | None = None, n_kv_heads: int | None = None
 ) -> ModelShape:
@@ -98,3 +57,44 @@ def active_ffn_hidden(layer: Any) -> int:
     if moe.shared_experts is not None:
         width += moe.shared_experts.w1.out_features
     return width
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One torchtitan model family (``torchtitan.models.<name>``) as Seq1F1B trains it.
+
+    ``name`` is torchtitan's ``ModelSpec.name`` and the TOML's ``[model] name``;
+    ``make_chunk_aware`` turns a built model's attention into chunk-aware attention (returns
+    how many layers it converted); ``shape`` reads the FLOPs-model shape from the model config
+    (for the compute split and the planner); ``adapt`` edits a model config so that it can be
+    pipelined, returning what it changed (logged at start-up). Positions come from torchtitan's
+    dataloader in every 0.3 family (reset at each packed document), so no segment needs a
+    position offset; stages are cut by torchtitan's own module names.
+    """
+
+    name: str
+    configs: str = ""  # the module's flavor table, when not ``<name>_configs``
+    make_chunk_aware: Callable[[nn.Module], int] = make_chunk_aware
+    shape: Callable[[Any], ModelShape] = decoder_shape
+    adapt: Callable[[Any], list[str]] = _unchanged
+
+    def model_spec(self, flavor: str, attn_backend: str = "flex") -> Any:
+        """torchtitan's ``ModelSpec`` of ``flavor``, adapted (:attr:`adapt`)."""
+        registry = importlib.import_module(f"torchtitan.models.{self.name}").model_registry
+        flavors = self.flavors()
+        if flavor not in flavors:
+            raise ValueError(
+                f"[model] flavor = {flavor!r} is not a torchtitan {self.name} flavor: use one "
+                f"of {', '.join(flavors)}"
+            )
+        spec = registry(flavor, attn_backend=attn_backend)
+        from torchtitan.tools.logging import logger
+
+        for change in self.adapt(spec.model):
+            logger.info("Seq1F1B: %s %s: %s", self.name, flavor, change)
+        return spec
+
+    def flavors(self) -> list[str]:
+        """The flavors torchtitan ships for this family."""
+        module = importlib.import_module(f"torchtitan.models.{self.name}")
+        return list(getattr(module, self.configs or f"{self.name}_configs"))
