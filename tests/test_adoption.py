@@ -192,3 +192,52 @@ def test_verify_model_passes_correct_models_and_names_the_mistakes() -> None:
     assert not report.ok and report.stage == 1, str(report)
     assert "without calling the chunk-aware attention" in str(report)
     assert not torch.distributed.is_initialized()  # its one-rank group is gone again
+
+
+class CallCounter(nn.Module):
+    """Counts the tokens it sees in a buffer, as an MoE layer counts tokens per expert; with
+    ``per_call`` it also counts its calls (a count that a segment would add once too often)."""
+
+    def __init__(self, per_call: bool = False) -> None:
+        super().__init__()
+        self.per_call = per_call
+        self.register_buffer("seen", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.seen[0] += x.shape[1]
+            if self.per_call:
+                self.seen[1] += 1
+        return x
+
+
+class HalfPrecisionHead(nn.Module):
+    """A layer whose GEMM runs in bf16 whatever the input's dtype (as torchtitan's experts),
+    on a branch small enough that the gradients before it keep fp32's accuracy."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.lin = nn.Linear(CFG.dim, CFG.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.block(x)
+        return x + 1e-2 * (x.bfloat16() @ self.lin.weight.bfloat16().T).type_as(x)
+
+
+def test_verify_model_compares_updated_buffers_and_bounds_low_precision_gradients() -> None:
+    x, y = _batch(24)
+    counted = _two_stages()
+    counted[1].layers.insert(0, CallCounter())
+    assert verify_model(counted, x, y, _loss).ok  # 24 tokens a row, however they are cut
+    twice = _two_stages()
+    twice[1].layers.insert(0, CallCounter(per_call=True))
+    report = verify_model(twice, x, y, _loss)
+    assert not report.ok and report.worst_buffer is not None, str(report)
+    assert report.worst_buffer[0].endswith("seen") and report.worst_gradient[1] <= 1e-4
+    assert "a buffer the forward updates does not" in str(report)
+    half = _two_stages(HalfPrecisionHead)
+    report = verify_model(half, x, y, _loss)
+    assert not report.ok and "lin.weight" in report.worst_gradient[0], str(report)
+    assert 1e-4 < report.worst_gradient[1] < 1e-2
+    assert verify_model(half, x, y, _loss, tolerances={".lin.": 1e-2}).ok

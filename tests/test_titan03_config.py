@@ -134,7 +134,10 @@ def test_model_shape_is_torchtitans_debug_model() -> None:
     assert (shape.ffn_hidden, shape.head_dim) == (768, 16)
 
 
-@pytest.mark.parametrize(("flavor", "ffn"), [("debugmodel", 3072), ("debugmodel_moe", 8 * 768)])
+@pytest.mark.parametrize(
+    ("flavor", "ffn"),
+    [("debugmodel", 3072), ("debugmodel_moe", 8 * 768), ("debugmodel_moe_cpu", 2 * 256)],
+)
 def test_qwen3_shape_has_its_head_dim_and_active_experts(flavor: str, ffn: int) -> None:
     """Qwen3's debug flavors through ``[model] name = "qwen3"``: head dim 128 at width 256 (not
     256 / 16), and an MoE layer priced by the FFN width a token runs (top 8 of 64 experts of
@@ -146,6 +149,31 @@ def test_qwen3_shape_has_its_head_dim_and_active_experts(flavor: str, ffn: int) 
     assert (shape.hidden, shape.n_heads, shape.head_dim, shape.n_kv_heads) == (256, 16, 128, 8)
     assert (shape.n_layers, shape.ffn_hidden) == (8, ffn)
     validate_before_start(config)
+
+
+def test_cpu_sized_moe_is_torchtitans_debug_moe_resized() -> None:
+    """``debugmodel_moe_cpu``: torchtitan's ``debugmodel_moe`` whose router, gate, experts and
+    dispatcher agree on 8 experts of width 256, top 2, the rest unchanged; an MoE run's
+    start-up self-check runs it, with the experts' GEMMs in fp32 (exact at 1e-4)."""
+    import torch
+
+    from torchtitan_integration.v03.models import family, fp32_experts
+
+    qwen3 = family("qwen3")
+    theirs = qwen3.model_spec("debugmodel_moe").model
+    spec = qwen3.model_spec("debugmodel_moe_cpu")
+    assert spec.flavor == "debugmodel_moe_cpu"
+    with torch.device("meta"):
+        model = spec.model.build()
+    moe = model.layers["0"].moe
+    assert moe.routed_experts.inner_experts.w1_EFD.shape == (8, 256, 256)
+    assert moe.router.gate.weight.shape == (8, 256) and moe.router.top_k == 2
+    assert moe.routed_experts.token_dispatcher.num_experts == 8
+    assert moe.expert_bias_E.shape == (8,)
+    assert len(spec.model.layers) == len(theirs.layers) and spec.model.dim == theirs.dim
+    assert qwen3.check_flavor(theirs) == "debugmodel_moe_cpu"
+    assert qwen3.check_flavor(qwen3.model_spec("debugmodel").model) == "debugmodel"
+    assert fp32_experts(model) == 8
 
 
 def test_deepseek_v3_shape_counts_mla_and_dense_then_moe_layers() -> None:
@@ -165,7 +193,7 @@ def test_deepseek_v3_shape_counts_mla_and_dense_then_moe_layers() -> None:
 def test_unknown_model_is_refused_naming_the_supported_ones() -> None:
     with pytest.raises(ValueError, match=r"'qwen3_5'.* trains llama3, qwen3"):
         build_config(DEBUG, ["--model.name", "qwen3_5"])
-    with pytest.raises(ValueError, match=r"flavor = 'tiny' is not a torchtitan qwen3 flavor"):
+    with pytest.raises(ValueError, match=r"flavor = 'tiny' is not a qwen3 flavor.*_moe_cpu"):
         build_config(DEBUG, ["--model.name", "qwen3", "--model.flavor", "tiny"])
 
 

@@ -1,14 +1,15 @@
-"""``[seq1f1b] verify = true``: the start-up self-check of torchtitan's Llama3 under Seq1F1B.
+"""``[seq1f1b] verify = true``: the start-up self-check of torchtitan's model under Seq1F1B.
 
 Before training, every rank runs :func:`seq1f1b.verify_model` on the installed torchtitan's
-Llama3 code as this integration adapts it (chunk-aware attention, RoPE at the segment's
-positions, packed documents), at the debug size: the flavor ``debugmodel`` (with the run's
-document masking), cut into the run's number of stages as torchtitan cuts (by module names),
-over a short sequence with the run's ``seq_chunks``. It compares the loss and every gradient
-with the unpipelined model and fails start-up, naming the stage, the segment and the likely
-cause, if they differ: what a torchtitan release that changed its model code would break.
-The run's own sizes do not matter to that check, and would make it slow. This module is
-version-free: each version's ``validate.py`` builds its debug model and stage names and calls
+model code (the run's family) as this integration adapts it (chunk-aware attention, RoPE at
+the segment's positions, packed documents), at the debug size: the family's debug flavor
+(with the run's document masking), cut into the run's number of stages as torchtitan cuts
+(by module names), over a short sequence with the run's ``seq_chunks``. It compares the loss,
+every gradient and every buffer the forward updates (MoE token counts) with the unpipelined
+model and fails start-up, naming the stage, the segment and the likely cause, if they
+differ: what a torchtitan release that changed its model code would break. The run's own
+sizes do not matter to that check, and would make it slow. This module is version-free: each
+version's ``validate.py`` builds its debug model and stage names and calls
 :func:`run_start_check`.
 """
 
@@ -72,6 +73,7 @@ def run_start_check(
     seq_chunks: int,
     documents: bool,
     positions_kwarg: bool,
+    model_name: str = "llama3",
 ) -> None:
     """Build the debug model, cut it, run the self-check; raise on a mismatch (every rank)."""
     torch.manual_seed(0)
@@ -92,8 +94,8 @@ def run_start_check(
     )
     if not report.ok:
         raise ValueError(
-            f"[seq1f1b] verify = true: torchtitan's Llama3, as this integration adapts it, does "
-            f"not train exactly under Seq1F1B with this torchtitan: {report}. Use a supported "
-            "torchtitan (0.2.2 or 0.3.0) or report it"
+            f"[seq1f1b] verify = true: torchtitan's {model_name}, as this integration adapts "
+            f"it, does not train exactly under Seq1F1B with this torchtitan: {report}. Use a "
+            "supported torchtitan (0.2.2 or 0.3.0) or report it"
         )
-    logger.info("[seq1f1b] verify: %s (debug model, %d stages)", report, len(stages))
+    logger.info("[seq1f1b] verify: %s (%s debug model, %d stages)", report, model_name, len(stages))

@@ -7,16 +7,29 @@ from __future__ import annotations
 from typing import Any
 
 from . import deepseek_v3, llama3, qwen3
-from .base import ModelFamily, active_ffn_hidden, decoder_shape, mean_ffn_hidden
+from .base import (
+    ModelFamily,
+    Resized,
+    active_ffn_hidden,
+    decoder_shape,
+    fp32_experts,
+    has_moe,
+    mean_ffn_hidden,
+    resize_experts,
+)
 
 __all__ = [
     "FAMILIES",
     "ModelFamily",
+    "Resized",
     "active_ffn_hidden",
     "decoder_shape",
     "family",
     "family_of",
+    "fp32_experts",
+    "has_moe",
     "mean_ffn_hidden",
+    "resize_experts",
 ]
 
 FAMILIES: dict[str, ModelFamily] = {

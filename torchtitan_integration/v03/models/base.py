@@ -5,10 +5,13 @@ a ``Decoder`` config with dense or mixture-of-experts FFNs."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MethodType
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from seq1f1b import ModelShape
@@ -59,6 +62,72 @@ def active_ffn_hidden(layer: Any) -> int:
     return width
 
 
+def has_moe(config: Any) -> bool:
+    """Whether any layer of a 0.3 ``Decoder`` config is a mixture of experts."""
+    return any(getattr(layer, "moe", None) is not None for layer in config.layers)
+
+
+def resize_experts(config: Any, *, num_experts: int, top_k: int, hidden_dim: int) -> list[str]:
+    """Give every MoE layer of ``config`` ``num_experts`` routed experts of ``hidden_dim``,
+    ``top_k`` a token (the router, its gate, the experts and the token dispatcher agree);
+    returns what changed. The attention, the shared experts and the routing rules stay."""
+    changed = 0
+    for layer in config.layers:
+        moe = getattr(layer, "moe", None)
+        if moe is None:
+            continue
+        router, routed = moe.router, moe.routed_experts
+        layer.moe = replace(
+            moe,
+            num_experts=num_experts,
+            router=replace(router, num_experts=num_experts, top_k=top_k,
+                           gate=replace(router.gate, out_features=num_experts)),
+            routed_experts=replace(
+                routed,
+                inner_experts=replace(routed.inner_experts, num_experts=num_experts,
+                                      hidden_dim=hidden_dim),
+                token_dispatcher=replace(routed.token_dispatcher, num_experts=num_experts,
+                                         top_k=top_k),
+            ),
+        )  # fmt: skip
+        changed += 1
+    return [f"{changed} MoE layers: {num_experts} routed experts of width {hidden_dim}, "
+            f"top {top_k}"]  # fmt: skip
+
+
+def fp32_experts(model: nn.Module) -> int:
+    """Run ``model``'s routed experts (torchtitan's ``GroupedExperts``) in fp32; returns how
+    many. torchtitan casts the experts' GEMM operands to bf16 whatever the run's precision, so
+    an fp32 difference of one ulp (a sum over segments) can round to one bf16 ulp (4e-3) and
+    grow from there: the start-up self-check, which bounds errors at 1e-4, runs them in fp32
+    through the same ``_grouped_mm`` seam."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ == "GroupedExperts" and hasattr(module, "_grouped_mm"):
+            module.forward = MethodType(_grouped_experts_fp32, module)
+            count += 1
+    return count
+
+
+def _grouped_experts_fp32(self: Any, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> Any:
+    """``GroupedExperts.forward`` (SwiGLU per expert over its tokens) without the bf16 casts."""
+    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+    w1, w2, w3 = (w.float().transpose(-2, -1) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+    x = x.float()
+    h = F.silu(self._grouped_mm(A=x, B_t=w1, offs=offsets))
+    h = h * self._grouped_mm(A=x, B_t=w3, offs=offsets)
+    return self._grouped_mm(A=h, B_t=w2, offs=offsets)
+
+
+@dataclass(frozen=True)
+class Resized:
+    """A flavor of Seq1F1B's own: torchtitan's ``base`` flavor with ``resize`` applied to its
+    config (a CPU-sized variant; ``resize`` returns what it changed, logged at start-up)."""
+
+    base: str
+    resize: Callable[[Any], list[str]]
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One torchtitan model family (``torchtitan.models.<name>``) as Seq1F1B trains it.
@@ -67,9 +136,11 @@ class ModelFamily:
     ``make_chunk_aware`` turns a built model's attention into chunk-aware attention (returns
     how many layers it converted); ``shape`` reads the FLOPs-model shape from the model config
     (for the compute split and the planner); ``adapt`` edits a model config so that it can be
-    pipelined, returning what it changed (logged at start-up). Positions come from torchtitan's
-    dataloader in every 0.3 family (reset at each packed document), so no segment needs a
-    position offset; stages are cut by torchtitan's own module names.
+    pipelined, returning what it changed (logged at start-up); ``resized`` adds flavors of
+    the family's own, each a torchtitan flavor resized; the start-up self-check runs
+    ``debug_flavor``, or ``debug_flavor_moe`` for a run of a mixture of experts. Positions
+    come from torchtitan's dataloader in every 0.3 family (reset at each packed document), so
+    no segment needs a position offset; stages are cut by torchtitan's own module names.
     """
 
     name: str
@@ -77,24 +148,40 @@ class ModelFamily:
     make_chunk_aware: Callable[[nn.Module], int] = make_chunk_aware
     shape: Callable[[Any], ModelShape] = decoder_shape
     adapt: Callable[[Any], list[str]] = _unchanged
+    resized: Mapping[str, Resized] = field(default_factory=dict)
+    debug_flavor: str = "debugmodel"
+    debug_flavor_moe: str | None = None
 
     def model_spec(self, flavor: str, attn_backend: str = "flex") -> Any:
-        """torchtitan's ``ModelSpec`` of ``flavor``, adapted (:attr:`adapt`)."""
+        """torchtitan's ``ModelSpec`` of ``flavor`` (or of the flavor a :attr:`resized` one
+        starts from, resized), adapted (:attr:`adapt`)."""
         registry = importlib.import_module(f"torchtitan.models.{self.name}").model_registry
         flavors = self.flavors()
         if flavor not in flavors:
             raise ValueError(
-                f"[model] flavor = {flavor!r} is not a torchtitan {self.name} flavor: use one "
-                f"of {', '.join(flavors)}"
+                f"[model] flavor = {flavor!r} is not a {self.name} flavor: use one of "
+                f"{', '.join(flavors)}"
             )
-        spec = registry(flavor, attn_backend=attn_backend)
+        own = self.resized.get(flavor)
+        spec = registry(own.base if own else flavor, attn_backend=attn_backend)
+        changes = []
+        if own is not None:
+            spec.flavor = flavor
+            changes = [f"{own.base} resized: {c}" for c in own.resize(spec.model)]
         from torchtitan.tools.logging import logger
 
-        for change in self.adapt(spec.model):
+        for change in changes + self.adapt(spec.model):
             logger.info("Seq1F1B: %s %s: %s", self.name, flavor, change)
         return spec
 
     def flavors(self) -> list[str]:
-        """The flavors torchtitan ships for this family."""
+        """The flavors torchtitan ships for this family, then the :attr:`resized` ones."""
         module = importlib.import_module(f"torchtitan.models.{self.name}")
-        return list(getattr(module, self.configs or f"{self.name}_configs"))
+        return [*getattr(module, self.configs or f"{self.name}_configs"), *self.resized]
+
+    def check_flavor(self, model_config: Any) -> str:
+        """The flavor the start-up self-check runs for a run of ``model_config``: the debug
+        model of the same kind (a mixture of experts when the run's model is one)."""
+        if self.debug_flavor_moe is not None and has_moe(model_config):
+            return self.debug_flavor_moe
+        return self.debug_flavor
