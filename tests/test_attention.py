@@ -335,3 +335,68 @@ def test_lone_tile_keeps_the_kernel_dtype_bitwise() -> None:
     assert all(t.dtype == torch.float32 for t in got[1])
     for a, b in zip(*got, strict=True):
         assert torch.equal(a, b.to(torch.bfloat16))
+
+
+def _sink_reference(q, k, v, sink, window):
+    """Dense attention with a learned per-head sink logit (a key of value 0 every query sees,
+    GPT-OSS's): causal, within ``window`` keys when set."""
+    n_rep = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
+    s = q @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5
+    i, j = torch.arange(q.shape[2])[:, None], torch.arange(q.shape[2])[None]
+    vis = (j <= i) & ((i - j < window) if window is not None else True)
+    s = s.masked_fill(~vis, float("-inf"))
+    sinks = sink.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+    p = torch.softmax(torch.cat([s, sinks], -1), -1)[..., :-1]
+    return p @ vv
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize(("lengths", "dv"), [([20], 8), ([9, 6, 5], 8), ([9, 6, 5], 5)])
+def test_sinks_on_the_lse_merged_over_segments(lengths, dv: int, window) -> None:
+    """``return_lse=True`` gives the log-sum-exp over every key a query sees (all segments),
+    with a gradient: GPT-OSS's sink rescale ``out * sigmoid(lse - sink)`` on it equals dense
+    attention with the sink logit as an extra key, forward and every gradient (q, k, v and
+    the sinks), segment by segment, sliding window or not, any value head dim."""
+    q, k, v = _qkv(torch.float64, dv=dv)
+    sink = torch.randn(q.shape[1], dtype=torch.float64, requires_grad=True)
+    ref = _sink_reference(q, k, v, sink, window)
+    go = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v, sink), go)
+    state = StageKVState(0, len(lengths))
+    starts, total, outs = segment_offsets(lengths), sum(lengths), []
+    infos = [SegmentInfo(0, j, len(lengths), a, n, total, (*starts, total))
+             for j, (a, n) in enumerate(zip(starts, lengths, strict=True))]  # fmt: skip
+    for j, info in enumerate(infos):
+        a, n = info.start, info.length
+        state.begin_forward(0, j)
+        with activate(UnitContext(state, info, "forward", True)):
+            out, lse = chunk_aware_attention(
+                q[:, :, a : a + n], k[:, :, a : a + n], v[:, :, a : a + n], layer="attn",
+                window=window, return_lse=True,
+            )  # fmt: skip
+        assert lse.shape == out.shape[:-1] and lse.dtype == torch.float64
+        outs.append(out * torch.sigmoid(lse - sink.view(1, -1, 1)).unsqueeze(-1))
+        state.end_forward(0, j, keep=True)
+    torch.testing.assert_close(torch.cat(outs, 2), ref)
+    for j in reversed(range(len(lengths))):
+        a, n = infos[j].start, infos[j].length
+        state.begin_backward(0, j)
+        with activate(UnitContext(state, infos[j], "backward", True)):
+            torch.autograd.backward(outs[j], go[:, :, a : a + n])
+        state.end_backward(0, j)
+    assert state.is_empty()
+    for t, r in zip((q, k, v, sink), ref_grads, strict=True):
+        torch.testing.assert_close(t.grad, r)
+
+
+def test_lse_outside_a_step_is_the_full_softmax_normaliser() -> None:
+    q, k, v = _qkv(torch.float64)
+    out, lse = chunk_aware_attention(q, k, v, layer="x", return_lse=True)
+    kk = k.repeat_interleave(2, 1)
+    s = (q @ kk.transpose(-1, -2) / 8**0.5).masked_fill(
+        torch.ones(20, 20, dtype=torch.bool).triu(1), float("-inf")
+    )
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1))
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                   enable_gqa=True))  # fmt: skip

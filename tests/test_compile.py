@@ -76,3 +76,29 @@ def test_fsdp_bf16_gradients_are_hidden_from_a_recompile(tmp_path) -> None:
     if not outcome["wider"]:
         pytest.skip(f"FSDP2 on torch {torch.__version__} keeps no wider gradient on a parameter")
     assert outcome["failed_without"], "dynamo traced the wider gradient: the workaround can go"
+
+
+def test_compiled_lse_carries_its_gradient() -> None:
+    """``return_lse=True`` under torch.compile: the custom op's LSE output has a gradient (an
+    ``out_transform`` such as GPT-OSS's learned sinks reads it), equal to eager attention's."""
+    layer = seq1f1b.add_layer_key(torch.nn.Module())
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 12, 8, generator=g, requires_grad=True) for _ in range(3))
+    sink = torch.randn(4, generator=g, requires_grad=True)
+
+    def sinked(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        return out * torch.sigmoid(lse - sink.view(1, -1, 1)).unsqueeze(-1)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def attend(q, k, v):
+        return sinked(*seq1f1b.chunk_aware_attention(q, k, v, layer=layer, return_lse=True))
+
+    s = (q @ k.transpose(-1, -2) / 8**0.5).masked_fill(
+        torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf")
+    )
+    ref = sinked(torch.softmax(s, -1) @ v, torch.logsumexp(s, -1))
+    go = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, (q, k, v, sink), go)
+    got = torch.autograd.grad(attend(q, k, v), (q, k, v, sink), go)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

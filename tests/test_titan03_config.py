@@ -86,7 +86,7 @@ def test_overrides_on_top_of_the_toml() -> None:
         (["--training.no_such_key", "1"], "[training] no_such_key has no equivalent"),
         (["--optimizer.beta1", "0.9"], "[optimizer] beta1 has no equivalent"),
         (["--activation_checkpoint.mode", "some"], "use 'none', 'selective' or 'full'"),
-        (["--model.name", "gpt_oss"], "integration trains llama3, qwen3, deepseek_v3"),
+        (["--model.name", "kimi_k2_7"], "integration trains llama3, qwen3, deepseek_v3, gpt_oss"),
         (["--training.steps", "many"], "training.steps = 'many': expected int"),
         (["steps"], "is not of the form --section.key value"),
     ],
@@ -154,10 +154,10 @@ def test_qwen3_shape_has_its_head_dim_and_active_experts(flavor: str, ffn: int) 
 def test_cpu_sized_moe_is_torchtitans_debug_moe_resized() -> None:
     """``debugmodel_moe_cpu``: torchtitan's ``debugmodel_moe`` whose router, gate, experts and
     dispatcher agree on 8 experts of width 256, top 2, the rest unchanged; an MoE run's
-    start-up self-check runs it, with the experts' GEMMs in fp32 (exact at 1e-4)."""
+    start-up self-check runs it, with torchtitan's bf16 casts off (exact at 1e-4)."""
     import torch
 
-    from torchtitan_integration.v03.models import family, fp32_experts
+    from torchtitan_integration.v03.models import NoBf16Casts, family
 
     qwen3 = family("qwen3")
     theirs = qwen3.model_spec("debugmodel_moe").model
@@ -173,7 +173,18 @@ def test_cpu_sized_moe_is_torchtitans_debug_moe_resized() -> None:
     assert len(spec.model.layers) == len(theirs.layers) and spec.model.dim == theirs.dim
     assert qwen3.check_flavor(theirs) == "debugmodel_moe_cpu"
     assert qwen3.check_flavor(qwen3.model_spec("debugmodel").model) == "debugmodel"
-    assert fp32_experts(model) == 8
+    experts = qwen3.model_spec("debugmodel_moe_cpu").model.layers[0].moe.routed_experts.build()
+    inner = experts.inner_experts
+    for w in (inner.w1_EFD, inner.w2_EDF, inner.w3_EFD):
+        torch.nn.init.normal_(w, std=0.1)
+    x, counts = torch.randn(6, 256), torch.tensor([2, 0, 1, 0, 3, 0, 0, 0])
+    with NoBf16Casts():
+        got = inner(x, counts)
+    rows = torch.arange(8).repeat_interleave(counts)
+    h = torch.einsum("rd,rfd->rf", x, inner.w1_EFD[rows])
+    h = torch.nn.functional.silu(h) * torch.einsum("rd,rfd->rf", x, inner.w3_EFD[rows])
+    torch.testing.assert_close(got, torch.einsum("rf,rdf->rd", h, inner.w2_EDF[rows]))
+    assert (inner(x, counts) - got).abs().max() > 1e-6  # torchtitan's own: bf16 GEMMs
 
 
 def test_deepseek_v3_shape_counts_mla_and_dense_then_moe_layers() -> None:
@@ -350,13 +361,54 @@ def test_planner_presets_are_torchtitans_flavors(preset: str) -> None:
     assert models.shape(models.model_spec(flavor).model) == PRESETS[preset]
 
 
-def test_learned_sinks_are_refused_not_dropped() -> None:
-    """GPT-OSS passes its sinks as ``out_transform(out, lse)``: the chunk-aware inner attention
-    refuses the call rather than train without them."""
+def test_gpt_oss_chunk_aware_equals_torchtitans_flex_attention(monkeypatch) -> None:
+    """GPT-OSS made chunk-aware (each layer's window from its config, the learned sinks on the
+    LSE through ``out_transform``) computes what torchtitan's own FlexAttention model does
+    with its masks (causal + documents, 128-key windows on even layers, sinks), on 300 tokens
+    of two packed documents: the same logits (forward only, torchtitan's FlexAttention run
+    eager: compiled on CPU it has neither a backward nor the LSE; the LSE's gradient:
+    tests/test_attention.py). The family's shape has the window."""
+    import copy
+
     import torch
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.common.attention import FlexAttention
 
-    from torchtitan_integration.v03.model import ChunkAwareInnerAttention
+    import seq1f1b
+    from torchtitan_integration.v03.model import (
+        ChunkAwareInnerAttention,
+        document_ids_from_positions,
+    )
+    from torchtitan_integration.v03.models import NoBf16Casts, family
+    from torchtitan_integration.v03.models.gpt_oss import experts_in_input_dtype
 
-    q = torch.randn(1, 8, 2, 4)
-    with pytest.raises(NotImplementedError, match="learned attention sinks"):
-        ChunkAwareInnerAttention()(q, q, q, out_transform=lambda out, lse: out)
+    monkeypatch.setattr(FlexAttention, "_compiled_flex_attn", flex_attention)
+    gpt_oss = family("gpt_oss")
+    spec = gpt_oss.model_spec("debugmodel_cpu")
+    torch.manual_seed(0)
+    theirs = spec.model.build()
+    with torch.no_grad():
+        theirs.init_weights(buffer_device=None)
+        for layer in theirs.layers.values():  # sinks large enough to matter
+            layer.attention.sinks.normal_(0, 2.0)
+    mine = copy.deepcopy(theirs)
+    assert gpt_oss.make_chunk_aware(mine) == 4
+    assert experts_in_input_dtype(theirs) == 4  # (torchtitan's GPT-OSS fails in fp32 without)
+    windows = [layer.attention.inner_attention.window for layer in mine.layers.values()]
+    assert windows == [128, None, 128, None]
+    assert all(isinstance(x.attention.inner_attention, ChunkAwareInnerAttention)
+               for x in mine.layers.values())  # fmt: skip
+    shape = gpt_oss.shape(spec.model)
+    assert (shape.window, shape.window_layers, shape.head_dim, shape.n_kv_heads) == (128, 2, 64, 8)
+    tokens = torch.randint(0, 2048, (1, 300))
+    positions = torch.cat([torch.arange(170), torch.arange(130)]).unsqueeze(0)
+    with torch.no_grad(), NoBf16Casts():  # fp32 experts: compare at fp32's accuracy
+        want = theirs(tokens, positions, theirs.get_attention_masks(positions))
+        with seq1f1b.packed_documents(document_ids_from_positions(positions)):
+            got = mine(tokens, positions)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for layer in mine.layers.values():  # without the windows, another model
+        layer.attention.inner_attention.window = None
+    with torch.no_grad(), NoBf16Casts():
+        with seq1f1b.packed_documents(document_ids_from_positions(positions)):
+            assert (mine(tokens, positions) - want).abs().max() > 1e-2

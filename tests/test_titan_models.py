@@ -28,6 +28,11 @@ QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel", "--training.se
 # experts of width 256, top 2; torchtitan's 64 of 768, top 8 take 30 s a step here)
 QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_cpu",
              "--training.seq_len", "128", "--training.steps", str(STEPS)]  # fmt: skip
+# GPT-OSS at a CPU's size (debugmodel_cpu: 4 layers, 64 heads of 64, a learned sink per
+# head, 128-key windows on layers 0 and 2; 8 experts narrowed to 256, top 2), at 256 tokens so
+# that the windows cut through the K = 4 segments
+GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel_cpu",
+           "--training.steps", str(STEPS)]  # fmt: skip
 # DeepSeek-V3's debug flavor: MLA (q/k head dim 192, v 128, K/V from a 512-wide latent), a
 # dense first layer, then MoE layers of 8 experts (top 3, 2 shared)
 DEEPSEEK = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
@@ -125,5 +130,20 @@ def test_deepseek_v3_mla_moe_matches_unpipelined(tmp_path) -> None:
     seed = _seed(DEEPSEEK, tmp_path / "seed")
     ref = run_titan(1, *NO_PP, *DEEPSEEK, *seed, dump=tmp_path / "pp1")
     run = run_titan(2, *PP2, *DEEPSEEK, *seed, "--seq1f1b.verify", dump=tmp_path / "pp2")
+    assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, run.output[-3000:]
+    assert_same_curve(run, ref, steps=STEPS, grad_tol=MOE_GRAD_TOL)
+
+
+def test_gpt_oss_sinks_and_windows_under_zbv_match_unpipelined(tmp_path) -> None:
+    """GPT-OSS under ZBVSeq1F1B (two stages a rank, split backward): each head's learned sink
+    rescales the softmax merged over every segment's keys (its gradient, and the LSE's, taken
+    exactly), the windowed layers see 128 keys back across segment boundaries, the experts
+    route each segment's tokens; the start-up self-check runs GPT-OSS's debug model too."""
+    seed = _seed(GPT_OSS, tmp_path / "seed")
+    ref = run_titan(1, *NO_PP, *GPT_OSS, *seed, dump=tmp_path / "pp1")
+    run = run_titan(2, *PP2, *GPT_OSS, *seed, "--seq1f1b.verify",
+                    "--parallelism.pipeline_parallel_schedule", "ZBVSeq1F1B",
+                    dump=tmp_path / "pp2")  # fmt: skip
+    assert "Seq1F1B: pp=2 stages/rank=2 M=2 K=4" in run.output, run.output[-3000:]
     assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, run.output[-3000:]
     assert_same_curve(run, ref, steps=STEPS, grad_tol=MOE_GRAD_TOL)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .ir import (
@@ -382,7 +383,7 @@ class UnitRuntime(ScheduleRuntime):
 
     # ------------------------------------------------------------------ torch's runtime hooks
     def _initialize_stages(self, args, kwargs, target=None, loss_kwargs=None):  # type: ignore[override]
-        with self.stage_init_scope():
+        with self.stage_init_scope(), small_buffers_kept([s.submod for s in self._stages]):
             super()._initialize_stages(args, kwargs, target, loss_kwargs)
         self.after_stage_init()
         self._apply_recv_meta_fns()
@@ -585,3 +586,31 @@ def _checked_loss_kwarg_mbs(
     if len(loss_kwarg_mbs) != n_units:
         raise ValueError(f"Expecting {n_units} loss_kwarg_mbs but got {len(loss_kwarg_mbs)}")
     return loss_kwarg_mbs
+
+
+#: buffers up to this many elements (counters, running statistics) are put back after torch's
+#: stage initialisation; larger ones are caches a forward fills, left as it leaves them
+SMALL_BUFFER_NUMEL = 1 << 20
+
+
+@contextlib.contextmanager
+def small_buffers_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Put back the small buffers of ``modules`` that torch's stage initialisation changes.
+
+    Its forward metadata inference runs each stage once on the first microbatch (torch 2.13
+    with the real inputs), so an MoE layer's token counts per expert, or a norm's running
+    statistics, would count a forward that the unpipelined run never makes. Upstream hook that
+    would remove this: metadata inference that does not run the module's forward (meta/fake
+    tensors)."""
+    saved = [
+        (b, b.detach().clone())
+        for m in modules
+        for b in m.buffers()
+        if b.numel() <= SMALL_BUFFER_NUMEL
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)

@@ -50,7 +50,14 @@ from .kv import (
     inferring_metadata,
 )
 from .masks import MaskSpec, plan_segment
-from .tiles import accumulator_dtype, kv_blocks, run_tiles_backward, run_tiles_forward
+from .tiles import (
+    accumulator_dtype,
+    drop_lse_columns,
+    kv_blocks,
+    run_tiles_backward,
+    run_tiles_forward,
+    with_lse_grad,
+)
 
 __all__ = [
     "LAYER_KEY",
@@ -129,9 +136,11 @@ def segment_attention(
     documents: int,
     needs_grad: bool,
     donated: bool,
+    lse_read: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of one chunk-aware attention call (see the module docstring); ``handle`` is a
-    CPU int64 naming the call's record, kept only when a backward will follow. ``donated``
+    CPU int64 naming the call's record, kept only when a backward will follow. ``lse_read``:
+    the caller uses the LSE (``return_lse``), so its gradient reaches the backward. ``donated``
     (AOTAutograd's donated buffers at trace time) does nothing here: it makes graphs traced
     with and without donated buffers differ, which inductor's FX graph cache does not
     otherwise tell apart (torch 2.13-2.15), so a zero-bubble schedule can never be served a
@@ -180,7 +189,7 @@ def segment_attention(
 
 
 @segment_attention.register_fake
-def _(q, k, v, layer_key, scale, window, sinks, documents, needs_grad, donated):
+def _(q, k, v, layer_key, scale, window, sinks, documents, needs_grad, donated, lse_read):
     return _out_shapes(q, v)
 
 
@@ -194,9 +203,11 @@ def segment_attention_backward(
     lse: torch.Tensor,
     handle: torch.Tensor,
     donated: bool,
+    grad_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`segment_attention`: input grads plus the cache's gradients
-    (``donated``: as in the forward, keys the compiled backward graph)."""
+    (``donated``: as in the forward, keys the compiled backward graph; ``grad_lse``: the
+    LSE's gradient, when an ``out_transform`` read it)."""
     rid, ctx = int(handle.item()), current_unit()
     if rid == 0 and inferring_metadata():  # the stage's backward shape inference
         return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
@@ -214,10 +225,15 @@ def segment_attention_backward(
             f"use_reentrant=False), or more than {_ORPHAN_LIMIT} pending unpipelined forwards"
         )
     dkv: dict[int, list[torch.Tensor]] = {}
+    blocks = kv_blocks(k, v, rec.prefix)
+    if grad_lse is not None:
+        grad_out, out, blocks = with_lse_grad(grad_out, out, blocks, grad_lse)
     dq = run_tiles_backward(
-        grad_out, q, out, lse, kv_blocks(k, v, rec.prefix), rec.plan, rec.spec, rec.scale,
-        rec.kernels, None, dkv, final=True,
+        grad_out, q, out, lse, blocks, rec.plan, rec.spec, rec.scale, rec.kernels, None, dkv,
+        final=True,
     )  # fmt: skip
+    if grad_lse is not None:
+        drop_lse_columns(dkv, v.shape[-1])
     own = dkv.get(-1)
     dk = torch.zeros_like(k) if own is None else own[0].to(k.dtype)
     dv = torch.zeros_like(v) if own is None else own[1].to(v.dtype)
@@ -230,7 +246,7 @@ def segment_attention_backward(
 
 
 @segment_attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, handle, donated):
+def _(grad_out, q, k, v, out, lse, handle, donated, grad_lse=None):
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
@@ -238,13 +254,17 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v = inputs[:3]
     out, lse, handle = output
     ctx.save_for_backward(q, k, v, out, lse, handle)
-    ctx.donated = inputs[-1]
+    ctx.donated, ctx.lse_read = inputs[-2], inputs[-1]
 
 
-def _backward(ctx: Any, grad_out: torch.Tensor, _grad_lse: Any, _grad_handle: Any) -> tuple:
+def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: Any, _grad_handle: Any) -> tuple:
     q, k, v, out, lse, handle = ctx.saved_tensors
-    dq, dk, dv = segment_attention_backward(grad_out, q, k, v, out, lse, handle, ctx.donated)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    if not ctx.lse_read:  # only out_transform's calls read the LSE: no column to carry
+        grad_lse = None
+    dq, dk, dv = segment_attention_backward(
+        grad_out, q, k, v, out, lse, handle, ctx.donated, grad_lse
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 segment_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -259,16 +279,20 @@ def compiled_attention(
     window: int | None,
     sinks: int,
     documents: bool | None,
-) -> torch.Tensor:
-    """The traced form of chunk_aware_attention: one custom-op call, nothing guarded."""
+    return_lse: bool = False,
+) -> Any:
+    """The traced form of chunk_aware_attention: one custom-op call, nothing guarded
+    (``(out, lse)`` with ``return_lse``)."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     flag = -1 if documents is None else int(documents)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     key = layer_key_of(layer)
     donated = rt.donated_buffers_enabled()
-    out, _, _ = segment_attention(q, k, v, key, scale, window, sinks, flag, grad, donated)
-    return out
+    out, lse, _ = segment_attention(
+        q, k, v, key, scale, window, sinks, flag, grad, donated, return_lse
+    )
+    return (out, lse) if return_lse else out
 
 
 @torch.library.custom_op("seq1f1b::segment_positions", mutates_args=())

@@ -48,11 +48,13 @@ from .kv import (
 from .masks import MaskSpec, RowGroups, plan_segment
 from .tiles import (
     accumulator_dtype,
+    drop_lse_columns,
     kv_blocks,
     merge,
     output_shape,
     run_tiles_backward,
     run_tiles_forward,
+    with_lse_grad,
 )
 
 __all__ = ["ChunkAwareAttention", "chunk_aware_attention"]
@@ -146,16 +148,24 @@ class _SegmentAttention(torch.autograd.Function):
         ctx.scale, ctx.kernels, ctx.plan, ctx.spec = scale, kernels, plan, spec
         ctx.entries = entries
         ctx.save_for_backward(q, k, v, out, lse_acc, *prefix)
-        return out
+        ctx.set_materialize_grads(False)  # an LSE nobody reads has no gradient: None
+        return out, lse_acc
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, *prefix = ctx.saved_tensors
         dkv: dict[int, list[torch.Tensor]] = {}
+        blocks = kv_blocks(k, v, prefix)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        if grad_lse is not None:  # an out_transform read the LSE (learned sinks)
+            grad_out, out, blocks = with_lse_grad(grad_out, out, blocks, grad_lse)
         dq = run_tiles_backward(
-            grad_out, q, out, lse, kv_blocks(k, v, prefix), ctx.plan, ctx.spec, ctx.scale,
-            ctx.kernels, None, dkv, final=True,
+            grad_out, q, out, lse, blocks, ctx.plan, ctx.spec, ctx.scale, ctx.kernels, None,
+            dkv, final=True,
         )  # fmt: skip
+        if grad_lse is not None:
+            drop_lse_columns(dkv, v.shape[-1])
         own = dkv.get(-1)
         dk = None if own is None else own[0].to(k.dtype)
         dv = None if own is None else own[1].to(v.dtype)
@@ -176,7 +186,8 @@ def chunk_aware_attention(
     sinks: int = 0,
     documents: bool | None = None,
     mask_backend: str = "auto",
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> Any:
     """Causal attention over ``(batch, heads, seq, head_dim)`` tensors that Seq1F1B can chunk.
 
     ``layer`` identifies the attention layer within its stage (the calling module works), so
@@ -190,6 +201,11 @@ def chunk_aware_attention(
     that it must ignore them. Outside a unit and without masks this is
     ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``.
 
+    ``return_lse``: return ``(out, lse)``, the log-sum-exp of every query's scores over all
+    the keys it sees (every segment's, merged), ``(batch, heads, seq)`` in fp32, with a
+    gradient (an ``out_transform`` such as GPT-OSS's learned sinks, ``out * sigmoid(lse -
+    sink)``, applies to the whole softmax only this way: never per tile or per segment).
+
     ``mask_backend`` for masked attention: "tiles" (whole-tile flash kernels, thin masked
     strips), "flex" (one FlexAttention call per visible block for the forward; the backward
     runs the tiles), or "auto": flex on CUDA, tiles elsewhere.
@@ -201,7 +217,7 @@ def chunk_aware_attention(
     if mask_backend not in ("auto", "tiles", "flex"):
         raise ValueError(f"mask_backend={mask_backend!r}: use 'auto', 'tiles' or 'flex'")
     if torch.compiler.is_compiling():  # one opaque op: nothing of the unit is traced
-        return compiled_attention(q, k, v, layer, scale, window, sinks, documents)
+        return compiled_attention(q, k, v, layer, scale, window, sinks, documents, return_lse)
     ctx = current_unit()
     n_rep = q.shape[1] // k.shape[1]
     if q.shape[1] % k.shape[1] != 0:
@@ -212,12 +228,13 @@ def chunk_aware_attention(
     spec = MaskSpec(window, sinks)
     if q.device.type == "meta" or (ctx is None and inferring_metadata()):
         # the pipeline stage's shape inference: only shapes matter
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
+        return (out, q.new_zeros(q.shape[:-1], dtype=torch.float32)) if return_lse else out
     call = attention_call(ctx, documents, spec, q.shape[0], q.shape[-2], layer)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     unit, plain, groups = call.unit, call.plain, call.groups
-    if unit is None and plain:  # nothing cached, nothing to cache, no mask
+    if unit is None and plain and not return_lse:  # nothing cached, nothing to cache, no mask
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=n_rep > 1
         )
@@ -230,11 +247,18 @@ def chunk_aware_attention(
         skip = unit.state.skip_invisible or plain
         k, v, prefix = attend_cache(unit, layer, k, v, groups, spec, skip)
         if cp:  # sharded over a context-parallel group: the ring runs the plan
+            if return_lse:
+                raise NotImplementedError(
+                    "chunk_aware_attention(return_lse=True) (an out_transform such as learned "
+                    "attention sinks) does not run with context parallelism yet: set "
+                    "context_parallel_degree = 1"
+                )
             return cp_attention(q, k, v, unit.info, prefix, groups, spec, scale, kernels, skip)
     plan = plan_segment(start, end, prefix.key_runs(), groups, spec, skip)
-    return _SegmentAttention.apply(
+    out, lse = _SegmentAttention.apply(
         q, k, v, scale, kernels, plan, spec, start, prefix.entries, docs, *prefix.tensors()
     )
+    return (out, lse) if return_lse else out
 
 
 def _flex_documents(backend: str, q: torch.Tensor, groups: RowGroups, seq_len: int):

@@ -21,7 +21,14 @@ from .. import _runtime as rt
 from .head_dims import one_head_dim_backward, one_head_dim_forward
 from .masks import MaskSpec, PlanEntry, tile_mask
 
-__all__ = ["kv_blocks", "merge", "run_tiles_backward", "run_tiles_forward"]
+__all__ = [
+    "drop_lse_columns",
+    "kv_blocks",
+    "merge",
+    "run_tiles_backward",
+    "run_tiles_forward",
+    "with_lse_grad",
+]
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -31,6 +38,36 @@ def kv_blocks(k: torch.Tensor, v: torch.Tensor, prefix: Sequence[torch.Tensor]) 
     blocks: dict[int, KV] = {j: (prefix[2 * j], prefix[2 * j + 1]) for j in range(len(prefix) // 2)}
     blocks[-1] = (k, v)
     return blocks
+
+
+def with_lse_grad(
+    grad_out: torch.Tensor, out: torch.Tensor, blocks: Mapping[int, KV], grad_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, KV]]:
+    """The backward's inputs when the log-sum-exp has a gradient too (an ``out_transform``
+    such as learned sinks reads it): ``(grad_out', out', blocks')`` that a plain tile backward
+    turns into the exact gradients.
+
+    ``d lse_i / d s_ij = p_ij``, so a score's gradient becomes ``p_ij (dp_ij - delta_i +
+    grad_lse_i)``. Each value block gains a column of ones and the output's gradient the
+    column ``grad_lse`` (so ``dp_ij`` gains ``grad_lse_i``), while the output gains a zero
+    column (so ``delta_i = rowsum(grad_out * out)`` stays): every kernel, flash or math,
+    computes that as it is. The columns are padded to a multiple of 8 (flash kernels' head
+    dims); the values' gradients carry them until :func:`drop_lse_columns`."""
+    extra = -(-(out.shape[-1] + 1) // 8) * 8 - out.shape[-1]
+
+    def widen(t: torch.Tensor, first: torch.Tensor | float) -> torch.Tensor:
+        col = t.new_zeros((*t.shape[:-1], extra))
+        col[..., 0] = first
+        return torch.cat([t, col], dim=-1)
+
+    wide = {b: (k, widen(v, 1.0)) for b, (k, v) in blocks.items()}
+    return widen(grad_out, grad_lse.to(grad_out.dtype)), widen(out, 0.0), wide
+
+
+def drop_lse_columns(dkv: dict[int, list[torch.Tensor]], width: int) -> None:
+    """Cut the values' gradients back to the model's value head dim ``width`` (in place)."""
+    for grads in dkv.values():
+        grads[1] = grads[1][..., :width]
 
 
 def expand_kv(t: torch.Tensor, n_rep: int) -> torch.Tensor:

@@ -11,24 +11,31 @@ full-sequence BlockMask, so no mask built for the whole sequence reaches a segme
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from seq1f1b import add_layer_key, chunk_aware_attention
+from seq1f1b.attention.masks import MaskSpec
 
 
 class ChunkAwareInnerAttention(nn.Module):
-    """Drop-in for 0.3's inner attention modules: causal attention within packed documents.
+    """Drop-in for 0.3's inner attention modules: causal attention within packed documents,
+    within a sliding ``window`` of keys (itself included) on windowed layers.
 
     ``attention_masks`` is ignored on purpose: the documents it would encode come from the
     step (or :func:`seq1f1b.packed_documents` outside one), where the schedule cut them per
-    segment. Its ``seq1f1b_layer_key`` buffer names the layer under torch.compile.
+    segment, and the window is the layer's. An ``out_transform(out, lse)`` (GPT-OSS's learned
+    sinks) gets the log-sum-exp merged over every segment's keys, so it applies once to the
+    whole softmax. Its ``seq1f1b_layer_key`` buffer names the layer under torch.compile.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
         super().__init__()
+        MaskSpec(window)  # a bad window fails when the model is adapted, not at step 1
+        self.window = window
         add_layer_key(self)
 
     def forward(
@@ -42,26 +49,30 @@ class ChunkAwareInnerAttention(nn.Module):
         enable_gqa: bool = False,
         **kwargs: Any,
     ) -> torch.Tensor:
-        if kwargs.get("out_transform") is not None:  # GPT-OSS's learned sinks, on the LSE
-            raise NotImplementedError(
-                "inner attention called with out_transform (learned attention sinks): the "
-                "chunk-aware attention cannot apply it on the log-sum-exp merged over the "
-                "segments yet, and dropping it would train a different model"
-            )
+        out_transform = kwargs.pop("out_transform", None)
         del attention_masks, enable_gqa, kwargs  # documents come with the step; GQA by shape
-        out = chunk_aware_attention(
+        res = chunk_aware_attention(
             q_BLNH.transpose(1, 2),
             k_BLNH.transpose(1, 2),
             v_BLNH.transpose(1, 2),
             layer=self,
             scale=scale,
+            window=self.window,
             documents=True,
+            return_lse=out_transform is not None,
         )
-        return out.transpose(1, 2)
+        if out_transform is None:
+            return res.transpose(1, 2)
+        out, lse = res  # (B, N, L, H) and (B, N, L): torchtitan's transform takes B, L first
+        return out_transform(out.transpose(1, 2), lse.transpose(1, 2))
 
 
-def make_chunk_aware(model: nn.Module) -> int:
-    """Replace every attention layer's inner attention; returns how many. Idempotent."""
+def make_chunk_aware(
+    model: nn.Module, window_of: Callable[[str, nn.Module], int | None] | None = None
+) -> int:
+    """Replace every attention layer's inner attention; returns how many. Idempotent.
+    ``window_of(name, attention)``: the sliding window of the attention module ``name``
+    (None: full causal), for families with windowed layers."""
     from torchtitan.models.common.attention import (
         FlexAttention,
         ScaledDotProductAttention,
@@ -70,7 +81,7 @@ def make_chunk_aware(model: nn.Module) -> int:
 
     known = (FlexAttention, ScaledDotProductAttention, VarlenAttention)
     converted = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         inner = getattr(module, "inner_attention", None)
         if isinstance(inner, ChunkAwareInnerAttention) or inner is None:
             continue
@@ -80,12 +91,13 @@ def make_chunk_aware(model: nn.Module) -> int:
                 "model whose attention backend is flex, varlen or sdpa (the model_registry's "
                 "attn_backend=...)"
             )
-        if getattr(inner, "window_size", (-1, 0)) not in ((-1, 0), None):
+        window = None if window_of is None else window_of(name, module)
+        if window is None and getattr(inner, "window_size", (-1, 0)) not in ((-1, 0), None):
             raise ValueError(
-                f"{type(inner).__name__} with window_size={inner.window_size} is not plain "
-                "causal attention; Seq1F1B's torchtitan integration trains causal models"
+                f"{name}: {type(inner).__name__} with window_size={inner.window_size} is not "
+                "plain causal attention, and the model family names no window for it"
             )
-        module.inner_attention = ChunkAwareInnerAttention()
+        module.inner_attention = ChunkAwareInnerAttention(window)
         converted += 1
     return converted
 

@@ -15,7 +15,7 @@ from torch import nn
 from ..pipeline import check_config, check_loss_chunks, check_schedule_name, stages_per_rank
 from ..verify import run_start_check
 from . import _titan
-from .models import ModelFamily, family_of, fp32_experts
+from .models import ModelFamily, NoBf16Casts, family_of
 
 #: torchtitan 0.3's FSDP and TP (its full-DTensor ``fully_shard(..., dp_mesh_dims=...)``) need
 #: torch 2.15: torch 2.13's fully_shard rejects the plain-tensor parameters 0.3 hands it
@@ -121,8 +121,8 @@ def check_bitpipe_settings(par: Any, training: Any) -> None:
 def titan03_debug_model(
     model_family: ModelFamily, flavor: str = "debugmodel"
 ) -> tuple[Callable[[], nn.Module], int]:
-    """The family's debug ``flavor``, chunk-aware the family's way, its routed experts in
-    fp32: a builder, its layer count."""
+    """The family's debug ``flavor``, chunk-aware the family's way: a builder, its layer
+    count."""
     spec = model_family.model_spec(flavor)
 
     def build() -> nn.Module:
@@ -130,7 +130,6 @@ def titan03_debug_model(
         with torch.no_grad():
             model.init_weights(buffer_device=None)
         model_family.make_chunk_aware(model)
-        fp32_experts(model)  # the check's bound is fp32's (models/base.py)
         return model
 
     return build, len(spec.model.layers)
@@ -143,5 +142,6 @@ def check_titan03(
     documents always), adapted as the run adapts its model."""
     build, n_layers = titan03_debug_model(model_family, flavor)
     names = _titan.FQNS_PER_PART.get()(min(num_stages, n_layers), n_layers)
-    run_start_check(build, names, config.seq1f1b.seq_chunks, True, positions_kwarg=True,
-                    model_name=model_family.name)  # fmt: skip
+    with NoBf16Casts():  # the check's bound is fp32's (models/base.py)
+        run_start_check(build, names, config.seq1f1b.seq_chunks, True, positions_kwarg=True,
+                        model_name=model_family.name)  # fmt: skip

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import deepseek_v3, llama3, qwen3
+from . import deepseek_v3, gpt_oss, llama3, qwen3
 from .base import (
     ModelFamily,
+    NoBf16Casts,
     Resized,
     active_ffn_hidden,
     decoder_shape,
-    fp32_experts,
     has_moe,
     mean_ffn_hidden,
     resize_experts,
@@ -21,19 +21,19 @@ from .base import (
 __all__ = [
     "FAMILIES",
     "ModelFamily",
+    "NoBf16Casts",
     "Resized",
     "active_ffn_hidden",
     "decoder_shape",
     "family",
     "family_of",
-    "fp32_experts",
     "has_moe",
     "mean_ffn_hidden",
     "resize_experts",
 ]
 
 FAMILIES: dict[str, ModelFamily] = {
-    f.name: f for f in (llama3.FAMILY, qwen3.FAMILY, deepseek_v3.FAMILY)
+    f.name: f for f in (llama3.FAMILY, qwen3.FAMILY, deepseek_v3.FAMILY, gpt_oss.FAMILY)
 }
 
 

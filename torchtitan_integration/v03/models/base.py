@@ -7,12 +7,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from types import MethodType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from seq1f1b import ModelShape
 
@@ -95,28 +94,17 @@ def resize_experts(config: Any, *, num_experts: int, top_k: int, hidden_dim: int
             f"top {top_k}"]  # fmt: skip
 
 
-def fp32_experts(model: nn.Module) -> int:
-    """Run ``model``'s routed experts (torchtitan's ``GroupedExperts``) in fp32; returns how
-    many. torchtitan casts the experts' GEMM operands to bf16 whatever the run's precision, so
-    an fp32 difference of one ulp (a sum over segments) can round to one bf16 ulp (4e-3) and
-    grow from there: the start-up self-check, which bounds errors at 1e-4, runs them in fp32
-    through the same ``_grouped_mm`` seam."""
-    count = 0
-    for module in model.modules():
-        if type(module).__name__ == "GroupedExperts" and hasattr(module, "_grouped_mm"):
-            module.forward = MethodType(_grouped_experts_fp32, module)
-            count += 1
-    return count
+class NoBf16Casts(TorchFunctionMode):
+    """Within it, ``Tensor.bfloat16()`` returns the tensor as it is: a model that casts to
+    bf16 by hand whatever the run's precision (torchtitan's routed experts cast their GEMM
+    operands) runs in fp32. The start-up self-check bounds errors at 1e-4, and a difference
+    of one fp32 ulp (a sum taken over segments) can round to one bf16 ulp (4e-3) and grow;
+    the model's own code still runs, only without the casts."""
 
-
-def _grouped_experts_fp32(self: Any, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> Any:
-    """``GroupedExperts.forward`` (SwiGLU per expert over its tokens) without the bf16 casts."""
-    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-    w1, w2, w3 = (w.float().transpose(-2, -1) for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
-    x = x.float()
-    h = F.silu(self._grouped_mm(A=x, B_t=w1, offs=offsets))
-    h = h * self._grouped_mm(A=x, B_t=w3, offs=offsets)
-    return self._grouped_mm(A=h, B_t=w2, offs=offsets)
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.Tensor.bfloat16 and not kwargs and len(args) == 1:
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass(frozen=True)
