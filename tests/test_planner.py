@@ -5,6 +5,7 @@ TP), and the TOML says so."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -38,6 +39,16 @@ def test_presets_have_the_published_parameter_counts() -> None:
 
     assert total(LLAMA8B) == pytest.approx(8.03e9, rel=2e-3)  # Llama 3 8B
     assert total(PRESETS["llama3-70b"]) == pytest.approx(70.6e9, rel=2e-3)  # Llama 3 70B
+    # mixtures of experts: weights by every expert, FLOPs by the active ones (Qwen's and
+    # OpenAI's published totals; DeepSeek-V3's MLA is priced as full-rank heads: docs/planner.md)
+    moe = PRESETS["qwen3-30b-a3b"]
+    assert total(moe) == pytest.approx(30.5e9, rel=5e-3)
+    active = dataclasses.replace(moe, ffn_total=moe.ffn_hidden)
+    assert total(active) == pytest.approx(3.3e9, rel=2e-2)
+    assert total(PRESETS["gpt-oss-120b"]) == pytest.approx(116.8e9, rel=5e-3)
+    assert MemoryModel(moe).layer_bytes_per_token(False) == MemoryModel(
+        active
+    ).layer_bytes_per_token(False)  # activations follow the experts a token runs
 
 
 def test_memory_model_matches_hand_computation() -> None:

@@ -348,7 +348,11 @@ def test_selective_ac_saves_the_chunk_aware_attention() -> None:
     assert saving_chunk_aware_attention(None) is None
 
 
-@pytest.mark.parametrize("preset", ["llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-32b"])
+@pytest.mark.parametrize(
+    "preset",
+    ["llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-32b", "qwen3-30b-a3b", "deepseek-v3-671b",
+     "gpt-oss-120b"],
+)  # fmt: skip
 def test_planner_presets_are_torchtitans_flavors(preset: str) -> None:
     """Each planner preset the TOML writer names a torchtitan flavor for has that flavor's
     shape, read from torchtitan 0.3's config the way the integration reads it."""

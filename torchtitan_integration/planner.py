@@ -38,6 +38,9 @@ FLAVORS = {
     "llama3-70b": ("llama3", "70B"),
     "qwen3-8b": ("qwen3", "8B"),
     "qwen3-32b": ("qwen3", "32B"),
+    "qwen3-30b-a3b": ("qwen3", "30B-A3B"),
+    "deepseek-v3-671b": ("deepseek_v3", "671B"),
+    "gpt-oss-120b": ("gpt_oss", "120b"),
 }
 GPUS_PER_NODE = 8
 

@@ -116,7 +116,13 @@ GB = 1e9
 FP32_SLOWDOWN = 15.0
 
 #: Model shapes by name. Llama 3: Meta's published configs (torchtitan's ``llama3_args``);
-#: Qwen3 dense: torchtitan 0.3's ``qwen3_configs`` (head dim 128 at every width);
+#: Qwen3 dense: torchtitan 0.3's ``qwen3_configs`` (head dim 128 at every width); the
+#: mixtures of experts as torchtitan 0.3 ships them, FLOPs by the active experts
+#: (``ffn_hidden``: top k of them, plus the shared), weights by all (``ffn_total``):
+#: Qwen3-30B-A3B (128 experts of 768, top 8), DeepSeek-V3 671B (MLA: one head dim, the mean of
+#: q/k's 192 and v's 128, every head its own K/V; 3 dense layers of 18432, then 256 experts of
+#: 2048, top 8, and one shared: widths averaged over the layers), GPT-OSS 120B (128 experts of
+#: 2880, top 4; 128-key windows on half the layers);
 #: ``paper-7b``: the Seq1F1B paper's 7B (GPT-style FFN of 4H, vocabulary 50304, no GQA).
 PRESETS: dict[str, ModelShape] = {
     "llama3-8b": ModelShape(4096, 32, 32, 128256, ffn_hidden=14336, n_kv_heads=8, gated_ffn=True),
@@ -126,6 +132,41 @@ PRESETS: dict[str, ModelShape] = {
     ),
     "qwen3-32b": ModelShape(
         5120, 64, 64, 151936, ffn_hidden=25600, head_dim=128, n_kv_heads=8, gated_ffn=True
+    ),
+    "qwen3-30b-a3b": ModelShape(
+        2048,
+        32,
+        48,
+        151936,
+        ffn_hidden=8 * 768,
+        head_dim=128,
+        n_kv_heads=4,
+        gated_ffn=True,
+        ffn_total=128 * 768,
+    ),
+    "deepseek-v3-671b": ModelShape(
+        7168,
+        128,
+        61,
+        129280,
+        ffn_hidden=18432,
+        head_dim=160,
+        n_kv_heads=128,
+        gated_ffn=True,
+        ffn_total=round((3 * 18432 + 58 * 257 * 2048) / 61),
+    ),
+    "gpt-oss-120b": ModelShape(
+        2880,
+        64,
+        36,
+        201088,
+        ffn_hidden=4 * 2880,
+        head_dim=64,
+        n_kv_heads=8,
+        gated_ffn=True,
+        window=128,
+        window_layers=18,
+        ffn_total=128 * 2880,
     ),
     "paper-7b": ModelShape(4096, 32, 32, 50304),
 }

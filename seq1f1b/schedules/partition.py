@@ -48,6 +48,11 @@ class ModelShape:
     ``window`` / ``sinks``: a sliding window of that many keys (plus the first ``sinks``
     positions) on ``window_layers`` of the layers (None: all), as the model's
     ``ChunkAwareAttention`` modules have them; the mask-aware compute split prices them.
+
+    ``ffn_total``: the FFN width whose weights a layer holds, where it differs from the width a
+    token computes (``ffn_hidden``): a mixture of experts holds every routed expert (plus the
+    shared ones) and runs ``top_k`` of them. FLOPs follow ``ffn_hidden``, weights (memory,
+    FSDP traffic) ``ffn_total``; None: ``ffn_hidden``.
     """
 
     hidden: int
@@ -61,6 +66,7 @@ class ModelShape:
     window: int | None = None
     sinks: int = 0
     window_layers: int | None = None
+    ffn_total: int | None = None
 
     def __post_init__(self) -> None:
         """Validate eagerly so a bad shape fails at config time, not mid-solve."""
@@ -83,7 +89,9 @@ class ModelShape:
             object.__setattr__(self, "head_dim", self.hidden // self.n_heads)
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        for name in ("ffn_hidden", "head_dim", "n_kv_heads"):
+        if self.ffn_total is None:
+            object.__setattr__(self, "ffn_total", self.ffn_hidden)
+        for name in ("ffn_hidden", "head_dim", "n_kv_heads", "ffn_total"):
             value = _as_int(f"ModelShape.{name}", getattr(self, name))
             if value < 1:
                 raise ValueError(
@@ -114,9 +122,10 @@ class ModelShape:
 
     @property
     def params_per_layer(self) -> int:
-        """Weights of one transformer block (norms excluded): Q, K, V, O and the FFN."""
+        """Weights of one transformer block (norms excluded): Q, K, V, O and the FFN (all of
+        its experts)."""
         attn = self.hidden * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        return attn + (3 if self.gated_ffn else 2) * self.hidden * self.ffn_hidden
+        return attn + (3 if self.gated_ffn else 2) * self.hidden * self.ffn_total
 
 
 def _coefficients(end: float, shape: ModelShape) -> tuple[float, float]:

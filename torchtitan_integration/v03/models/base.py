@@ -37,16 +37,18 @@ def decoder_shape(
         n_layers=len(config.layers),
         vocab=config.vocab_size,
         ffn_hidden=mean_ffn_hidden(config),
+        ffn_total=mean_ffn_hidden(config, total_ffn_hidden),
         head_dim=head_dim or getattr(attn, "head_dim", None) or config.dim // attn.n_heads,
         n_kv_heads=n_kv_heads or getattr(attn, "n_kv_heads", None) or attn.n_heads,
         gated_ffn=True,
     )
 
 
-def mean_ffn_hidden(config: Any) -> int:
-    """The FFN width a token computes, averaged over the layers (DeepSeek-V3's first layers
-    are dense and wide, the rest MoE): the shape has one width, and FLOPs add up by layer."""
-    widths = [active_ffn_hidden(layer) for layer in config.layers]
+def mean_ffn_hidden(config: Any, width: Callable[[Any], int] | None = None) -> int:
+    """The FFN width a token computes (or, given :func:`total_ffn_hidden`, a layer holds),
+    averaged over the layers (DeepSeek-V3's first layers are dense and wide, the rest MoE):
+    the shape has one width, and FLOPs and weights add up by layer."""
+    widths = [(width or active_ffn_hidden)(layer) for layer in config.layers]
     return round(sum(widths) / len(widths))
 
 
@@ -105,6 +107,19 @@ class NoBf16Casts(TorchFunctionMode):
         if func is torch.Tensor.bfloat16 and not kwargs and len(args) == 1:
             return args[0]
         return func(*args, **(kwargs or {}))
+
+
+def total_ffn_hidden(layer: Any) -> int:
+    """The SwiGLU width whose weights ``layer`` holds: dense, or MoE's every routed expert
+    plus the shared ones."""
+    moe = getattr(layer, "moe", None)
+    if moe is None:
+        return layer.feed_forward.w1.out_features
+    inner = moe.routed_experts.inner_experts
+    width = inner.num_experts * inner.hidden_dim
+    if moe.shared_experts is not None:
+        width += moe.shared_experts.w1.out_features
+    return width
 
 
 @dataclass(frozen=True)
