@@ -51,19 +51,26 @@ def seq1f1b_attention(
 
     ``attention_mask`` is not read: the attention is causal, and packed documents come with
     the batch (``step(..., document_ids=...)``). ``sliding_window`` (keys per query, itself
-    included, as transformers counts it) is the layer's window."""
+    included, as transformers counts it) is the layer's window. ``s_aux`` (GPT-OSS's learned
+    sinks, one logit per head in every softmax's normaliser) rescales the output by
+    ``sigmoid(lse - s_aux)`` on the log-sum-exp merged over every segment's keys."""
     del attention_mask
     if dropout:
         raise ValueError(
             f"attention dropout {dropout} under Seq1F1B: the chunk-aware attention has none; "
             "set config.attention_dropout = 0.0"
         )
-    for name in ("softcap", "position_bias", "s_aux"):
+    for name in ("softcap", "position_bias"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{name} is not supported by Seq1F1B's chunk-aware attention")
+    sinks = kwargs.get("s_aux")
     out = chunk_aware_attention(
-        query, key, value, layer=module, scale=scaling, window=sliding_window
-    )
+        query, key, value, layer=module, scale=scaling, window=sliding_window,
+        return_lse=sinks is not None,
+    )  # fmt: skip
+    if sinks is not None:
+        out, lse = out
+        out = out * torch.sigmoid(lse - sinks.view(1, -1, 1).float()).unsqueeze(-1).to(out.dtype)
     return out.transpose(1, 2).contiguous(), None  # transformers wants (batch, seq, heads, dim)
 
 
