@@ -115,6 +115,8 @@ def test_override_parser_matches_tyro_spelling() -> None:
         (["--seq1f1b.split", "100,100"], "[training] seq_len = 512 cannot be split"),
         (["--compile.enable", "--parallelism.context_parallel_degree", "2"],
          "does not run under torch.compile yet"),
+        (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_cpu",
+          "--parallelism.expert_parallel_degree", "2"], "expert_parallel_degree = 2 with pipeline"),
     ],
 )  # fmt: skip
 def test_bad_settings_are_refused_before_start(args: list[str], message: str) -> None:

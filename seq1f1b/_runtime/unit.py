@@ -383,7 +383,8 @@ class UnitRuntime(ScheduleRuntime):
 
     # ------------------------------------------------------------------ torch's runtime hooks
     def _initialize_stages(self, args, kwargs, target=None, loss_kwargs=None):  # type: ignore[override]
-        with self.stage_init_scope(), small_buffers_kept([s.submod for s in self._stages]):
+        mods = [s.submod for s in self._stages]
+        with self.stage_init_scope(), small_buffers_kept(mods):
             super()._initialize_stages(args, kwargs, target, loss_kwargs)
         self.after_stage_init()
         self._apply_recv_meta_fns()
@@ -614,3 +615,4 @@ def small_buffers_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
+

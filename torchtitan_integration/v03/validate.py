@@ -63,6 +63,15 @@ def validate_before_start(config: Any) -> None:
         return
     if not entry.seq_chunked:
         return
+    if getattr(par, "expert_parallel_degree", 1) > 1:
+        raise ValueError(
+            f"expert_parallel_degree = {par.expert_parallel_degree} with pipeline parallelism "
+            "under the Seq1F1B schedules is not supported yet: on CPU/gloo the first step fails "
+            "in torch's stage initialisation (its forward metadata inference), inside "
+            "torchtitan's expert-parallel token exchange (ProcessGroupGloo::alltoall: invalid "
+            "tensor size), cause not yet found, and on GPUs it is untested. Set "
+            "expert_parallel_degree = 1 (every rank holds every expert; PP=1 x EP trains)"
+        )
     model_family = family_of(config.model_spec)  # an unknown family is refused here
     shape = model_family.shape(config.model_spec.model)
     check_config(
