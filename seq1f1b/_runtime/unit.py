@@ -615,4 +615,3 @@ def small_buffers_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
-
