@@ -207,3 +207,26 @@ def _cp_errors(rank: int, world: int) -> None:
 
 def test_context_parallel_errors() -> None:
     run_ranks(_cp_errors, 2)
+
+
+def _disagreeing_ranks(rank: int, world: int) -> None:
+    mods = build_stages(CFG, world)
+    x, y = data_case()
+    stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
+    k = 2 if rank == 0 else 3  # rank 1 built K = 3
+    sched = ScheduleSeq1F1B([stage], 2, k, loss_fn)
+    mine, other = (2, 3) if rank == 0 else (3, 2)
+    with pytest.raises(
+        ValueError, match=f"seq_chunks is {mine} on this rank and {other} on another"
+    ):
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank else None)
+    split = ScheduleSeq1F1B([stage], 2, 2, loss_fn, seq_split="uniform" if rank else [20, 12])
+    with pytest.raises(ValueError, match="seq_split is SequenceSplit.* on this rank and another"):
+        split.step(*((x,) if rank == 0 else ()), target=y if rank else None)
+
+
+def test_ranks_that_built_different_schedules_fail_together_before_traffic() -> None:
+    """A rank with another K (or split) fails the first step on every rank with one error
+    naming the setting and both values, not a shape error on one rank and a closed
+    connection on the others."""
+    run_ranks(_disagreeing_ranks, 2)

@@ -4,15 +4,18 @@ pipeline traffic (:class:`Preflight`).
 
 Middle stages get no input, so they cannot know the length by themselves; and a rank that
 raises on bad input while its peers enter a recv would leave them waiting until the timeout.
-One tiny all-reduce (6 integers) solves both, and checks that every rank lowered the same
-order (whole or split backwards). It is skipped when the length is fixed up front
-and pp == 1.
+One tiny all-reduce of integers solves both, checks that every rank lowered the same order
+(whole or split backwards), and that every rank built the same schedule (:class:`Fingerprint`:
+its class, M, K, the split, stages per rank, whether it has a loss), where a difference would
+otherwise surface as a shape error on one rank and a closed connection on the others. It is
+skipped when pp == 1.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +26,28 @@ from .step_inputs import Presplit, StepInputs, UnitCutter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Preflight", "agree_on_step"]
+__all__ = ["Preflight", "agree_on_step", "fingerprint"]
+
+#: one schedule setting as the pre-flight compares it: (integer, how to print it)
+Fingerprint = Mapping[str, tuple[int, str]]
+
+
+def fingerprint(
+    schedule: str, n_microbatches: int, seq_chunks: int, split: Any, stages: int, loss: bool
+) -> dict[str, tuple[int, str]]:
+    """What every pipeline rank must agree on before any traffic, as integers to compare."""
+
+    def named(text: str) -> tuple[int, str]:
+        return zlib.crc32(text.encode()), text
+
+    return {
+        "schedule": named(schedule),
+        "n_microbatches": (n_microbatches, str(n_microbatches)),
+        "seq_chunks": (seq_chunks, str(seq_chunks)),
+        "seq_split": named(repr(split)),
+        "stages per rank": (stages, str(stages)),
+        "loss_fn given": (int(loss), str(loss)),
+    }
 
 
 def agree_on_step(
@@ -34,20 +58,37 @@ def agree_on_step(
     error: ValueError | None,
     has_documents: bool,
     whole_backward: bool = False,
+    settings: Fingerprint | None = None,
 ) -> int:
     """The step's sequence length as the group agrees on it; raises on every rank if any
-    rank's inputs were rejected (its own error here, a pointer to it elsewhere), or if some
-    ranks run whole backwards (compiled blocks under a zero-bubble order) and others split
-    them: every rank must lower the same order.
+    rank's inputs were rejected (its own error here, a pointer to it elsewhere), if the ranks
+    built different schedules (``settings``, :func:`fingerprint`: one error naming the
+    setting and both values), or if some ranks run whole backwards (compiled blocks under a
+    zero-bubble order) and others split them: every rank must lower the same order.
     ``group`` None is the default group, as in torch's stages."""
     agreed, failed, any_docs, any_missing = local_len, error is not None, False, False
     any_whole, any_split = False, False
+    mine = list((settings or {}).items())
     if group_size > 1:
         flags = [local_len, error is not None, has_documents, not has_documents,
                  whole_backward, not whole_backward]  # fmt: skip
+        for _, (value, _) in mine:  # the largest and (negated) the smallest across the group
+            flags += [value, -value]
         t = torch.tensor(flags, dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        agreed, failed, any_docs, any_missing, any_whole, any_split = (int(x) for x in t.tolist())
+        got = [int(x) for x in t.tolist()]
+        agreed, failed, any_docs, any_missing, any_whole, any_split = got[:6]
+        for i, (name, (value, shown)) in enumerate(mine):
+            high, low = got[6 + 2 * i], -got[7 + 2 * i]
+            if high != low:
+                other = low if value == high else high
+                theirs = f" {other}" if shown == str(value) else " another"
+                raise ValueError(
+                    f"the pipeline ranks built different schedules: {name} is {shown} on this "
+                    f"rank and{theirs} on another rank. Every rank must construct the "
+                    "schedule with the same class, n_microbatches, seq_chunks, seq_split, "
+                    "stages per rank and loss_fn (no pipeline communication was started)"
+                )
     if error is not None:
         raise error
     if failed:
@@ -89,9 +130,10 @@ class Preflight:
         lengths_of: Callable[[int, Any], list[list[int]]],
         cp: Any,
         group_size: int,
+        settings: Fingerprint | None = None,
     ) -> None:
         self.split, self.cutter, self.lengths_of = split, cutter, lengths_of
-        self.cp, self.group_size = cp, group_size
+        self.cp, self.group_size, self.settings = cp, group_size, settings
         self._last_lengths: list[list[int]] | None = None  # logged when the split changes
 
     def prepare(
@@ -125,7 +167,8 @@ class Preflight:
         except ValueError as exc:
             error = exc
         agreed = agree_on_step(stage.group, self.group_size, stage.device, fixed or local,
-                               error, document_ids is not None, whole_backward)  # fmt: skip
+                               error, document_ids is not None, whole_backward,
+                               self.settings)  # fmt: skip
         if inputs is None:  # a rank without inputs learns the length from the others
             inputs = self._cut(agreed, step, documents)
         elif sum(inputs.lengths[0]) != agreed:

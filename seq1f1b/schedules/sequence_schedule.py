@@ -40,7 +40,7 @@ from ..orders.order import OrderSpec
 from ..orders.order_rules import check_order_rules
 from .microbatch import merge_unit_outputs
 from .options import ContextParallelConfig, SequenceSplit, check_counts, runtime_options
-from .preflight import Preflight
+from .preflight import Preflight, fingerprint
 from .receives import ReceiveCheck
 from .step_inputs import StepInputs, UnitCutter, split_step_inputs
 from .unit_actions import UnitActions
@@ -128,8 +128,10 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
             self._install_order({r: whole_backwards(o) for r, o in self.pipeline_order.items()})
         self.cutter = UnitCutter(m, k, seq_dim, dict(kwargs_seq_dims or {}), ignore_index,
                                  scale_grads, *self.chunk_specs[:2])  # fmt: skip
+        settings = fingerprint(type(self).__name__, m, k, self.sequence_split, len(stage_list),
+                               loss_fn is not None)  # fmt: skip
         self.preflight = Preflight(self.sequence_split, self.cutter, self.sample_lengths,
-                                   self._cp, self.pp_group_size)  # fmt: skip
+                                   self._cp, self.pp_group_size, settings)  # fmt: skip
         sizing = {s.stage_index: r for s, r in zip(self._stages, self._recv_metas, strict=True)}
         self.unit_actions = UnitActions(stage_list, k, ReceiveCheck(seq_dim, sizing), self._cp,
                                         skip_invisible, check_attention)  # fmt: skip
