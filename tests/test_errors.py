@@ -221,7 +221,7 @@ def _disagreeing_ranks(rank: int, world: int) -> None:
     ):
         sched.step(*((x,) if rank == 0 else ()), target=y if rank else None)
     split = ScheduleSeq1F1B([stage], 2, 2, loss_fn, seq_split="uniform" if rank else [20, 12])
-    with pytest.raises(ValueError, match="seq_split is SequenceSplit.* on this rank and another"):
+    with pytest.raises(ValueError, match=r"seq_split is SequenceSplit.* on this rank and another"):
         split.step(*((x,) if rank == 0 else ()), target=y if rank else None)
 
 
