@@ -66,6 +66,21 @@ def _chunk_aware_validator(validator: Any) -> Any:
     return Seq1F1BValidator.Config(**fields)
 
 
+def log_precision(config: Any) -> None:
+    """Say which precision trains (torchtitan 0.3 wraps the model in FSDP at every degree, 1
+    included, so ``mixed_precision_param`` always applies), once, at start-up."""
+    from torchtitan.tools.logging import logger
+
+    training = config.training
+    logger.info(
+        "Seq1F1B: precision: parameters and compute in %s (FSDP mixed precision at every "
+        "data_parallel_shard_degree, 1 included), gradients reduced in %s, optimizer state in "
+        "float32",
+        training.mixed_precision_param,
+        training.mixed_precision_reduce,
+    )
+
+
 class Seq1F1BTrainer(TrainerCore, Trainer):
     """0.3's Trainer running the Seq1F1B schedules (and everything else unchanged; BitPipe's
     train step and the loss on every PP rank: :class:`..common.TrainerCore`)."""
@@ -115,6 +130,7 @@ class Seq1F1BTrainer(TrainerCore, Trainer):
         except BaseException:
             self._undo_patches()
             raise
+        log_precision(config)
 
     @staticmethod
     def _chunk_aware(config: Any) -> bool:
