@@ -153,6 +153,7 @@ def test_qwen3_shape_has_its_head_dim_and_active_experts(flavor: str, ffn: int) 
     validate_before_start(config)
 
 
+@pytest.mark.default_release_only  # torchtitan config glue: the torch 2.13 tier skips it
 def test_cpu_sized_moe_is_torchtitans_debug_moe_resized() -> None:
     """``debugmodel_moe_cpu``: torchtitan's ``debugmodel_moe`` whose router, gate, experts and
     dispatcher agree on 8 experts of width 256, top 2, the rest unchanged; an MoE run's
@@ -367,6 +368,7 @@ def test_planner_presets_are_torchtitans_flavors(preset: str) -> None:
     assert models.shape(models.model_spec(flavor).model) == PRESETS[preset]
 
 
+@pytest.mark.default_release_only  # (the attention itself: tests/test_attention.py, every torch)
 def test_gpt_oss_chunk_aware_equals_torchtitans_flex_attention(monkeypatch) -> None:
     """GPT-OSS made chunk-aware (each layer's window from its config, the learned sinks on the
     LSE through ``out_transform``) computes what torchtitan's own FlexAttention model does

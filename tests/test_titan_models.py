@@ -1,8 +1,9 @@
 """The decoder families other than Llama3 that the integration trains on torchtitan 0.3
 (``torchtitan_integration/v03/models``), end to end on CPU/gloo: PP=2 under the Seq1F1B
-schedules equals PP=1 from one seed checkpoint (fp32: losses and grad norms, steps 1-4), with
-the mix users run (tensor parallelism, zero-bubble V placement, compiled blocks with full
-activation checkpointing, the chunked loss of the shipped TOML, the start-up self-check).
+schedules equals PP=1 from one seed checkpoint (fp32: losses and grad norms, steps 1-4; the
+mixtures of experts 1-3), with the mix users run (tensor parallelism, zero-bubble V placement,
+compiled blocks with full activation checkpointing, the chunked loss of the shipped TOML, the
+start-up self-check).
 Qwen3 dense and MoE share the attention: the plain Seq1F1B run is the MoE one. Llama3's grid:
 tests/test_titan.py and tests/test_titan03.py."""
 
@@ -20,6 +21,8 @@ pytestmark = pytest.mark.titan_grid
 NO_PP = ["--parallelism.pipeline_parallel_degree", "1"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 STEPS = 4
+#: the mixtures of experts: three steps, the expert bias updated twice before a step routes
+MOE_STEPS = 3
 # Qwen3's debug flavor (8 layers, 16 query heads of 128, q/k norms) at 128 tokens: its blocks
 # are 4x Llama3's debug blocks, so the runs keep to what tells (4 steps, K = 4 segments)
 QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel", "--training.seq_len", "128",
@@ -27,16 +30,16 @@ QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel", "--training.se
 # Qwen3 MoE at a CPU's size (debugmodel_moe_cpu: torchtitan's debugmodel_moe with 8 routed
 # experts of width 256, top 2; torchtitan's 64 of 768, top 8 take 30 s a step here)
 QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_cpu",
-             "--training.seq_len", "128", "--training.steps", str(STEPS)]  # fmt: skip
+             "--training.seq_len", "128", "--training.steps", str(MOE_STEPS)]  # fmt: skip
 # GPT-OSS at a CPU's size (debugmodel_cpu: 4 layers, 64 heads of 64, a learned sink per
 # head, 128-key windows on layers 0 and 2; 8 experts narrowed to 256, top 2), at 256 tokens so
 # that the windows cut through the K = 4 segments
 GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel_cpu",
-           "--training.steps", str(STEPS)]  # fmt: skip
+           "--training.steps", str(MOE_STEPS)]  # fmt: skip
 # DeepSeek-V3's debug flavor: MLA (q/k head dim 192, v 128, K/V from a 512-wide latent), a
 # dense first layer, then MoE layers of 8 experts (top 3, 2 shared)
 DEEPSEEK = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
-            "--training.seq_len", "128", "--training.steps", str(STEPS)]  # fmt: skip
+            "--training.seq_len", "128", "--training.steps", str(MOE_STEPS)]  # fmt: skip
 
 
 #: torchtitan's routed experts cast their GEMM operands to bf16 in any run, so an fp32
@@ -105,16 +108,17 @@ def test_qwen3_moe_checkpointed_matches_unpipelined(tmp_path) -> None:
     runs twice, and counts its tokens twice: torchtitan halves the counts of a recomputed
     block) against PP=1 without: equal curves, and equal expert biases after the last step,
     each updated before every optimizer step by the sign of each expert's token count against
-    the mean (8 layers x 8 experts x 4 steps). The start-up self-check runs the MoE debug
+    the mean (8 layers x 8 experts x 3 steps). The start-up self-check runs the MoE debug
     model and compares the token counts per expert too."""
-    seed = _seed(QWEN3_MOE, tmp_path / "seed", save_at=STEPS)
+    seed = _seed(QWEN3_MOE, tmp_path / "seed", save_at=MOE_STEPS)
     ref = run_titan(1, *NO_PP, *QWEN3_MOE, *seed, dump=tmp_path / "pp1")
     run = run_titan(2, *PP2, *QWEN3_MOE, *seed, "--activation_checkpoint.mode", "full",
                     "--seq1f1b.verify", dump=tmp_path / "pp2")  # fmt: skip
     assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, run.output[-3000:]
     assert "debugmodel_moe resized: 8 MoE layers: 8 routed experts of width 256" in run.output
-    assert_same_curve(run, ref, steps=STEPS, grad_tol=MOE_GRAD_TOL)
-    want, got = _expert_biases(tmp_path / "pp1", STEPS), _expert_biases(tmp_path / "pp2", STEPS)
+    assert_same_curve(run, ref, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
+    want = _expert_biases(tmp_path / "pp1", MOE_STEPS)
+    got = _expert_biases(tmp_path / "pp2", MOE_STEPS)
     assert len(want) == 8 and want.keys() == got.keys(), (want.keys(), got.keys())
     assert any(b.abs().sum() > 0 for b in want.values())
     for key, bias in want.items():
@@ -131,7 +135,7 @@ def test_deepseek_v3_mla_moe_matches_unpipelined(tmp_path) -> None:
     ref = run_titan(1, *NO_PP, *DEEPSEEK, *seed, dump=tmp_path / "pp1")
     run = run_titan(2, *PP2, *DEEPSEEK, *seed, "--seq1f1b.verify", dump=tmp_path / "pp2")
     assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, run.output[-3000:]
-    assert_same_curve(run, ref, steps=STEPS, grad_tol=MOE_GRAD_TOL)
+    assert_same_curve(run, ref, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
 
 
 def test_gpt_oss_sinks_and_windows_under_zbv_match_unpipelined(tmp_path) -> None:
@@ -146,4 +150,4 @@ def test_gpt_oss_sinks_and_windows_under_zbv_match_unpipelined(tmp_path) -> None
                     dump=tmp_path / "pp2")  # fmt: skip
     assert "Seq1F1B: pp=2 stages/rank=2 M=2 K=4" in run.output, run.output[-3000:]
     assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, run.output[-3000:]
-    assert_same_curve(run, ref, steps=STEPS, grad_tol=MOE_GRAD_TOL)
+    assert_same_curve(run, ref, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)

@@ -32,6 +32,18 @@ PP2_SPECS = (
     RunSpec("BitPipe"),
 )
 # pp=4, M=4: the memory comparison (Interleaved1F1B and BitPipe need layers % 8 == 0)
+#: the smoke test's pp=2 runs: every schedule family once (and V placement at two K)
+SMOKE_PP2_SPECS = (
+    RunSpec("1F1B"),
+    RunSpec("GPipe"),
+    RunSpec("Interleaved1F1B"),
+    RunSpec("Seq1F1B", 4, "compute"),
+    RunSpec("ZBSeq1F1B", 4, "compute"),
+    RunSpec("ZBVSeq1F1B", 4, "compute"),
+    RunSpec("ZBVSeq1F1B", 8, "uniform"),
+    RunSpec("BitPipe"),
+)
+SMOKE_BUDGET = ("1F1B", "Seq1F1B K=4 compute", "ZBVSeq1F1B K=8 uniform")
 PP4_SPECS = (
     RunSpec("1F1B"),
     RunSpec("GPipe"),
@@ -120,7 +132,7 @@ PRESETS = {
         pp4_fresh_processes=False,
         verify_budget=False,
     ),
-    # the smoke test's: every code path, tiny sizes
+    # the smoke test's: every code path (each schedule family once), tiny sizes
     "smoke": Preset(
         name="smoke",
         model=TinyConfig(vocab=64, dim=32, n_heads=2, n_kv_heads=2, n_layers=8, ffn=64),
@@ -133,5 +145,7 @@ PRESETS = {
         pp4_fresh_processes=False,
         verify_budget=False,
         pp4_specs=(RunSpec("1F1B"), RunSpec("Seq1F1B", 4, "uniform"), RunSpec("BitPipe")),
+        pp2_specs=SMOKE_PP2_SPECS,
+        budget_specs=tuple(s for s in BUDGET_SPECS if s.label in SMOKE_BUDGET),
     ),
 }
