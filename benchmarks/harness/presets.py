@@ -33,16 +33,8 @@ PP2_SPECS = (
 )
 # pp=4, M=4: the memory comparison (Interleaved1F1B and BitPipe need layers % 8 == 0)
 #: the smoke test's pp=2 runs: every schedule family once (and V placement at two K)
-SMOKE_PP2_SPECS = (
-    RunSpec("1F1B"),
-    RunSpec("GPipe"),
-    RunSpec("Interleaved1F1B"),
-    RunSpec("Seq1F1B", 4, "compute"),
-    RunSpec("ZBSeq1F1B", 4, "compute"),
-    RunSpec("ZBVSeq1F1B", 4, "compute"),
-    RunSpec("ZBVSeq1F1B", 8, "uniform"),
-    RunSpec("BitPipe"),
-)
+SMOKE_PP2 = ("1F1B", "GPipe", "Interleaved1F1B", "Seq1F1B K=4 compute", "ZBSeq1F1B K=4 compute",
+             "ZBVSeq1F1B K=4 compute", "ZBVSeq1F1B K=8 uniform", "BitPipe")  # fmt: skip
 SMOKE_BUDGET = ("1F1B", "Seq1F1B K=4 compute", "ZBVSeq1F1B K=8 uniform")
 PP4_SPECS = (
     RunSpec("1F1B"),
@@ -145,7 +137,7 @@ PRESETS = {
         pp4_fresh_processes=False,
         verify_budget=False,
         pp4_specs=(RunSpec("1F1B"), RunSpec("Seq1F1B", 4, "uniform"), RunSpec("BitPipe")),
-        pp2_specs=SMOKE_PP2_SPECS,
+        pp2_specs=tuple(s for s in PP2_SPECS if s.label in SMOKE_PP2),
         budget_specs=tuple(s for s in BUDGET_SPECS if s.label in SMOKE_BUDGET),
     ),
 }
