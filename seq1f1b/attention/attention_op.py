@@ -52,11 +52,9 @@ from .kv import (
 from .masks import MaskSpec, plan_segment
 from .tiles import (
     accumulator_dtype,
-    drop_lse_columns,
     kv_blocks,
     run_tiles_backward,
     run_tiles_forward,
-    with_lse_grad,
 )
 
 __all__ = [
@@ -225,15 +223,10 @@ def segment_attention_backward(
             f"use_reentrant=False), or more than {_ORPHAN_LIMIT} pending unpipelined forwards"
         )
     dkv: dict[int, list[torch.Tensor]] = {}
-    blocks = kv_blocks(k, v, rec.prefix)
-    if grad_lse is not None:
-        grad_out, out, blocks = with_lse_grad(grad_out, out, blocks, grad_lse)
     dq = run_tiles_backward(
-        grad_out, q, out, lse, blocks, rec.plan, rec.spec, rec.scale, rec.kernels, None, dkv,
-        final=True,
+        grad_out, q, out, lse, kv_blocks(k, v, rec.prefix), rec.plan, rec.spec, rec.scale,
+        rec.kernels, None, dkv, final=True, grad_lse=grad_lse,
     )  # fmt: skip
-    if grad_lse is not None:
-        drop_lse_columns(dkv, v.shape[-1])
     own = dkv.get(-1)
     dk = torch.zeros_like(k) if own is None else own[0].to(k.dtype)
     dv = torch.zeros_like(v) if own is None else own[1].to(v.dtype)

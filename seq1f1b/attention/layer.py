@@ -48,13 +48,11 @@ from .kv import (
 from .masks import MaskSpec, RowGroups, plan_segment
 from .tiles import (
     accumulator_dtype,
-    drop_lse_columns,
     kv_blocks,
     merge,
     output_shape,
     run_tiles_backward,
     run_tiles_forward,
-    with_lse_grad,
 )
 
 __all__ = ["ChunkAwareAttention", "chunk_aware_attention"]
@@ -158,14 +156,10 @@ class _SegmentAttention(torch.autograd.Function):
         blocks = kv_blocks(k, v, prefix)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        if grad_lse is not None:  # an out_transform read the LSE (learned sinks)
-            grad_out, out, blocks = with_lse_grad(grad_out, out, blocks, grad_lse)
-        dq = run_tiles_backward(
+        dq = run_tiles_backward(  # grad_lse: an out_transform read the LSE (learned sinks)
             grad_out, q, out, lse, blocks, ctx.plan, ctx.spec, ctx.scale, ctx.kernels, None,
-            dkv, final=True,
+            dkv, final=True, grad_lse=grad_lse,
         )  # fmt: skip
-        if grad_lse is not None:
-            drop_lse_columns(dkv, v.shape[-1])
         own = dkv.get(-1)
         dk = None if own is None else own[0].to(k.dtype)
         dv = None if own is None else own[1].to(v.dtype)

@@ -21,14 +21,7 @@ from .. import _runtime as rt
 from .head_dims import one_head_dim_backward, one_head_dim_forward
 from .masks import MaskSpec, PlanEntry, tile_mask
 
-__all__ = [
-    "drop_lse_columns",
-    "kv_blocks",
-    "merge",
-    "run_tiles_backward",
-    "run_tiles_forward",
-    "with_lse_grad",
-]
+__all__ = ["kv_blocks", "merge", "run_tiles_backward", "run_tiles_forward"]
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -40,7 +33,7 @@ def kv_blocks(k: torch.Tensor, v: torch.Tensor, prefix: Sequence[torch.Tensor]) 
     return blocks
 
 
-def with_lse_grad(
+def _with_lse_grad(
     grad_out: torch.Tensor, out: torch.Tensor, blocks: Mapping[int, KV], grad_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[int, KV]]:
     """The backward's inputs when the log-sum-exp has a gradient too (an ``out_transform``
@@ -52,7 +45,7 @@ def with_lse_grad(
     column ``grad_lse`` (so ``dp_ij`` gains ``grad_lse_i``), while the output gains a zero
     column (so ``delta_i = rowsum(grad_out * out)`` stays): every kernel, flash or math,
     computes that as it is. The columns are padded to a multiple of 8 (flash kernels' head
-    dims); the values' gradients carry them until :func:`drop_lse_columns`."""
+    dims); the values' gradients carry them until :func:`_drop_lse_columns`."""
     extra = -(-(out.shape[-1] + 1) // 8) * 8 - out.shape[-1]
 
     def widen(t: torch.Tensor, first: torch.Tensor | float) -> torch.Tensor:
@@ -64,7 +57,7 @@ def with_lse_grad(
     return widen(grad_out, grad_lse.to(grad_out.dtype)), widen(out, 0.0), wide
 
 
-def drop_lse_columns(dkv: dict[int, list[torch.Tensor]], width: int) -> None:
+def _drop_lse_columns(dkv: dict[int, list[torch.Tensor]], width: int) -> None:
     """Cut the values' gradients back to the model's value head dim ``width`` (in place)."""
     for grads in dkv.values():
         grads[1] = grads[1][..., :width]
@@ -250,14 +243,24 @@ def run_tiles_backward(
     dkv: dict[int, list[torch.Tensor]],
     *,
     final: bool = False,
+    grad_lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact gradients of the planned tiles, given the merged ``out`` / ``lse``: added into
     ``dq`` (returned; created when None) and ``dkv[block] = [dk, dv]`` (wide accumulators).
+    ``grad_lse``: the LSE's gradient too, when an ``out_transform`` read it
+    (:func:`_with_lse_grad`; ``dkv`` must start empty then).
 
     A tile's gradient that spans the whole of ``q`` (or of its key block) and lands first is
     taken as the accumulator itself instead of being added into a zero one. ``final``: nothing
     is added to these gradients after this call, so a gradient made by one tile alone keeps
     the kernel's dtype."""
+    if grad_lse is not None:
+        width = next(iter(blocks.values()))[1].shape[-1]
+        grad_out, out, blocks = _with_lse_grad(grad_out, out, blocks, grad_lse)
+        dq = run_tiles_backward(grad_out, q, out, lse, blocks, plan, spec, scale, kernels, dq,
+                                dkv, final=final)  # fmt: skip
+        _drop_lse_columns(dkv, width)
+        return dq
     bwd = kernels[2]
     wide = accumulator_dtype(q)
     lone_q = final and len(plan) == 1

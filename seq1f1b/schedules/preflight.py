@@ -5,7 +5,7 @@ pipeline traffic (:class:`Preflight`).
 Middle stages get no input, so they cannot know the length by themselves; and a rank that
 raises on bad input while its peers enter a recv would leave them waiting until the timeout.
 One tiny all-reduce of integers solves both, checks that every rank lowered the same order
-(whole or split backwards), and that every rank built the same schedule (:class:`Fingerprint`:
+(whole or split backwards), and that every rank built the same schedule (:func:`fingerprint`:
 its class, M, K, the split, stages per rank, whether it has a loss), where a difference would
 otherwise surface as a shape error on one rank and a closed connection on the others. It is
 skipped when pp == 1.
