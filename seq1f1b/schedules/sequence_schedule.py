@@ -150,8 +150,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
         return self.sequence_split.lengths(seq_len, self.seq_chunks, cp, self.order_spec)
 
     def sample_lengths(self, seq_len: int, document_ids: Any = None) -> list[list[int]]:
-        """Each sample's segment lengths; with ``document_ids`` and ``seq_split="compute"`` each
-        is balanced for its own documents (the same on every rank: all hold them)."""
+        """Each sample's segment lengths, balanced for its own ``document_ids`` under "compute"."""
         cp = 1 if self._cp is None else self._cp.size
         return self.sequence_split.sample_lengths(seq_len, self.seq_chunks, self.n_samples, cp,
                                                   self.order_spec, document_ids)  # fmt: skip
@@ -203,8 +202,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
         return 1.0 if self._inputs is None or takes else self._inputs.weights[mb_index]
 
     def unit_loss(self, stage, output, target, mb_index, loss_kwargs):  # type: ignore[override]
-        """torch's loss; ChunkedLoss (its own backward) takes the weight. A unit of no counted
-        token (weight 0) has a 0/0 = NaN mean: it adds nothing, and no gradient."""
+        """torch's loss; ChunkedLoss takes the weight; a 0-weight unit's NaN (0/0) mean adds 0."""
         weight = self._inputs.weights[mb_index] if self._inputs is not None else 1.0
         if getattr(self.loss_fn, "takes_unit_weight", False):
             return self.loss_fn(output, target, weight=weight, **(loss_kwargs or {}))
