@@ -2,7 +2,7 @@
 
 from .attention.attention_op import add_layer_key, checkpoint_save_ops, segment_positions
 from .attention.kv import SegmentInfo, current_segment, packed_documents
-from .attention.layer import ChunkAwareAttention, chunk_aware_attention
+from .attention.layer import ChunkAwareAttention, chunk_aware_attention, latent_attention
 from .bitpipe import ScheduleBitPipe, build_bitpipe_stages
 from .chunked_loss import ChunkedLoss
 from .planning.split_search import MemoryCappedSplit
@@ -44,6 +44,7 @@ __all__ = [
     "chunk_aware_attention",
     "compute_balanced_split",
     "current_segment",
+    "latent_attention",
     "packed_documents",
     "resolve_split",
     "segment_multiple",

@@ -130,12 +130,22 @@ def test_deepseek_v3_mla_moe_matches_unpipelined(tmp_path) -> None:
     dim (192) in every segment's tiles against the cached K/V, and its MoE layers route each
     segment's tokens, the expert bias updated after every step from the tokens counted (steps
     2-4 route by it). The start-up self-check runs DeepSeek-V3's debug model (its token counts
-    per expert compared too)."""
+    per expert compared too). Then the latent K/V cache (``kv_cache = "latent"``: earlier
+    segments kept as MLA's 512 + 64 wide latent, re-expanded by each later segment) under
+    ZBVSeq1F1B's split backward: the gradients that later segments send back through the
+    re-expansion reach the latent, ``wkv_b`` and ``wkv_a`` (with checkpointing:
+    tests/test_attention.py's latent tests)."""
     seed = _seed(DEEPSEEK, tmp_path / "seed")
     ref = run_titan(1, *NO_PP, *DEEPSEEK, *seed, dump=tmp_path / "pp1")
     run = run_titan(2, *PP2, *DEEPSEEK, *seed, "--seq1f1b.verify", dump=tmp_path / "pp2")
     assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, run.output[-3000:]
     assert_same_curve(run, ref, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
+    latent = run_titan(2, *PP2, *DEEPSEEK, *seed, "--seq1f1b.verify", "--seq1f1b.kv_cache",
+                       "latent", "--parallelism.pipeline_parallel_schedule", "ZBVSeq1F1B",
+                       dump=tmp_path / "latent")  # fmt: skip
+    assert "Seq1F1B: deepseek_v3: latent K/V cache on" in latent.output, latent.output[-3000:]
+    assert latent.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, latent.output[-3000:]
+    assert_same_curve(latent, ref, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
 
 
 def test_gpt_oss_sinks_and_windows_under_zbv_match_unpipelined(tmp_path) -> None:

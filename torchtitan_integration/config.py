@@ -27,6 +27,12 @@ class Seq1F1B:
     unpipelined model (seq1f1b.verify_model on the debug size, this run's stages and K);
     start-up fails, naming the cause, if it would not train exactly. A few seconds."""
 
+    kv_cache: str = "expanded"
+    """What the K/V cache keeps of earlier segments: 'expanded' (every head's K and V) or
+    'latent' (multi-head latent attention, deepseek_v3: the compressed latent and the RoPE key,
+    576 values a token at 671B instead of 40,960, re-expanded for each later segment; exact,
+    at the cost of the re-expansion's matmuls; not with context or tensor parallelism)."""
+
     stages_per_rank: int = 2
     """Stages per rank for InterleavedSeq1F1B (ignored when
     parallelism.pipeline_parallel_layers_per_stage is set)."""

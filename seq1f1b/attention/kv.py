@@ -14,7 +14,7 @@ which run checkpoint recomputation, see the unit being differentiated. It is onl
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -31,6 +31,7 @@ __all__ = [
     "AttentionCall",
     "CachedPrefix",
     "ContextParallel",
+    "ExpandedKV",
     "SegmentInfo",
     "SegmentKV",
     "StageKVState",
@@ -225,6 +226,32 @@ class SegmentKV:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
 
+@dataclass(frozen=True)
+class ExpandedKV:
+    """An earlier segment's K and V as a later segment reads them, re-expanded from the
+    segment's cached latent (``latent``: the cache entry, its two tensors as grad-accumulating
+    leaves) by ``expand`` (the layer's own up-projection). Nothing expanded is kept: the
+    forward expands without a graph, the backward again with one, and sends the K/V gradients
+    through it into the latent's ``.grad`` and the up-projection's weights."""
+
+    latent: SegmentKV
+    expand: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def start(self) -> int:
+        return self.latent.start
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V, no graph (the forward's tiles)."""
+        with torch.no_grad():
+            return self.expand(self.latent.k, self.latent.v)
+
+    def with_graph(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V with the graph back to the latent and the weights (the backward's)."""
+        with torch.enable_grad():
+            return self.expand(self.latent.k, self.latent.v)
+
+
 @dataclass
 class StageKVState:
     """K/V caches of one pipeline stage, keyed by sample then by attention layer.
@@ -347,7 +374,7 @@ def accumulate_cache_grads(entries: Sequence[SegmentKV], dkv: dict[int, list[tor
     ``.grad`` nobody reads."""
     for block, entry in enumerate(entries):
         g = dkv.get(block)
-        if g is None:
+        if g is None or isinstance(entry, ExpandedKV):  # those go back through their graph
             continue
         for leaf, grad in ((entry.k, g[0]), (entry.v, g[1])):
             if leaf.requires_grad:

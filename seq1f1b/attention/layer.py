@@ -27,7 +27,7 @@ Kernels (``(out, lse)`` forward and ``(dq, dk, dv)`` backward of one block):
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from .context_parallel import cp_attention
 from .kernels import block_attention_kernels
 from .kv import (
     CachedPrefix,
+    ExpandedKV,
     accumulate_cache_grads,
     attend_cache,
     attention_call,
@@ -55,7 +56,7 @@ from .tiles import (
     run_tiles_forward,
 )
 
-__all__ = ["ChunkAwareAttention", "chunk_aware_attention"]
+__all__ = ["ChunkAwareAttention", "chunk_aware_attention", "latent_attention"]
 
 _Block = tuple[torch.Tensor, torch.Tensor]
 
@@ -145,7 +146,10 @@ class _SegmentAttention(torch.autograd.Function):
         out = out_acc.to(q.dtype)
         ctx.scale, ctx.kernels, ctx.plan, ctx.spec = scale, kernels, plan, spec
         ctx.entries = entries
-        ctx.save_for_backward(q, k, v, out, lse_acc, *prefix)
+        kept = [
+            None if isinstance(entries[i // 2], ExpandedKV) else t for i, t in enumerate(prefix)
+        ]
+        ctx.save_for_backward(q, k, v, out, lse_acc, *kept)  # a latent's K/V: re-expanded
         ctx.set_materialize_grads(False)  # an LSE nobody reads has no gradient: None
         return out, lse_acc
 
@@ -153,6 +157,9 @@ class _SegmentAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, *prefix = ctx.saved_tensors
         dkv: dict[int, list[torch.Tensor]] = {}
+        graphs = {j: e.with_graph() for j, e in enumerate(ctx.entries) if isinstance(e, ExpandedKV)}
+        for j, kv in graphs.items():
+            prefix[2 * j], prefix[2 * j + 1] = kv[0].detach(), kv[1].detach()
         blocks = kv_blocks(k, v, prefix)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
@@ -164,6 +171,9 @@ class _SegmentAttention(torch.autograd.Function):
         dk = None if own is None else own[0].to(k.dtype)
         dv = None if own is None else own[1].to(v.dtype)
         accumulate_cache_grads(ctx.entries, dkv)
+        for j, (kx, vx) in graphs.items():  # into the latent's .grad and the up-projection
+            if j in dkv:
+                torch.autograd.backward((kx, vx), (dkv[j][0].to(kx.dtype), dkv[j][1].to(vx.dtype)))
         nones = (None,) * len(prefix)
         return (dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None, *nones)
 
@@ -252,6 +262,63 @@ def chunk_aware_attention(
     out, lse = _SegmentAttention.apply(
         q, k, v, scale, kernels, plan, spec, start, prefix.entries, docs, *prefix.tensors()
     )
+    return (out, lse) if return_lse else out
+
+
+@torch.compiler.disable(recursive=True)  # eager under torch.compile: a graph break per call
+def latent_attention(
+    q: torch.Tensor,
+    latent: tuple[torch.Tensor, torch.Tensor],
+    expand: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    layer: Hashable,
+    scale: float | None = None,
+    window: int | None = None,
+    sinks: int = 0,
+    documents: bool | None = None,
+    return_lse: bool = False,
+) -> Any:
+    """:func:`chunk_aware_attention` over ``(k, v) = expand(*latent)`` whose K/V cache keeps,
+    for earlier segments, the ``latent`` instead of K and V: DeepSeek's multi-head latent
+    attention caches the compressed K/V and the shared RoPE key (``kv_lora_rank +
+    qk_rope_head_dim`` values a token, 576, instead of ``n_heads * (qk_head_dim + v_head_dim)``,
+    40,960 at 671B) and re-expands them for every later segment that reads them, forward and
+    backward. Exact as the expanded cache; it trades the K/V memory of earlier segments for the
+    re-expansion's matmuls.
+
+    ``latent``: two ``(batch, seq, width)`` tensors; ``expand`` maps them (any run of positions)
+    to ``(batch, heads, seq, head_dim)`` K and V with the layer's own modules. Context
+    parallelism is not supported; under ``torch.compile`` the call runs eagerly."""
+    for t in latent:
+        if t.dim() != 3:
+            raise ValueError(
+                f"latent_attention: each latent tensor must be (batch, seq, width), got shape "
+                f"{tuple(t.shape)}: flatten its head dims (expand restores them)"
+            )
+    ctx = current_unit()
+    if ctx is None or q.device.type == "meta" or ctx.info.num_segments == 1:
+        k, v = expand(*latent)
+        return chunk_aware_attention(q, k, v, layer=layer, scale=scale, window=window,
+                                     sinks=sinks, documents=documents,
+                                     return_lse=return_lse)  # fmt: skip
+    if ctx.info.cp is not None:
+        raise NotImplementedError(
+            "the latent K/V cache (kv_cache = 'latent') does not run with context parallelism: "
+            "use the expanded cache, or context_parallel_degree = 1"
+        )
+    spec = MaskSpec(window, sinks)
+    call = attention_call(ctx, documents, spec, q.shape[0], q.shape[-2], layer)
+    skip = ctx.state.skip_invisible or call.plain
+    c, rope, prefix = attend_cache(ctx, layer, *latent, call.groups, spec, skip)
+    k, v = expand(c, rope)
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q has {q.shape[1]} heads and the expanded k {k.shape[1]}")
+    entries = tuple(ExpandedKV(e, expand) for e in prefix.entries)
+    tensors = [t for e in entries for t in e.tensors()]
+    plan = plan_segment(call.start, call.end, prefix.key_runs(), call.groups, spec, skip)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out, lse = _SegmentAttention.apply(q, k, v, scale, block_attention_kernels(q), plan, spec,
+                                       call.start, entries, None, *tensors)  # fmt: skip
     return (out, lse) if return_lse else out
 
 

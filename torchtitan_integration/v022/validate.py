@@ -39,6 +39,12 @@ def validate_before_start(job_config: Any, parallel_dims: Any, model_args: Any) 
     check_model_name(job_config.model.name)
     entry = check_schedule_name(job_config.parallelism.pipeline_parallel_schedule)
     check_loss_chunks(job_config.seq1f1b.loss_chunks)
+    if job_config.seq1f1b.kv_cache != "expanded":
+        raise ValueError(
+            f"[seq1f1b] kv_cache = {job_config.seq1f1b.kv_cache!r}: torchtitan 0.2.2's Llama3 "
+            "caches expanded K/V only (the latent cache is DeepSeek-V3's, on torchtitan 0.3): "
+            "use 'expanded'"
+        )
     if job_config.seq1f1b.loss_chunks and not (parallel_dims.pp_enabled and entry.seq_chunked):
         logger.warning(
             "[seq1f1b] loss_chunks = %d applies under the Seq1F1B schedules only: this run "

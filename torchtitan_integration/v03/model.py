@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from seq1f1b import add_layer_key, chunk_aware_attention
+from seq1f1b import add_layer_key, chunk_aware_attention, latent_attention
 from seq1f1b.attention.masks import MaskSpec
 
 
@@ -65,6 +65,21 @@ class ChunkAwareInnerAttention(nn.Module):
             return res.transpose(1, 2)
         out, lse = res  # (B, N, L, H) and (B, N, L): torchtitan's transform takes B, L first
         return out_transform(out.transpose(1, 2), lse.transpose(1, 2))
+
+    def latent(
+        self,
+        q_BLNH: torch.Tensor,
+        latent: tuple[torch.Tensor, torch.Tensor],
+        expand: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        *,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """The attention over ``expand(*latent)``'s K/V whose cache keeps the latent of
+        earlier segments (:func:`seq1f1b.latent_attention`); ``expand`` returns K/V as
+        ``(B, N, L, H)``."""
+        out = latent_attention(q_BLNH.transpose(1, 2), latent, expand, layer=self, scale=scale,
+                               window=self.window, documents=True)  # fmt: skip
+        return out.transpose(1, 2)
 
 
 def make_chunk_aware(

@@ -79,7 +79,9 @@ def pipeline_seq1f1b(
         "dump_folder": dump_folder,
     }
     if entry.replicas == 2:
-        family_of(trainer_config.model_spec).make_chunk_aware(model)
+        family_of(trainer_config.model_spec, trainer_config.seq1f1b.kv_cache).make_chunk_aware(
+            model
+        )
         return _pipeline_bitpipe(
             model, spmd, device, model_config, parallelize_fn, unit_loss(loss_fn, training.seq_len)
         )

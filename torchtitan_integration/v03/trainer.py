@@ -105,7 +105,7 @@ class Seq1F1BTrainer(TrainerCore, Trainer):
         pp = config.parallelism.pipeline_parallel_degree > 1
         # the attention becomes chunk-aware unless torch's own schedules run: the model's
         # family must be known then (refused at start-up, on every rank, naming those known)
-        family = family_of(spec) if ours or not pp else None
+        family = family_of(spec, config.seq1f1b.kv_cache) if ours or not pp else None
         if family is not None:
             config.validator = _chunk_aware_validator(config.validator)
         base_pipelining = spec.pipelining_fn

@@ -72,7 +72,15 @@ def validate_before_start(config: Any) -> None:
             "tensor size), cause not yet found, and on GPUs it is untested. Set "
             "expert_parallel_degree = 1 (every rank holds every expert; PP=1 x EP trains)"
         )
-    model_family = family_of(config.model_spec)  # an unknown family is refused here
+    # an unknown family is refused here, and a latent K/V cache of a family without one
+    model_family = family_of(config.model_spec, config.seq1f1b.kv_cache)
+    if config.seq1f1b.kv_cache == "latent" and max(par.tensor_parallel_degree,
+                                                   par.context_parallel_degree) > 1:  # fmt: skip
+        raise ValueError(
+            "[seq1f1b] kv_cache = 'latent' runs without tensor and context parallelism "
+            f"(tensor_parallel_degree = {par.tensor_parallel_degree}, context_parallel_degree "
+            f"= {par.context_parallel_degree}): set both to 1, or kv_cache = 'expanded'"
+        )
     shape = model_family.shape(config.model_spec.model)
     check_config(
         config,  # (the whole config: check_config also reads [compile])

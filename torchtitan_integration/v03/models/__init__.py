@@ -50,6 +50,6 @@ def family(name: str) -> ModelFamily:
         ) from None
 
 
-def family_of(model_spec: Any) -> ModelFamily:
-    """The family of a torchtitan ``ModelSpec`` (by its ``name``)."""
-    return family(model_spec.name)
+def family_of(model_spec: Any, kv_cache: str = "expanded") -> ModelFamily:
+    """The family of a torchtitan ``ModelSpec`` (by its ``name``), with ``[seq1f1b] kv_cache``."""
+    return family(model_spec.name).with_kv_cache(kv_cache)

@@ -154,6 +154,33 @@ class ModelFamily:
     resized: Mapping[str, Resized] = field(default_factory=dict)
     debug_flavor: str = "debugmodel"
     debug_flavor_moe: str | None = None
+    #: makes a chunk-aware model's attention cache its compressed latent (``kv_cache =
+    #: "latent"``; returns how many layers), for the families whose attention has one
+    latent_kv: Callable[[nn.Module], int] | None = None
+
+    def with_kv_cache(self, kv_cache: str) -> ModelFamily:
+        """This family as ``[seq1f1b] kv_cache`` wants it: unchanged for "expanded"; for
+        "latent", its attention made chunk-aware and then latent-caching."""
+        if kv_cache == "expanded":
+            return self
+        if kv_cache != "latent":
+            raise ValueError(f"[seq1f1b] kv_cache = {kv_cache!r}: use 'expanded' or 'latent'")
+        if self.latent_kv is None:
+            raise ValueError(
+                f"[seq1f1b] kv_cache = 'latent': {self.name}'s attention has no compressed "
+                "K/V latent to cache (multi-head latent attention: deepseek_v3); use 'expanded'"
+            )
+        latent, chunk_aware = self.latent_kv, self.make_chunk_aware
+
+        def make(model: nn.Module) -> int:
+            from torchtitan.tools.logging import logger
+
+            chunk_aware(model)
+            n = latent(model)
+            logger.info("Seq1F1B: %s: latent K/V cache on %d attention layers", self.name, n)
+            return n
+
+        return replace(self, make_chunk_aware=make)
 
     def model_spec(self, flavor: str, attn_backend: str = "flex") -> Any:
         """torchtitan's ``ModelSpec`` of ``flavor`` (or of the flavor a :attr:`resized` one
