@@ -8,6 +8,7 @@ from .chunked_loss import ChunkedLoss
 from .planning.split_search import MemoryCappedSplit
 from .schedules.options import ContextParallelConfig, SequenceSplit
 from .schedules.partition import (
+    LatentKV,
     ModelShape,
     compute_balanced_split,
     resolve_split,
@@ -28,6 +29,7 @@ __all__ = [
     "ChunkAwareAttention",
     "ChunkedLoss",
     "ContextParallelConfig",
+    "LatentKV",
     "MemoryCappedSplit",
     "ModelShape",
     "ScheduleBitPipe",

@@ -435,3 +435,41 @@ def test_toml_of_a_selective_plan(tmp_path: Path) -> None:
     assert toml_main([*argv.split(), "--ac", "selective", "--output", str(out)]) == 0
     doc = tomllib.loads(out.read_text())
     assert doc["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
+
+
+def test_latent_kv_cache_is_priced_and_chosen_where_only_it_fits(tmp_path: Path) -> None:
+    """MLA's latent K/V cache: 576 values a token a layer at DeepSeek-V3 671B instead of
+    40,960 (<= 1/20); its re-expansion makes a step slower where both caches fit, and the
+    planner takes it where only it fits (a DeepSeek-V3 16B-shaped model, 128k tokens on 80 GB
+    GPUs, K = 16 under full AC), writing ``kv_cache = "latent"`` into the TOML."""
+    big = PRESETS["deepseek-v3-671b"]
+    assert big.latent_kv is not None
+    assert 20 * big.latent_kv.cached <= 2 * big.n_kv_heads * big.head_dim
+    expanded = MemoryModel(big, 1, 1, True).layer_bytes_per_token(segmented=True)
+    latent = MemoryModel(big, 1, 1, True, latent_kv=True).layer_bytes_per_token(segmented=True)
+    assert expanded - latent == 2 * (2 * big.n_kv_heads * big.head_dim - big.latent_kv.cached)
+
+    shape = PRESETS["deepseek-v3-16b"]
+    hw = Hardware(gpus=12, memory_gb=80)
+    kw = {"pp": (3,), "tp": (1,), "chunks": (4, 16), "schedules": ["1F1B", "Seq1F1B"]}
+    short = search(shape, 65536, hw, 12, **kw)
+    by_label = {c.setting.label(): c for c in short.candidates}
+    expanded_runs = [c for c in short.candidates if c.setting.seq_chunks > 1]
+    expanded_runs = [c for c in expanded_runs if not c.setting.latent_kv]
+    assert expanded_runs
+    for c in expanded_runs:
+        assert by_label[c.setting.label() + ", latent K/V"].step_seconds > c.step_seconds
+    assert not short.candidates[0].setting.latent_kv  # both fit: the expanded cache is faster
+    long = search(shape, 131072, hw, 12, **kw)
+    fitting = [c for c in long.candidates if c.fits]
+    assert fitting and all(c.setting.latent_kv for c in fitting), [
+        c.setting.label() for c in fitting
+    ]
+    assert "latent K/V re-expanded per segment" in fitting[0].why()
+    tomllib = pytest.importorskip("tomllib")
+    out = tmp_path / "plan.toml"
+    argv = "--model deepseek-v3-16b --seq-len 131072 --gpus 12 --gpu-memory-gb 80 --pp 3 --tp 1"
+    assert toml_main([*argv.split(), "--output", str(out)]) == 0
+    doc = tomllib.loads(out.read_text())
+    assert doc["seq1f1b"]["kv_cache"] == "latent"
+    assert (doc["model"]["name"], doc["model"]["flavor"]) == ("deepseek_v3", "16B")

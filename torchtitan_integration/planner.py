@@ -39,6 +39,7 @@ FLAVORS = {
     "qwen3-8b": ("qwen3", "8B"),
     "qwen3-32b": ("qwen3", "32B"),
     "qwen3-30b-a3b": ("qwen3", "30B-A3B"),
+    "deepseek-v3-16b": ("deepseek_v3", "16B"),
     "deepseek-v3-671b": ("deepseek_v3", "671B"),
     "gpt-oss-120b": ("gpt_oss", "120b"),
 }
@@ -179,7 +180,9 @@ def render_toml(
             f"seq_chunks = {s.seq_chunks}",
             f'split = "{s.split}"   # lengths {best.segment_lengths}',
             f"loss_chunks = {TITAN_LOSS_CHUNKS}   # head + loss in chunks (the plan prices it)",
-        ]
+            *(['kv_cache = "latent"   # MLA: earlier segments kept as the latent'] if s.latent_kv
+              else []),
+        ]  # fmt: skip
     lines += [
         "",
         "[activation_checkpoint]",

@@ -93,7 +93,7 @@ from dataclasses import dataclass
 
 from .._runtime import ir as rt
 from .._runtime.ir import Action
-from ..schedules.partition import ModelShape
+from ..schedules.partition import LatentKV, ModelShape
 
 __all__ = [
     "FP32_SLOWDOWN",
@@ -121,7 +121,9 @@ FP32_SLOWDOWN = 15.0
 #: (``ffn_hidden``: top k of them, plus the shared), weights by all (``ffn_total``):
 #: Qwen3-30B-A3B (128 experts of 768, top 8), DeepSeek-V3 671B (MLA: one head dim, the mean of
 #: q/k's 192 and v's 128, every head its own K/V; 3 dense layers of 18432, then 256 experts of
-#: 2048, top 8, and one shared: widths averaged over the layers), GPT-OSS 120B (128 experts of
+#: 2048, top 8, and one shared: widths averaged over the layers; its latent K/V: 512 + 64
+#: values, expanded to 128 heads of 128 + 128), DeepSeek-V3 16B (torchtitan's ``16B``: the
+#: same as read by the integration from its config), GPT-OSS 120B (128 experts of
 #: 2880, top 4; 128-key windows on half the layers);
 #: ``paper-7b``: the Seq1F1B paper's 7B (GPT-style FFN of 4H, vocabulary 50304, no GQA).
 PRESETS: dict[str, ModelShape] = {
@@ -154,6 +156,19 @@ PRESETS: dict[str, ModelShape] = {
         n_kv_heads=128,
         gated_ffn=True,
         ffn_total=round((3 * 18432 + 58 * 257 * 2048) / 61),
+        latent_kv=LatentKV(512, 64, 128 * (128 + 128)),
+    ),
+    "deepseek-v3-16b": ModelShape(
+        2048,
+        16,
+        27,
+        102400,
+        ffn_hidden=11252,
+        head_dim=160,
+        n_kv_heads=16,
+        gated_ffn=True,
+        ffn_total=89892,
+        latent_kv=LatentKV(512, 64, 16 * (128 + 128)),
     ),
     "gpt-oss-120b": ModelShape(
         2880,
@@ -240,14 +255,23 @@ class Work:
         )
 
 
-def action_work(shape: ModelShape, layers: int, last: bool, s: int, end: int) -> Work:
+def action_work(
+    shape: ModelShape, layers: int, last: bool, s: int, end: int, latent: bool = False
+) -> Work:
     """Forward work of ``layers`` blocks (plus the output layer and loss when ``last``) on a
-    segment of ``s`` tokens ending at absolute position ``end`` (tokens ``end-s .. end-1``)."""
+    segment of ``s`` tokens ending at absolute position ``end`` (tokens ``end-s .. end-1``).
+
+    ``latent``: the latent K/V cache re-expands the ``end - s`` earlier positions, once in the
+    forward and three times' work in the backward (again, then the gradients of the latent and
+    of the weights); priced as 4/3 of one expansion of forward work, so that the forward and
+    its backward (twice a forward) add up to the four."""
     d, h, hidden = shape.head_dim, shape.n_heads, shape.hidden
     assert d is not None and shape.ffn_hidden is not None
     proj = 4 * hidden * d * (h + shape.n_kv_heads)
     mlp = (6 if shape.gated_ffn else 4) * hidden * shape.ffn_hidden
     linear = layers * s * (proj + mlp) + (2 * s * hidden * shape.vocab if last else 0)
+    if latent and shape.latent_kv is not None:
+        linear += layers * shape.latent_kv.expand_flops(end - s) * 4 / 3
     attention = layers * (s * end - s * s / 2) * (4 * d + 3) * h
     widths = layers * (4 * hidden + (2 if shape.gated_ffn else 1) * shape.ffn_hidden)
     elements = s * (widths + (shape.vocab if last else 0))
@@ -414,6 +438,7 @@ class MemoryModel:
     #: exclusive with ``recompute`` (full)
     selective: bool = False
     fused_qkv: bool = False  # one wqkv matmul (torchtitan 0.3's Llama): what selective AC keeps
+    latent_kv: bool = False  # the latent K/V cache (``shape.latent_kv``; kv_cache = "latent")
 
     def _full_layer_bytes(self) -> float:
         s, b = self.shape, self.dtype_bytes
@@ -422,9 +447,14 @@ class MemoryModel:
         return b * (4 * s.hidden + 2 * s.n_heads * d + 2 * s.n_kv_heads * d + ffn) + 4 * s.n_heads
 
     def layer_bytes_per_token(self, segmented: bool) -> float:
-        """Bytes a layer keeps per token of a unit in flight (``segmented``: K > 1)."""
+        """Bytes a layer keeps per token of a unit in flight (``segmented``: K > 1); with the
+        latent K/V cache (``latent_kv``) the later segments' K/V is the latent."""
         s, b = self.shape, self.dtype_bytes
         kv = 2 * b * s.n_kv_heads * s.head_dim if segmented else 0
+        if segmented and self.latent_kv and s.latent_kv is not None:
+            kv = b * s.latent_kv.cached
+            if not (self.recompute or self.selective):  # the expanded K/V are saved anyway
+                return (self._full_layer_bytes() + self.extra_layer_bytes + kv) / self.tp
         if self.selective:  # later segments' K/V kept apart, as under full AC
             sac = selective_ac_layer(s, self.tp, b, self.fused_qkv)
             return sac.saved_bytes + kv / self.tp
@@ -494,6 +524,7 @@ class TimeModel:
     p2p_gbps: float | None = None  # pipeline send/receive bandwidth; None: not priced
     selective: bool = False  # torchtitan's op-level selective AC (exclusive with recompute)
     fused_qkv: bool = False  # one wqkv matmul (torchtitan 0.3's Llama): what selective AC keeps
+    latent_kv: bool = False  # the latent K/V cache: its re-expansion priced (:func:`action_work`)
 
     @property
     def _flops_per_second(self) -> float:
@@ -609,7 +640,7 @@ class TimeModel:
             end += n
             send = self.p2p_seconds(n) if model_stages > 1 and sends else 0.0
             for first, last in itertools.product((False, True), repeat=2):
-                work = action_work(self.shape, layers, last, n, end)
+                work = action_work(self.shape, layers, last, n, end, self.latent_kv)
                 for kind in (rt.FORWARD, rt.FULL_BACKWARD, rt.BACKWARD_INPUT, rt.BACKWARD_WEIGHT):
                     t = self.seconds(kind, work, n, layers, end - n)
                     sends = (kind == rt.FORWARD and not last) or (

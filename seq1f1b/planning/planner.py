@@ -22,6 +22,7 @@ same arguments and writes the complete TOML of the top plan.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -115,6 +116,8 @@ class Setting:
     cp: int = 1  # context-parallel degree: each sequence sharded over cp ranks
     #: torchtitan's op-level selective activation checkpointing (``recompute`` is full AC)
     selective: bool = False
+    #: the latent K/V cache (multi-head latent attention; ``[seq1f1b] kv_cache = "latent"``)
+    latent_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.recompute and self.selective:
@@ -151,7 +154,7 @@ class Setting:
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         return (
             f"pp{self.pp} tp{self.tp}{cp} fsdp{self.fsdp} M={self.microbatches} "
-            f"{self.schedule_text()}, {ac}{fp32}"
+            f"{self.schedule_text()}, {ac}{fp32}{', latent K/V' if self.latent_kv else ''}"
         )
 
 
@@ -196,6 +199,8 @@ class Candidate:
             parts.append("recompute +1 fwd")
         if self.setting.selective:
             parts.append("recompute every 2nd matmul")
+        if self.setting.latent_kv:
+            parts.append("latent K/V re-expanded per segment")
         mem = f"{self.max_bytes / GB:.1f}/{self.budget_bytes / GB:.0f} GB rank {self.worst_stage}"
         parts.append(mem if self.fits else f"does not fit: {mem}")
         return ", ".join(parts)
@@ -419,9 +424,15 @@ def search(
                                 modes.append((False, True))
                             elif selective:
                                 sac_on_ring = True
-                            for rc, sel in modes:
+                            # MLA's latent K/V cache: K > 1, without TP and CP (as it runs)
+                            caches = (
+                                (False, True)
+                                if shape.latent_kv and k > 1 and t == c == 1
+                                else (False,)
+                            )
+                            for (rc, sel), lat in itertools.product(modes, caches):
                                 setting = Setting(
-                                    p, t, fsdp, k, m, split, rc, bf16, name, v, c, sel
+                                    p, t, fsdp, k, m, split, rc, bf16, name, v, c, sel, lat
                                 )
                                 order = _order(setting, orders)
                                 if isinstance(order, str):
@@ -570,6 +581,7 @@ def _price(
     time = TimeModel(
         hardware, shape, setting.tp, setting.recompute, layers, dtype_bytes, setting.bf16,
         actions, c, p2p, selective=setting.selective, fused_qkv=fsdp_at_degree_1,
+        latent_kv=setting.latent_kv,
     )  # fmt: skip
     memory = MemoryModel(
         shape,
@@ -589,6 +601,7 @@ def _price(
         extra_layer_bytes=extra_layer_bytes,
         selective=setting.selective,
         fused_qkv=fsdp_at_degree_1,  # torchtitan 0.3 (its Llama fuses wq, wk, wv)
+        latent_kv=setting.latent_kv,
     )
     seconds = time.cost(lengths, n, seq_chunks=k, sends=not blocking_p2p)
     segmented = k > 1

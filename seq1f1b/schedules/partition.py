@@ -37,6 +37,27 @@ def _as_int(name: str, value: object) -> int:
 
 
 @dataclass(frozen=True)
+class LatentKV:
+    """Multi-head latent attention's K/V as the latent cache keeps it (DeepSeek-V3): ``rank``
+    latent values (``kv_lora_rank``) and ``rope`` shared RoPE-key values a token a layer,
+    expanded by one ``rank x expanded`` matmul (``wkv_b``: every head's K part and V,
+    ``n_heads * (qk_nope_head_dim + v_head_dim)``) whenever a later segment reads them."""
+
+    rank: int
+    rope: int
+    expanded: int
+
+    @property
+    def cached(self) -> int:
+        """Values the latent cache keeps a token a layer."""
+        return self.rank + self.rope
+
+    def expand_flops(self, tokens: float) -> float:
+        """FLOPs of re-expanding ``tokens`` positions of one layer's latent."""
+        return 2.0 * tokens * self.rank * self.expanded
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """Transformer shape for the FLOPs model.
 
@@ -53,6 +74,9 @@ class ModelShape:
     token computes (``ffn_hidden``): a mixture of experts holds every routed expert (plus the
     shared ones) and runs ``top_k`` of them. FLOPs follow ``ffn_hidden``, weights (memory,
     FSDP traffic) ``ffn_total``; None: ``ffn_hidden``.
+
+    ``latent_kv``: multi-head latent attention's compressed K/V (:class:`LatentKV`), which the
+    latent K/V cache keeps instead of the expanded K and V (the planner prices both).
     """
 
     hidden: int
@@ -67,6 +91,7 @@ class ModelShape:
     sinks: int = 0
     window_layers: int | None = None
     ffn_total: int | None = None
+    latent_kv: LatentKV | None = None
 
     def __post_init__(self) -> None:
         """Validate eagerly so a bad shape fails at config time, not mid-solve."""

@@ -20,12 +20,13 @@ with it.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from seq1f1b import ModelShape
+from seq1f1b import LatentKV, ModelShape
 
 from .base import ModelFamily, decoder_shape
 
@@ -34,7 +35,9 @@ def mla_shape(config: Any) -> ModelShape:
     """The FLOPs shape of a DeepSeek-V3 config (see the module docstring)."""
     attn = config.layers[0].attention
     qk = attn.qk_nope_head_dim + attn.qk_rope_head_dim
-    return decoder_shape(config, head_dim=(qk + attn.v_head_dim) // 2, n_kv_heads=attn.n_heads)
+    shape = decoder_shape(config, head_dim=(qk + attn.v_head_dim) // 2, n_kv_heads=attn.n_heads)
+    expanded = attn.n_heads * (attn.qk_nope_head_dim + attn.v_head_dim)
+    return replace(shape, latent_kv=LatentKV(attn.kv_lora_rank, attn.qk_rope_head_dim, expanded))
 
 
 def _expand_kv(self: Any, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, ...]:
