@@ -400,3 +400,34 @@ def test_lse_outside_a_step_is_the_full_softmax_normaliser() -> None:
     torch.testing.assert_close(lse, torch.logsumexp(s, -1))
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                    enable_gqa=True))  # fmt: skip
+
+
+def _window_cache_peak(seq_len: int, k: int, window: int | None) -> int:
+    """Peak K/V cache bytes of one attention layer over a sample cut into ``k`` equal
+    segments (forwards 0..K-1 then backwards, as the schedule runs them)."""
+    q, kk, v = _qkv(torch.float32, s=seq_len)
+    lengths = [seq_len // k] * k
+    state, starts = StageKVState(0, k), segment_offsets(lengths)
+    outs = []
+    for seg, (a, n) in enumerate(zip(starts, lengths, strict=True)):
+        info = SegmentInfo(0, seg, k, a, n, seq_len, (*starts, seq_len))
+        state.begin_forward(0, seg)
+        with activate(UnitContext(state, info, "forward", True)):
+            sl = slice(a, a + n)
+            outs.append(chunk_aware_attention(q[:, :, sl], kk[:, :, sl], v[:, :, sl],
+                                              layer="attn", window=window))  # fmt: skip
+        state.end_forward(0, seg, keep=True)
+    return state.peak_bytes
+
+
+def test_windowed_layers_cache_one_window_per_earlier_segment() -> None:
+    """A sliding-window layer caches, of each earlier segment, only the ``window - 1`` keys a
+    later query can see: its cache does not grow with the sequence beyond the window (a full
+    causal layer's grows with it), and each earlier segment holds one window's bytes (its
+    backward needs them until the next segment's backward has run)."""
+    window, k = 16, 4
+    per_position = 2 * 2 * 2 * 8 * 4  # k and v, batch 2, 2 K/V heads, head dim 8, fp32
+    peaks = {s: _window_cache_peak(s, k, window) for s in (64, 128, 256)}
+    assert set(peaks.values()) == {(k - 1) * (window - 1) * per_position}, peaks
+    full = {s: _window_cache_peak(s, k, None) for s in (64, 128)}
+    assert full[128] == 2 * full[64] == 2 * (k - 1) * (64 // k) * per_position
