@@ -57,7 +57,7 @@ def model_rows(gpu: str = "h100-80gb") -> list[dict]:
                               schedules=["1F1B", *SEQ1F1B_FAMILY], chunks=(4, 8),
                               splits=("compute",))  # fmt: skip
                 fitting = [c for c in plan.candidates if c.fits]
-                base = next((c for c in fitting if c.setting.schedule == "1F1B"), None)
+                base = next((c for c in fitting if c.setting.seq_chunks == 1), None)  # 1F1B
                 ours = next((c for c in fitting if c.setting.seq_chunks > 1), None)
                 rows.append({
                     "model": name + (" (64 layers)" if PRESETS[name].n_layers == 61 else ""),
