@@ -73,6 +73,9 @@ def test_pp2_seq1f1b_matches_unpipelined_and_logs_tensorboard(seed, reference, t
     assert run.output.count("segments as short as") == 2, run.output[-3000:]
     if titan_generation() == "0.3":  # the precision that trains, said once per rank
         assert run.output.count("Seq1F1B: precision: parameters and compute in float32") == 2
+        peaks = dict(re.findall(r"stage (\d): K/V cache of earlier segments peaked at "
+                                r"([\d.]+) MiB", run.output))  # fmt: skip
+        assert sorted(peaks) == ["0", "1"] and all(float(p) > 0 for p in peaks.values()), peaks
     assert_same_curve(run, reference)
     if titan_generation() == "0.3":  # packed documents: the compute split follows each batch
         splits = re.findall(r"segment lengths(?: per sample)? (\[[\[\]\d, ]+\]) "

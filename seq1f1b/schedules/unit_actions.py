@@ -9,6 +9,7 @@ other such contexts and never replaces a stage's methods itself.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -23,6 +24,8 @@ from ..attention.kv import ContextParallel, SegmentInfo, StageKVState, UnitConte
 from ..attention.mixing_probe import mixes_positions, mixing_error
 from .partition import segment_offsets
 from .receives import ReceiveCheck
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PlainAttentionGuard", "UnitActions"]
 
@@ -104,14 +107,28 @@ class UnitActions:
     def step_scope(self, stage: PipelineStageBase, group_size: int) -> Iterator[None]:
         """Around a step's actions: after a guarded step, raise on every rank if a stage mixed
         positions (:meth:`raise_if_positions_mix`); the K/V state is cleared either way."""
+        first = self._guard_units
         try:
             yield
             if self.guard:
                 self.raise_if_positions_mix(stage, group_size)
+            if first:
+                self.log_memory(stage.device)
             self._guard_units = False
             self._guard_documents = self._guard_documents and self.documents is None
         finally:
             self.end_step()
+
+    def log_memory(self, device: torch.device) -> None:
+        """Say what the first step held: each stage's K/V cache of earlier segments at its
+        peak, and on CUDA the device's allocation peak (weights, activations and cache)."""
+        for index, state in sorted(self.kv_states.items()):
+            logger.info("Seq1F1B: stage %d: K/V cache of earlier segments peaked at %.2f MiB "
+                        "(first step)", index, state.peak_bytes / 2**20)  # fmt: skip
+        if device.type == "cuda":  # pragma: no cover - GPU only
+            logger.info("Seq1F1B: device %s: peak allocated %.1f MiB in the first step (weights, "
+                        "activations and K/V cache together)", device,
+                        torch.cuda.max_memory_allocated(device) / 2**20)  # fmt: skip
 
     def kv_state_bytes(self) -> int:
         """Bytes of K/V still cached (0 between steps; for tests and memory checks)."""
