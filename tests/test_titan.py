@@ -249,13 +249,16 @@ ZBV_ON_0_2 = pytest.param(
 def test_zero_bubble_seq1f1b_from_toml(seed, reference, tmp_path, schedule):
     """pipeline_parallel_schedule = "ZBSeq1F1B" (split backward) or "ZBVSeq1F1B" (V placement:
     4 stages on 2 ranks, rank 0 holding the first and the last) with full activation
-    checkpointing, through the registry, equals the unpipelined run."""
+    checkpointing, through the registry, equals the unpipelined run. Checkpointed blocks run
+    each backward whole (split, torch's weight half would recompute a block once for each
+    group of weights it differentiates apart)."""
     run = run_titan(
         2, *PP2, *seed, "--parallelism.pipeline_parallel_schedule", schedule,
         "--activation_checkpoint.mode", "full", dump=tmp_path,
     )  # fmt: skip
     if schedule == "ZBVSeq1F1B":
         assert "Seq1F1B: pp=2 stages/rank=2" in run.output, run.output[-2000:]
+    assert "stages hold checkpointed modules, so each backward runs whole" in run.output
     assert_same_curve(run, reference)
 
 

@@ -58,6 +58,9 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 | torch._dynamo.eval_frame.OptimizedModule,     | zero-bubble orders run compiled stages'          |
 |   Module._compiled_call_impl                  |   backwards whole (split, a compiled backward    |
 |                                               |   would run twice; pytorch#161904)               |
+| algorithms._checkpoint.checkpoint_wrapper     | zero-bubble orders run checkpointed stages'      |
+|   .CheckpointWrapper                          |   backwards whole (split, every weight group's   |
+|                                               |   autograd.grad recomputes the block again)      |
 | torch._C._is_key_in_tls, _get_obj_in_tls     | the contextvars snapshot torch's backward        |
 |   ("context")                                 |   launcher stashes for its worker threads        |
 |                                               |   (AutogradContextVar: the unit context seen in  |
@@ -161,6 +164,7 @@ from .ir import (
     fsdp_held_unsharded,
     fsdp_replicate,
     get_warmup_ops,
+    has_checkpointed_module,
     has_compiled_module,
     received_tensors,
     recv_infos,
@@ -233,6 +237,7 @@ __all__ = [
     "fsdp_held_unsharded",
     "fsdp_replicate",
     "get_warmup_ops",
+    "has_checkpointed_module",
     "has_compiled_module",
     "received_tensors",
     "recv_infos",

@@ -148,6 +148,16 @@ def has_compiled_module(module: torch.nn.Module | None) -> bool:
     )
 
 
+def has_checkpointed_module(module: torch.nn.Module | None) -> bool:
+    """Whether ``module`` or a submodule is wrapped for activation checkpointing
+    (``CheckpointWrapper``, as torchtitan's full and selective AC wrap each block)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    if not isinstance(module, torch.nn.Module):
+        return False
+    return any(isinstance(m, CheckpointWrapper) for m in module.modules())
+
+
 def donated_buffers_enabled() -> bool:
     """AOTAutograd's donated buffers are on (the chunk-aware op keys its graphs by it)."""
     import torch._functorch.config as functorch_config
