@@ -473,3 +473,19 @@ def test_latent_kv_cache_is_priced_and_chosen_where_only_it_fits(tmp_path: Path)
     doc = tomllib.loads(out.read_text())
     assert doc["seq1f1b"]["kv_cache"] == "latent"
     assert (doc["model"]["name"], doc["model"]["flavor"]) == ("deepseek_v3", "16B")
+
+
+def test_windowed_layers_cache_one_window_of_each_segment() -> None:
+    """Under full AC a sliding-window layer's cache of a segment is its last ``window - 1``
+    keys (GPT-OSS 120B: 128-key windows on 18 of 36 layers), whatever the segment's length;
+    without AC the K/V are among the saved activations either way."""
+    windowed = PRESETS["gpt-oss-120b"]
+    full = dataclasses.replace(windowed, window=None, window_layers=None)
+    kv = 2 * windowed.n_kv_heads * windowed.head_dim * 2  # bf16 K and V a token a layer
+    for tokens in (4096, 32768):
+        got = [MemoryModel(s, 1, 1, True).unit_bytes(tokens, 36, False, True)
+               for s in (windowed, full)]  # fmt: skip
+        assert got[1] - got[0] == 18 * (tokens - 127) * kv
+        no_ac = [MemoryModel(s, 1, 1, False).unit_bytes(tokens, 36, False, True)
+                 for s in (windowed, full)]  # fmt: skip
+        assert no_ac[0] == no_ac[1]

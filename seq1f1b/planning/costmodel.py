@@ -19,7 +19,9 @@ sequence parallelism, so every activation and weight is split ``t`` ways):
   (``2F`` instead of ``4F`` for a plain two-matrix FFN); divided by ``t``;
 * full activation checkpointing (torchtitan ``mode = "full"``): only each layer's input, ``b*H``
   per token per layer, plus, with ``K > 1`` segments, the K/V of earlier segments that later
-  segments read (``2*b*h_kv*d``); the backward of one unit recomputes one layer's activations
+  segments read (``2*b*h_kv*d``; with the latent cache, multi-head latent attention's latent,
+  ``b*(rank + rope)``; a sliding-window layer keeps of each segment only the last
+  ``window - 1`` positions, plus the sinks); the backward of one unit recomputes one layer's activations
   of that unit on top (a transient);
 * selective activation checkpointing (torchtitan ``mode = "selective"``, op-level, the default
   of its Llama configs; :func:`selective_ac_layer`): each block keeps its input, the attention
@@ -467,11 +469,26 @@ class MemoryModel:
         backward: the blocks' saved tensors, and on the last stage the loss's fp32
         log-probabilities."""
         saved = tokens * layers * self.layer_bytes_per_token(segmented)
+        saved -= self._window_kv_saving(tokens, layers, segmented)
         if last and self.loss_chunk_tokens is not None:
             saved += tokens * 4 * self.shape.hidden
         elif last:
             saved += tokens * 4 * self.shape.vocab / self.tp
         return saved
+
+    def _window_kv_saving(self, tokens: float, layers: int, segmented: bool) -> float:
+        """What sliding-window layers do not cache of a unit: later segments see only its last
+        ``window - 1`` keys (and the ``sinks`` first ones), so where the cache is kept apart
+        from the activations (full or selective AC) those layers hold that many positions of
+        K/V, not ``tokens``. The windowed layers are ``window_layers / n_layers`` of the
+        stage's on average."""
+        s = self.shape
+        if not segmented or s.window is None or not (self.recompute or self.selective):
+            return 0.0
+        kv = (s.latent_kv.cached if self.latent_kv and s.latent_kv is not None
+              else 2 * s.n_kv_heads * s.head_dim) * self.dtype_bytes / self.tp  # fmt: skip
+        windowed = layers * (s.window_layers or s.n_layers) / s.n_layers
+        return windowed * max(0.0, tokens - (s.window - 1 + s.sinks)) * kv
 
     def transient_bytes(self, unit_tokens: float, last: bool) -> float:
         """Bytes alive only while one unit runs: a recomputed layer, or the logits (and their
