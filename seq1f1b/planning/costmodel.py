@@ -21,8 +21,8 @@ sequence parallelism, so every activation and weight is split ``t`` ways):
   per token per layer, plus, with ``K > 1`` segments, the K/V of earlier segments that later
   segments read (``2*b*h_kv*d``; with the latent cache, multi-head latent attention's latent,
   ``b*(rank + rope)``; a sliding-window layer keeps of each segment only the last
-  ``window - 1`` positions, plus the sinks); the backward of one unit recomputes one layer's activations
-  of that unit on top (a transient);
+  ``window - 1`` positions, plus the sinks); the backward of one unit recomputes one layer's
+  activations of that unit on top (a transient);
 * selective activation checkpointing (torchtitan ``mode = "selective"``, op-level, the default
   of its Llama configs; :func:`selective_ac_layer`): each block keeps its input, the attention
   output and every other matmul's output, and its backward recomputes the other matmuls and
