@@ -15,6 +15,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from seq1f1b import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B, verify_model
 from seq1f1b.attention.mixing_probe import PositionMixingError
+from seq1f1b.schedules.output_check import OutputMismatchError
 from seq1f1b.testing import TinyConfig, TinyStage, build_stages, full_model
 
 CFG = TinyConfig(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=4, ffn=64)
@@ -241,3 +242,49 @@ def test_verify_model_compares_updated_buffers_and_bounds_low_precision_gradient
     assert not report.ok and "lin.weight" in report.worst_gradient[0], str(report)
     assert 1e-4 < report.worst_gradient[1] < 1e-2
     assert verify_model(half, x, y, _loss, tolerances={".lin.": 1e-2}).ok
+
+
+def _first_step_checks(rank: int, world: int) -> None:
+    """The first step compares each stage's outputs with the stage over the whole sequence:
+    segment-relative RoPE (stage 1) and learned positions (stage 0, in bf16 too) fail it on
+    every rank naming the stage and segment, with no call to verify_model; a correct model
+    passes, its buffers untouched by the check, which runs again only for a new length."""
+    import seq1f1b.schedules.output_check as output_check
+
+    def step(mods: list[nn.Module], seq_len: int = 24, **kw) -> ScheduleSeq1F1B:
+        x, y = _batch(seq_len)
+        stage = PipelineStage(mods[rank], rank, world, CPU)
+        schedule = ScheduleSeq1F1B([stage], 2, 3, _loss, **kw)
+        schedule.step(x if rank == 0 else None, target=y if rank == world - 1 else None)
+        return schedule
+
+    torch.manual_seed(0)
+    rope = _two_stages(SegmentRope)
+    with pytest.raises(OutputMismatchError, match="stage 1's outputs differ in segment 1") as e:
+        step(rope)
+    assert (e.value.stage_index, e.value.segment) == (1, 1) and e.value.error > 1e-3
+    assert "arange(segment length)" in str(e.value)
+    step(rope, check_attention=False)  # switched off: it trains (silently wrong)
+    learned = _two_stages()
+    learned[0].layers.insert(0, LearnedPositions(48, CFG.dim, from_segment=False))
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(OutputMismatchError, match="stage 0's outputs differ in segment 1"):
+            step([m.to(dtype) for m in learned])
+    counted = _two_stages()
+    counted[rank].layers.insert(0, CallCounter())
+    runs = []
+    real = output_check.WholeSequenceCheck.run
+    output_check.WholeSequenceCheck.run = lambda self, *a: runs.append(1) or real(self, *a)
+    try:
+        schedule = step(counted)
+        assert counted[rank].layers[0].seen[0] == 2 * 24  # the check's forward left no count
+        for n in (24, 24, 48, 48):
+            x, y = _batch(n)
+            schedule.step(x if rank == 0 else None, target=y if rank == world - 1 else None)
+    finally:
+        output_check.WholeSequenceCheck.run = real
+    assert len(runs) == 2  # the first step and the first at 48 tokens, one stage each
+
+
+def test_the_first_step_compares_stage_outputs_with_the_whole_sequence() -> None:
+    run_ranks(_first_step_checks, 2)

@@ -76,6 +76,11 @@ def test_pp2_seq1f1b_matches_unpipelined_and_logs_tensorboard(seed, reference, t
         peaks = dict(re.findall(r"stage (\d): K/V cache of earlier segments peaked at "
                                 r"([\d.]+) MiB", run.output))  # fmt: skip
         assert sorted(peaks) == ["0", "1"] and all(float(p) > 0 for p in peaks.values()), peaks
+        # the first step checked each stage's outputs against the whole sequence (fp32: 1e-3)
+        checked = re.findall(r"stage (\d): first-step check passed.*error ([\d.e+-]+), "
+                             r"torch.float32", run.output)  # fmt: skip
+        assert sorted(s for s, _ in checked) == ["0", "1"], run.output[-3000:]
+        assert all(float(e) <= 1e-5 for _, e in checked), checked
     assert_same_curve(run, reference)
     if titan_generation() == "0.3":  # packed documents: the compute split follows each batch
         splits = re.findall(r"segment lengths(?: per sample)? (\[[\[\]\d, ]+\]) "

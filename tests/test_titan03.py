@@ -193,3 +193,6 @@ def test_fsdp_compile_bf16_matches_unpipelined(seed, tmp_path) -> None:
     print(f"PP2 x FSDP2 compiled bf16 vs PP1: loss {worst:.2e}, grad norm {norms:.2e} (relative)")
     assert worst <= BF16_LOSS_TOL, (run.losses, ref.losses)
     assert norms <= 10 * BF16_LOSS_TOL, (run.grad_norms, ref.grad_norms)  # printed to 4 digits
+    # the first step checked itself in this mix (bf16 outputs, FSDP, compiled blocks run eager)
+    checked = re.findall(r"stage (\d): first-step check passed.*bfloat16", run.output)
+    assert sorted(checked) == ["0", "0", "1", "1"], run.output[-3000:]  # two FSDP ranks each

@@ -27,6 +27,13 @@ class Seq1F1B:
     unpipelined model (seq1f1b.verify_model on the debug size, this run's stages and K);
     start-up fails, naming the cause, if it would not train exactly. A few seconds."""
 
+    first_step_check: bool = True
+    """The first step (and the first after the sequence length changes) checks the model as
+    it trains: each stage's outputs for one sample, in its first two segments, against the
+    stage run over them at once, plus the plain-SDPA and position-mixing guards; a mismatch
+    stops every rank before the optimizer step, naming the stage, the segment and the likely
+    cause (positions from the segment, attention not chunk-aware, a state not carried)."""
+
     kv_cache: str = "expanded"
     """What the K/V cache keeps of earlier segments: 'expanded' (every head's K and V) or
     'latent' (multi-head latent attention, deepseek_v3: the compressed latent and the RoPE key,

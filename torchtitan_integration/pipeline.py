@@ -246,6 +246,7 @@ def build_schedule(
         # FSDP over the fsdp mesh (dp_shard x cp) sums the gradients, as torchtitan's own CP
         context_parallel=ContextParallelConfig(cp_group, reduce_grads=False),
         scale_grads=False,  # the loss divides by the global token count
+        check_attention=config.seq1f1b.first_step_check,
     )
     logger.info(
         "Seq1F1B: pp=%d stages/rank=%d M=%d K=%d cp=%d segments=%s (%s split, model %s)",

@@ -178,7 +178,7 @@ from .ir import (
     validate_send_waits,
     wider_grads_hidden_while_tracing,
 )
-from .unit import ActionContextFactory, UnitRuntime, action_contexts_installed
+from .unit import ActionContextFactory, UnitRuntime, action_contexts_installed, small_buffers_kept
 
 __all__ = [
     "ACTION_CONTEXT_HOOK",
@@ -244,6 +244,7 @@ __all__ = [
     "recv_shape",
     "release_recv_meta_fns",
     "set_pg_timeout",
+    "small_buffers_kept",
     "split_tensor",
     "stand_in_stages",
     "unflatten_dense_tensors",

@@ -50,7 +50,11 @@ class ScheduleSeq1F1B(SequencePipelineSchedule):
         ignore_index: target value that does not count as a token (as in cross entropy).
         kwargs_seq_dims: per kwarg, the dim to split along the sequence, or None to pass it
             whole to every segment. Default: ``seq_dim`` for every tensor kwarg.
-        check_attention: on the first step, raise if the model calls plain SDPA inside a unit.
+        check_attention: the first step checks the model, raising on every rank before any
+            optimizer step: plain SDPA inside a unit, positions mixed outside the chunk-aware
+            attention, and each stage's outputs for one sample against the stage run over the
+            whole sequence (also after the sequence length changes;
+            :mod:`seq1f1b.schedules.output_check`). False turns these checks off.
         skip_invisible: with packed documents / sliding windows, skip (query, key) blocks that
             share no visible pair and cache only what later segments see; False computes every
             block under the mask and caches every segment (the mask-alone baseline).

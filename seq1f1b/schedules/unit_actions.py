@@ -22,10 +22,14 @@ from .. import _runtime as rt
 from .._runtime import Action, PipelineStageBase
 from ..attention.kv import ContextParallel, SegmentInfo, StageKVState, UnitContext, activate
 from ..attention.mixing_probe import mixes_positions, mixing_error
+from .output_check import WholeSequenceCheck, output_mismatch_error
 from .partition import segment_offsets
 from .receives import ReceiveCheck
 
 logger = logging.getLogger(__name__)
+
+#: output dtypes the first-step check names (by index in the all-reduced report)
+OUTPUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 __all__ = ["PlainAttentionGuard", "UnitActions"]
 
@@ -73,6 +77,7 @@ class UnitActions:
     ) -> None:
         self.seq_chunks = seq_chunks
         self.receives = receives
+        self.stages = {s.stage_index: s for s in stages}
         self.cp = cp
         self.kv_states = {
             s.stage_index: StageKVState(s.stage_index, seq_chunks, skip_invisible=skip_invisible)
@@ -88,12 +93,26 @@ class UnitActions:
         # the guard runs on the first step (units or CP), and on the first with documents
         self._guard_units = check_attention and (seq_chunks > 1 or cp is not None)
         self._guard_documents = check_attention
+        # the stages' outputs against the whole sequence: first step, and a new sequence length
+        self.outputs = WholeSequenceCheck(receives.seq_dim) if check_attention else None
+        self.checking = False  # this step compares outputs
+        self._checked_len: int | None = None
+        self.mismatches: dict[int, tuple[int, float, torch.dtype]] = {}
 
     def begin_step(self, lengths: list[list[int]], documents: list | None) -> None:
-        guard = self._guard_units or (documents is not None and self._guard_documents)
+        seq_len = sum(lengths[0])
+        self.checking = (
+            self.outputs is not None and self.seq_chunks > 1 and (seq_len != self._checked_len)
+        )
+        guard = (
+            self._guard_units or self.checking or (documents is not None and self._guard_documents)
+        )
         self.lengths, self.documents, self.guard = lengths, documents, guard
         self.mixing: tuple[int, int] | None = None  # (stage, segment) that mixes positions
-        self._seq_len = sum(lengths[0])
+        self.mismatches = {}
+        if self.outputs is not None:
+            self.outputs.reset()
+        self._seq_len = seq_len
         self._bounds = [(*segment_offsets(ls), self._seq_len) for ls in lengths]
         self._infos = {}  # by unit: its forward and backward share one
         for state in self.kv_states.values():
@@ -105,15 +124,20 @@ class UnitActions:
 
     @contextlib.contextmanager
     def step_scope(self, stage: PipelineStageBase, group_size: int) -> Iterator[None]:
-        """Around a step's actions: after a guarded step, raise on every rank if a stage mixed
-        positions (:meth:`raise_if_positions_mix`); the K/V state is cleared either way."""
+        """Around a step's actions: after a guarded step, compare the stages' outputs with the
+        whole sequence and raise on every rank if a stage mixed positions or differs
+        (:meth:`raise_if_check_failed`); the K/V state is cleared either way."""
         first = self._guard_units
         try:
             yield
             if self.guard:
-                self.raise_if_positions_mix(stage, group_size)
+                self.end_step()  # the step's K/V is not needed: free it before the check
+                self.compare_outputs()
+                self.raise_if_check_failed(stage, group_size)
             if first:
                 self.log_memory(stage.device)
+            if self.checking:
+                self._checked_len = self._seq_len
             self._guard_units = False
             self._guard_documents = self._guard_documents and self.documents is None
         finally:
@@ -141,19 +165,44 @@ class UnitActions:
     def kv_state_empty(self) -> bool:
         return all(s.is_empty() for s in self.kv_states.values())
 
-    def raise_if_positions_mix(self, stage: PipelineStageBase, group_size: int) -> None:
+    def compare_outputs(self) -> None:
+        """Each local stage's kept outputs against the stage over the whole sequence."""
+        if not self.checking or self.outputs is None or self.mixing is not None:
+            return
+        docs = None if self.documents is None else self.documents[0]
+        for index, stage in sorted(self.stages.items()):
+            found = self.outputs.run(index, stage.submod, docs)
+            if found is not None and found[0] is not None:
+                self.mismatches[index] = found  # type: ignore[assignment]
+            elif found is not None:
+                logger.info("Seq1F1B: stage %d: first-step check passed: its outputs equal the "
+                            "stage's over the whole sequence (relative error %.1e, %s)",
+                            index, found[1], found[2])  # fmt: skip
+        self.outputs.reset()
+
+    def raise_if_check_failed(self, stage: PipelineStageBase, group_size: int) -> None:
         """After a guarded step: if any rank's stage combined the positions of a later segment
-        without a chunk-aware attention call, every rank raises the same named error (the
-        step's traffic completed; no optimizer step has run on its gradients)."""
-        mixing = self.mixing
-        code = 0 if mixing is None else (mixing[0] + 1) * (self.seq_chunks + 1) + mixing[1]
+        without a chunk-aware attention call, or its outputs differ from the whole sequence's,
+        every rank raises the same named error about the first such stage (the step's traffic
+        completed; no optimizer step has run on its gradients)."""
+        # per stage: the segment that mixes, the segment that differs, its error, its dtype
+        found = torch.full((stage.num_stages, 4), -1.0, dtype=torch.float64)
+        if self.mixing is not None:
+            found[self.mixing[0], 0] = self.mixing[1]
+        for index, (segment, error, dtype) in self.mismatches.items():
+            code = OUTPUT_DTYPES.index(dtype) if dtype in OUTPUT_DTYPES else 0
+            found[index, 1:] = torch.tensor([segment, min(error, 1e300), code])
         if group_size > 1:
-            t = torch.tensor([code], dtype=torch.int64, device=stage.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=stage.group)
-            code = int(t.item())
-        if code:
-            stage_index, segment = divmod(code, self.seq_chunks + 1)
-            raise mixing_error(stage_index - 1, segment)
+            found = found.to(stage.device)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=stage.group)
+            found = found.cpu()
+        for index, row in enumerate(found.tolist()):
+            if row[0] >= 0:
+                raise mixing_error(index, int(row[0]))
+        for index, row in enumerate(found.tolist()):
+            if row[1] >= 0:
+                raise output_mismatch_error(index, int(row[1]), row[2],
+                                            OUTPUT_DTYPES[int(row[3])])  # fmt: skip
 
     def segment_info(self, unit: int) -> SegmentInfo:
         """The unit's place in its sample; built once per step (lengths and bounds are the
@@ -198,9 +247,11 @@ class UnitActions:
         keep = stage.has_backward and torch.is_grad_enabled()
         state.begin_forward(info.microbatch, info.segment)
         mode = PlainAttentionGuard(info.documents is not None) if self.guard else None
-        seen: list[tuple] = []  # (args, kwargs, output) of a guarded later segment's forward
+        seen: list[tuple] = []  # (args, kwargs, output) of a guarded forward
         hook = None
-        if self.guard and info.segment > 0 and isinstance(stage.submod, nn.Module):
+        kept = self.checking and info.cp is None and self.outputs.wants(info)
+        probed = self.guard and info.segment > 0
+        if (kept or probed) and isinstance(stage.submod, nn.Module):
             hook = stage.submod.register_forward_hook(
                 lambda _m, a, kw, out: seen.append((a, kw, out)), with_kwargs=True
             )
@@ -216,7 +267,9 @@ class UnitActions:
         finally:
             if hook is not None:
                 hook.remove()
-        if seen and state.attention_calls == 0 and self.mixing is None:
+        if seen and kept:
+            self.outputs.keep(stage.stage_index, *seen[0])
+        if seen and probed and state.attention_calls == 0 and self.mixing is None:
             args, kwargs, out = seen[0]
             if mixes_positions(stage.submod, args, kwargs, out, self.receives.seq_dim):
                 # raised after the step, on every rank at once (see SequencePipelineSchedule)
