@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -171,13 +172,14 @@ class UnitActions:
             return
         docs = None if self.documents is None else self.documents[0]
         for index, stage in sorted(self.stages.items()):
+            start = time.perf_counter()
             found = self.outputs.run(index, stage.submod, docs)
             if found is not None and found[0] is not None:
                 self.mismatches[index] = found  # type: ignore[assignment]
             elif found is not None:
                 logger.info("Seq1F1B: stage %d: first-step check passed: its outputs equal the "
-                            "stage's over the whole sequence (relative error %.1e, %s)",
-                            index, found[1], found[2])  # fmt: skip
+                            "stage's over the whole sequence (relative error %.1e, %s, %.3f s)",
+                            index, found[1], found[2], time.perf_counter() - start)  # fmt: skip
         self.outputs.reset()
 
     def raise_if_check_failed(self, stage: PipelineStageBase, group_size: int) -> None:
