@@ -15,7 +15,7 @@ TIER="${TIER:-all}"
 if [ "$TIER" = all ] || [ "$TIER" = default ]; then
   TORCHTITAN_VERSION=0.3.0 bash scripts/setup_env.sh .venv "${TORCH_VERSION:-2.15.0}"
   .venv/bin/python -m ruff check seq1f1b torchtitan_integration tests examples benchmarks
-  .venv/bin/python -m pytest -q --durations=20 "$@"
+  .venv/bin/python -m pytest -q --durations=40 "$@"
 fi
 if [ "$TIER" = all ] || [ "$TIER" = titan022 ]; then
   TORCHTITAN_VERSION=0.2.2 bash scripts/setup_env.sh .venv-titan022 "${TORCH_VERSION:-2.13.0}" \

@@ -34,3 +34,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     dist_utils = sys.modules.get("dist_utils")  # imported only if a multi-rank test ran
     if dist_utils is not None:
         dist_utils.close_pools()
+    titan_utils = sys.modules.get("titan_utils")  # imported only if a torchtitan test ran
+    if titan_utils is not None:
+        titan_utils.close_launcher()

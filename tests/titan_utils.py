@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
+import select
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -73,27 +75,77 @@ needs_sharding = pytest.mark.skipif(
 )
 
 
-def titan_command(nproc: int, *args: str, dump: Path) -> tuple[list[str], dict[str, str]]:
-    """The torchrun command line of one training run, and its environment."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_DATASETS_OFFLINE="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
-        "-m", "torchtitan_integration.train", "--job.config_file", str(CONFIG),
-        "--job.dump_folder", str(dump), *FAST, *args,
-    ]  # fmt: skip
-    return cmd, env
+def titan_argv(*args: str, dump: Path) -> list[str]:
+    """The trainer's arguments of one training run (the debug TOML, small and fast)."""
+    return ["--job.config_file", str(CONFIG), "--job.dump_folder", str(dump), *FAST, *args]
+
+
+def _environment() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_DATASETS_OFFLINE="1")
+
+
+class _Launcher:
+    """tests/titan_zygote.py, started once a session: it forks each run's ranks from one
+    process that has imported torch and torchtitan (torchrun would import them in every rank
+    of every run, about a quarter of a short run's time on 2 cores)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "titan_zygote.py")], cwd=ROOT,
+            env=_environment(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self._reply(600)  # ready
+
+    def _reply(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise AssertionError("the launcher (tests/titan_zygote.py) gave no answer")
+        return json.loads(line)
+
+    def run(self, nproc: int, argv: list[str], log: Path, timeout: float) -> int:
+        job = {"nproc": nproc, "argv": argv, "log": str(log), "timeout": timeout}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return self._reply(timeout + 60)["rc"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_launcher: list[_Launcher] = []  # this session's, started at its first run
+
+
+def close_launcher() -> None:
+    """Stop the launcher (conftest.py, when the session ends)."""
+    while _launcher:
+        _launcher.pop().close()
 
 
 def run_titan(nproc: int, *args: str, dump: Path, timeout: float = 300, check: bool = True) -> Run:
-    """One training run; loss/grad_norm per step from the ranks that hold the last stage."""
-    cmd, env = titan_command(nproc, *args, dump=dump)
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    out = proc.stdout + proc.stderr
-    if check and proc.returncode != 0:
-        raise AssertionError(f"training failed ({proc.returncode}):\n{out[-6000:]}")
+    """One training run; loss/grad_norm per step from the ranks that hold the last stage.
+    ``SEQ1F1B_TEST_TORCHRUN=1`` launches it through torchrun instead, as users do."""
+    argv = titan_argv(*args, dump=dump)
+    if os.environ.get("SEQ1F1B_TEST_TORCHRUN") == "1":
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+               "-m", "torchtitan_integration.train", *argv]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, env=_environment(), capture_output=True, text=True,
+                              timeout=timeout, check=False)  # fmt: skip
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    else:
+        if not _launcher or _launcher[0].proc.poll() is not None:
+            close_launcher()
+            _launcher.append(_Launcher())
+        dump.mkdir(parents=True, exist_ok=True)
+        log = dump.parent / f"{dump.name}.log"
+        rc = _launcher[0].run(nproc, argv, log, timeout)
+        out = log.read_text(errors="replace")
+    if check and rc != 0:
+        raise AssertionError(f"training failed ({rc}):\n{out[-6000:]}")
     return parse_run(out)
 
 
