@@ -18,7 +18,8 @@ from collections.abc import Iterator
 
 __all__ = ["FACTORS", "REFUSED", "Row", "reference_key", "refusal_rows", "row_args", "rows"]
 
-#: each setting and its values, the first value of each the plain default
+#: each setting and its values, the first value of each the plain default (BitPipe pipelines
+#: whole microbatches: its rows run the split and K as accepted settings it does not use)
 FACTORS: dict[str, tuple[str, ...]] = {
     "model": ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss"),
     "schedule": ("Seq1F1B", "InterleavedSeq1F1B", "ZBSeq1F1B", "ZBVSeq1F1B", "BitPipe"),

@@ -136,5 +136,7 @@ def test_row_matches_unpipelined(row: dict[str, str], grid_runs: _Runs, tmp_path
         assert_same_curve(run, ref, steps=STEPS, tol=1e-3, grad_tol=1e-2)
     else:
         assert_same_curve(run, ref, steps=STEPS, grad_tol=1e-2 if moe else 1e-3)
-    if row["parallel"] not in ("cp", "tp"):  # (the check skips ring attention and DTensors)
+    # the first step checked itself, where it has something to compare: not under BitPipe
+    # (microbatches, not segments), ring attention or TP's DTensor outputs
+    if row["schedule"] != "BitPipe" and row["parallel"] not in ("cp", "tp"):
         assert "first-step check passed" in run.output, run.output[-3000:]
