@@ -31,7 +31,7 @@ from combination_grid import (
     row_args,
     rows,
 )
-from titan_utils import TITAN, Run, assert_same_curve, run_titan
+from titan_utils import TITAN, Run, assert_same_curve, run_titan, seed_checkpoint
 
 ROWS = rows()
 STEPS = 3
@@ -96,13 +96,7 @@ class _Runs:
         if model not in self.seeds:
             from combination_grid import MODELS
 
-            dump = self.root / f"seed_{model}"
-            run_titan(1, "--parallelism.pipeline_parallel_degree", "1", *MODELS[model],
-                      "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-                      "--parallelism.data_parallel_shard_degree", "1", dump=dump)  # fmt: skip
-            self.seeds[model] = ["--checkpoint.enable", "--checkpoint.initial_load_path",
-                                 str(dump / "checkpoint" / "step-0"),
-                                 "--checkpoint.interval", "1000"]  # fmt: skip
+            self.seeds[model] = seed_checkpoint(*MODELS[model], dump=self.root / f"seed_{model}")
         return self.seeds[model]
 
     def reference(self, key: tuple[str, str, int]) -> Run:

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from titan_utils import assert_same_curve, needs_sharding, run_titan, titan_available
+from titan_utils import (
+    assert_same_curve,
+    needs_sharding,
+    run_titan,
+    seed_checkpoint,
+    titan_available,
+)
 
 titan_available("0.3")
 pytestmark = pytest.mark.titan_grid
@@ -51,14 +57,8 @@ MOE_GRAD_TOL = 1e-2
 
 
 def _seed(model: list[str], dump, save_at: int = 1000) -> list[str]:
-    """A seed checkpoint of ``model``: every run of it starts from these weights (and saves
-    its state at step ``save_at``)."""
-    run_titan(1, *NO_PP, *model, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-              dump=dump)  # fmt: skip
-    step0 = dump / "checkpoint" / "step-0"
-    assert step0.is_dir()
-    return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(step0),
-            "--checkpoint.interval", str(save_at)]  # fmt: skip
+    """A seed checkpoint of ``model`` (saving its state at step ``save_at``)."""
+    return seed_checkpoint(*model, dump=dump, save_at=save_at)
 
 
 def _expert_biases(dump: Path, step: int) -> dict[str, torch.Tensor]:

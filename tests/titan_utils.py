@@ -149,6 +149,17 @@ def run_titan(nproc: int, *args: str, dump: Path, timeout: float = 300, check: b
     return parse_run(out)
 
 
+def seed_checkpoint(*args: str, dump: Path, save_at: int = 1000) -> list[str]:
+    """A seed checkpoint of the job ``args`` (one process, PP=1): every run given the returned
+    arguments starts from these weights (and saves its state at step ``save_at``)."""
+    run_titan(1, "--parallelism.pipeline_parallel_degree", "1", *args, "--checkpoint.enable",
+              "--checkpoint.create_seed_checkpoint", dump=dump)  # fmt: skip
+    step0 = dump / "checkpoint" / "step-0"
+    assert step0.is_dir()
+    return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(step0),
+            "--checkpoint.interval", str(save_at)]  # fmt: skip
+
+
 def parse_run(out: str) -> Run:
     """loss/grad_norm per step from a run's output (ranks reporting -1 left out)."""
     losses: dict[int, float] = {}
