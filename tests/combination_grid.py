@@ -39,6 +39,10 @@ REFUSED: dict[Pair, str] = {
     (("parallel", "cp"), ("compile", "compiled")): (
         "ring attention does not run under torch.compile"
     ),
+    (("schedule", "BitPipe"), ("parallel", "cp")): (
+        "BitPipe pipelines whole samples and does not shard them over the cp mesh"
+    ),
+    (("model", "gpt_oss"), ("parallel", "cp")): "with gpt_oss: not supported yet",
 }
 
 
@@ -112,6 +116,8 @@ def rows() -> list[Row]:
     names = list(FACTORS)
     out: list[Row] = []
     for seed in _latin_square():
+        if not _allowed(seed):  # a refused pair: its square's other pairs come greedily
+            continue
         row = _complete(seed, names, uncovered)
         out.append(row)
         uncovered -= set(pairs_of(row))
@@ -197,18 +203,31 @@ def row_args(row: Row) -> list[str]:
     return args
 
 
-def reference_key(row: Row) -> tuple[str, str, int]:
+#: models whose PP=1 numbers move with TP beyond rounding, so their TP rows are compared with
+#: PP=1 under the same TP (GPT-OSS: step 1's loss 8.1206 with TP = 2, 8.1470 without, PP=1
+#: and PP=2 alike; the cause is not found yet)
+SHARDING_MOVES_NUMBERS = frozenset({"gpt_oss"})
+
+
+def reference_key(row: Row) -> tuple[str, str, int, str]:
     """What the PP=1 reference of ``row`` depends on: checkpointing, the split, the loss's
-    chunks, the schedule, TP and CP change no number beyond fp32 rounding; compiling, beyond
-    bf16's where the run is bf16."""
-    return row["model"], row["precision"], data_parallel(row)
+    chunks, the schedule, TP and CP change no number beyond fp32 rounding (but for
+    :data:`SHARDING_MOVES_NUMBERS`); compiling, beyond bf16's where the run is bf16."""
+    sharded = row["parallel"] in ("tp", "cp") and row["model"] in SHARDING_MOVES_NUMBERS
+    return row["model"], row["precision"], data_parallel(row), row["parallel"] if sharded else ""
 
 
-def reference_args(key: tuple[str, str, int]) -> list[str]:
+def reference_processes(key: tuple[str, str, int, str]) -> int:
+    return key[2] * (2 if key[3] else 1)
+
+
+def reference_args(key: tuple[str, str, int, str]) -> list[str]:
     """The PP=1 run that ``key``'s rows are compared with."""
-    model, precision, dp = key
+    model, precision, dp, sharded = key
     args = ["--parallelism.pipeline_parallel_degree", "1", *MODELS[model],
             "--parallelism.data_parallel_shard_degree", str(dp)]  # fmt: skip
+    if sharded:
+        args += PARALLEL[sharded][:2]
     if precision == "bf16":
         args += ["--training.mixed_precision_param", "bfloat16"]
     return args

@@ -286,5 +286,84 @@ def _first_step_checks(rank: int, world: int) -> None:
     assert len(runs) == 2  # the first step and the first at 48 tokens, one stage each
 
 
+def _compiled_first_step(rank: int, world: int) -> None:
+    """Stages with compiled blocks: the first step's guard, probe and output check run on the
+    checked units only, eagerly, so a correct model compiles no graph that the unchecked run
+    does not (the guard's mode would make a variant of every block), and a segment-relative
+    RoPE is still named."""
+    from torch._dynamo.utils import counters
+
+    def compiled(mods: list[nn.Module], **kw) -> list[nn.Module]:
+        for block in mods[rank].layers:
+            block.compile(backend="eager", **kw)
+        return mods
+
+    def steps(mods: list[nn.Module], n: int = 1, **kw) -> None:
+        x, y = _batch(24)
+        schedule = ScheduleSeq1F1B([PipelineStage(mods[rank], rank, world, CPU)], 2, 3, _loss,
+                                   **kw)  # fmt: skip
+        for _ in range(n):
+            schedule.step(x if rank == 0 else None, target=y if rank == world - 1 else None)
+
+    graphs = []
+    try:
+        for check in (True, False):
+            torch._dynamo.reset()
+            counters.clear()
+            torch.manual_seed(0)
+            steps(compiled(_two_stages(), fullgraph=True), 2, check_attention=check)
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert graphs[0] == graphs[1] > 0, graphs
+        torch._dynamo.reset()
+        with pytest.raises(OutputMismatchError, match="stage 1's outputs differ in segment 1"):
+            steps(compiled(_two_stages(SegmentRope)))
+    finally:
+        torch._dynamo.reset()
+
+
+class ColumnShard(nn.Module):
+    """Each rank's columns of a linear map as a DTensor sharded along the last dimension (as
+    torchtitan's vocabulary-parallel logits); ``offset`` adds the segment's own positions
+    (0, 1, ...) instead of the sequence's, a position mistake the check must see."""
+
+    def __init__(self, mesh, offset: bool = False) -> None:
+        super().__init__()
+        self.mesh, self.offset = mesh, offset
+        self.proj = nn.Linear(CFG.dim, 4)
+
+    def forward(self, x: torch.Tensor):
+        from torch.distributed.tensor import DTensor, Shard
+
+        y = self.proj(x)
+        if self.offset:
+            y = y + torch.arange(x.shape[1], dtype=y.dtype)[:, None]
+        return DTensor.from_local(y, self.mesh, [Shard(2)])
+
+
+def _sharded_outputs(rank: int, world: int) -> None:
+    """Outputs sharded along the vocabulary are compared by each rank's columns (a position
+    mistake is caught); inputs shorter than the segment (sequence-parallel shards) skip the
+    check, since two segments' shards do not join into the sequence's shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from seq1f1b.schedules.output_check import WholeSequenceCheck
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(rank)
+    x = torch.randn(2, 12, CFG.dim)
+    for offset, mismatch in ((False, None), (True, 1)):
+        check, module = WholeSequenceCheck(seq_dim=1), ColumnShard(mesh, offset)
+        for seg in (x[:, :6], x[:, 6:]):
+            check.keep(0, 6, (seg,), {}, module(seg))
+        got = check.run(0, module, None)
+        assert got is not None and got[0] == mismatch, (offset, got)
+    check = WholeSequenceCheck(seq_dim=1)
+    for seg in (x[:, :3], x[:, 6:9]):  # half of each 6-position segment
+        check.keep(0, 6, (seg,), {}, module(seg))
+    assert check.run(0, module, None) is None
+
+
 def test_the_first_step_compares_stage_outputs_with_the_whole_sequence() -> None:
     run_ranks(_first_step_checks, 2)
+    run_ranks(_sharded_outputs, 2)
+    run_ranks(_compiled_first_step, 2)

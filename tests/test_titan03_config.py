@@ -117,6 +117,10 @@ def test_override_parser_matches_tyro_spelling() -> None:
          "does not run under torch.compile yet"),
         (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_cpu",
           "--parallelism.expert_parallel_degree", "2"], "expert_parallel_degree = 2 with pipeline"),
+        (["--parallelism.pipeline_parallel_degree", "1",
+          "--parallelism.context_parallel_degree", "2"], "so it needs pipeline parallelism"),
+        (["--parallelism.pipeline_parallel_schedule", "BitPipe",
+          "--parallelism.context_parallel_degree", "2"], "does not shard them over the cp mesh"),
     ],
 )  # fmt: skip
 def test_bad_settings_are_refused_before_start(args: list[str], message: str) -> None:

@@ -26,7 +26,15 @@ from seq1f1b.bitpipe.sync import broadcast_twins, new_pair_group
 
 
 def check_bitpipe(parallel_dims: Any) -> None:
-    """BitPipe's pairing needs an even PP degree (names the TOML key)."""
+    """BitPipe's pairing needs an even PP degree, and it runs without context parallelism
+    (names the TOML keys)."""
+    if getattr(parallel_dims, "cp", 1) > 1:
+        raise ValueError(
+            f"[parallelism] context_parallel_degree = {parallel_dims.cp} with BitPipe: BitPipe "
+            "pipelines whole samples and does not shard them over the cp mesh (the Seq1F1B "
+            "schedules' ring attention does): set context_parallel_degree = 1, or use a "
+            "Seq1F1B schedule with context parallelism"
+        )
     if parallel_dims.pp % 2:
         raise ValueError(
             f"[parallelism] pipeline_parallel_degree = {parallel_dims.pp}: BitPipe pairs rank r "
@@ -45,13 +53,16 @@ def build_bitpipe(
     n_microbatches: int,
     loss_fn: Any,
     stage_kwargs: dict[str, Any] | None = None,
+    output_hook: Callable[..., Any] | None = None,
 ) -> tuple[ScheduleBitPipe, list[nn.Module], bool, bool]:
     """What a pipelining_fn returns for BitPipe, on either torchtitan version.
 
     ``names[c]`` are the module FQNs of layer chunk ``c`` (``2*pp`` chunks), ``split(model,
     fqns)`` makes one chunk (torchtitan's own split where it has one), ``parallelize`` applies
-    TP / FSDP / AC / compile to it. The parts come back with the last stage's last (the rank
-    holds at most one): torchtitan hands ``model_parts[-1].lm_head`` to a chunked loss.
+    TP / FSDP / AC / compile to it; ``output_hook`` is a forward hook on every stage but the
+    last, registered before the schedule exists (it may infer the stages' shapes). The parts
+    come back with the last stage's last (the rank holds at most one): torchtitan hands
+    ``model_parts[-1].lm_head`` to a chunked loss.
     """
     pp = dist.get_world_size(group)
     layout = BitPipeLayout(pp)
@@ -61,6 +72,8 @@ def build_bitpipe(
         part = parallelize(split(model, names[layout.chunk(g)]))
         kwargs = stage_kwargs or {}
         stages.append(BitPipeStage(part, g, layout.num_stages, device, group=group, **kwargs))
+        if output_hook is not None and not stages[-1].is_last:
+            part.register_forward_hook(output_hook)
     pair_group = new_pair_group(group)
     schedule = ScheduleBitPipe(
         stages, n_microbatches, loss_fn, pair_group=pair_group, scale_grads=False

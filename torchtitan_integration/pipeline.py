@@ -302,6 +302,16 @@ def contiguous_input_grads(stage: Any, action: Any) -> Iterator[None]:
         stage.bwd_cache[action.microbatch_index] = tuple(_contiguous(g) for g in grads)
 
 
+def contiguous_output(_module: nn.Module, _args: Any, output: Any) -> Any:
+    """Forward hook: a stage's outputs with contiguous (local) tensors. 0.3's sequence-parallel
+    blocks can return strided views, or DTensors whose local shard is one (DeepSeek-V3 under
+    TP), which gloo and NCCL point-to-point sends reject, and torch's stage sizes the gradient
+    receive buffers from them."""
+    if isinstance(output, tuple):
+        return tuple(_contiguous(o) for o in output)
+    return _contiguous(output)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 

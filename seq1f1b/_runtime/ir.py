@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -146,6 +147,32 @@ def has_compiled_module(module: torch.nn.Module | None) -> bool:
         isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
         for m in module.modules()
     )
+
+
+def compiled_modules(module: torch.nn.Module | None) -> int:
+    """How many of ``module``'s submodules (itself included) are compiled."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if not isinstance(module, torch.nn.Module):
+        return 0
+    return sum(
+        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in module.modules()
+    )
+
+
+def allow_compiled_variants(compiled: int, variants: int) -> int:
+    """Raise dynamo's recompile limit (``torch._dynamo.config.recompile_limit``: per code
+    object, process-wide) so that each of ``compiled`` modules may compile ``variants``
+    versions; never lowers it. Blocks of one class share a code object, so a model whose
+    blocks differ in structure (DeepSeek-V3's dense and MoE layers, GPT-OSS's windowed and
+    full ones) needs an entry per structure and variant, and torchtitan's ``fullgraph=True``
+    turns the limit into a hard failure. torchtitan raises it the same way for GPT-OSS.
+    Upstream hook that would remove this: a recompile limit per compiled module. Returns
+    the limit in force."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, compiled * variants)
+    return config.recompile_limit
 
 
 def has_checkpointed_module(module: torch.nn.Module | None) -> bool:
@@ -419,6 +446,37 @@ def set_recv_meta(info: Any, meta: Any) -> None:
         info.tensor_meta = meta
     else:
         _receive_into(info, torch.Size(meta.shape))
+
+
+def contiguous_receives(stages: Sequence[PipelineStageBase]) -> None:
+    """Every receive of these stages into a contiguous buffer. Torch sizes a gradient receive
+    from the next stage's inferred input gradient, whose strides can be a view's (the
+    gradient of a transposed activation under tensor parallelism: DeepSeek-V3 x TP); gloo
+    and NCCL receive only into contiguous buffers, and what is sent is made contiguous.
+    Upstream hook that would remove this: ``_RecvInfo`` allocating contiguous buffers."""
+    for stage in stages:
+        for backward in (False, True):
+            for infos in recv_infos(stage, backward).values():
+                for info in infos:
+                    if getattr(info, "is_root_arg", False):
+                        continue
+                    if RECV_BUFFER_PER_RECEIVE:
+                        meta = getattr(info, "tensor_meta", None)
+                        if meta is not None and tuple(meta.stride) != _dense_strides(meta.shape):
+                            stride = _dense_strides(meta.shape)
+                            info.tensor_meta = dataclasses.replace(meta, stride=stride)
+                    else:
+                        buf = getattr(info, "buffer", None)
+                        if isinstance(buf, torch.Tensor) and not buf.is_contiguous():
+                            info.buffer = buf.contiguous()
+
+
+def _dense_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(strides))
 
 
 def _receive_into(info: Any, shape: torch.Size) -> None:

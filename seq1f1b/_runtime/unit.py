@@ -36,6 +36,7 @@ from .ir import (
     Action,
     PipelineStageBase,
     ScheduleRuntime,
+    contiguous_receives,
     recv_infos,
     recv_shape,
     set_recv_meta,
@@ -386,6 +387,7 @@ class UnitRuntime(ScheduleRuntime):
         mods = [s.submod for s in self._stages]
         with self.stage_init_scope(), small_buffers_kept(mods):
             super()._initialize_stages(args, kwargs, target, loss_kwargs)
+        contiguous_receives(self._stages)
         self.after_stage_init()
         self._apply_recv_meta_fns()
 

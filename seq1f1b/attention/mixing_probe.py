@@ -43,9 +43,15 @@ def _perturbed(x: Any, seq_dim: int) -> tuple[Any, bool]:
 
 
 def mixes_positions(
-    module: nn.Module, args: tuple, kwargs: dict, output: Any, seq_dim: int
+    module: nn.Module, args: tuple, kwargs: dict, output: Any, seq_dim: int, length: int
 ) -> bool:
-    """Whether ``module``'s output after position 0 depends on the input at position 0."""
+    """Whether ``module``'s output after position 0 depends on the input at position 0, for a
+    segment of ``length`` positions on this rank. Inputs of another length along the sequence
+    are shards of it (sequence parallelism): every rank's first position moves at once and
+    the shards are gathered, so such a stage is not probed (False)."""
+    first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > seq_dim), None)
+    if first is not None and first.shape[seq_dim] != length:
+        return False
     changed, any_changed = [], False
     for a in args:
         b, did = _perturbed(a, seq_dim) if not any_changed else (a, False)

@@ -94,13 +94,25 @@ class _Kept:
     dtype: torch.dtype = torch.float32
 
 
-def _first_output(out: Any) -> torch.Tensor | None:
-    """The stage's (first) floating-point output. A DTensor (torchtitan 0.2.2's vocabulary-
-    parallel logits) is not compared: there the segments' and the whole sequence's shards
-    differ by 5e-3 on torch 2.13, not yet explained (0.3's tensor parallelism is compared)."""
-    t = out[0] if isinstance(out, (tuple, list)) and out else out
+def _first(out: Any) -> Any:
+    return out[0] if isinstance(out, (tuple, list)) and out else out
+
+
+def _sharded_along(t: Any, dim: int) -> bool:
+    """A DTensor sharded along ``dim`` (a plain tensor is not)."""
+    places = getattr(t, "placements", ())
+    return any(getattr(p, "dim", None) in (dim, dim - t.dim()) for p in places)
+
+
+def _first_output(out: Any, seq_dim: int) -> torch.Tensor | None:
+    """The stage's (first) floating-point output, as a plain tensor. A DTensor is compared by
+    its local part (torchtitan's vocabulary-parallel logits: each rank its own columns); one
+    sharded along the sequence is not compared."""
+    t = _first(out)
     if hasattr(t, "to_local"):
-        return None
+        if _sharded_along(t, seq_dim):
+            return None
+        t = t.to_local()
     return t if isinstance(t, torch.Tensor) and t.is_floating_point() else None
 
 
@@ -117,19 +129,34 @@ class WholeSequenceCheck:
     def __init__(self, seq_dim: int) -> None:
         self.seq_dim = seq_dim
         self._kept: dict[int, _Kept] = {}
+        self._sharded: set[int] = set()  # stages whose segments are sequence shards
         self._directions: dict[tuple[int, str], torch.Tensor] = {}
 
     def reset(self) -> None:
-        self._kept = {}
+        self._kept, self._sharded = {}, set()
 
     def wants(self, info: SegmentInfo) -> bool:
         return info.microbatch == 0 and info.segment < SEGMENTS and info.num_segments >= 2
 
-    def keep(self, stage_index: int, args: tuple, kwargs: dict, out: Any) -> None:
-        """One forward of a wanted segment (called from the stage's forward hook)."""
-        t = _first_output(out)
+    def keep(self, stage_index: int, length: int, args: tuple, kwargs: dict, out: Any) -> None:
+        """One forward of a wanted segment of ``length`` positions (from the stage's forward
+        hook). Inputs or outputs shorter than the segment along the sequence are shards of it
+        (sequence parallelism passes its local shard between stages): two segments' shards do
+        not join into the whole sequence's shard, so such a stage is not compared."""
+        t = _first_output(out, self.seq_dim)
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if t is None or first is None or first.dim() <= self.seq_dim:
+        if first is None or first.dim() <= self.seq_dim:
+            return
+        if (_sharded_along(_first(out), self.seq_dim) or first.shape[self.seq_dim] != length
+                or (t is not None and t.shape[self.seq_dim] != length)):  # fmt: skip
+            self._kept.pop(stage_index, None)
+            if stage_index not in self._sharded:
+                logger.info("Seq1F1B: stage %d: first-step output check skipped (its inputs "
+                            "or outputs are shards along the sequence: sequence parallelism)",
+                            stage_index)  # fmt: skip
+            self._sharded.add(stage_index)
+            return
+        if t is None:
             return
         batch = first.shape[0]
         kept = self._kept.setdefault(stage_index, _Kept(dtype=t.dtype))
@@ -194,7 +221,8 @@ class WholeSequenceCheck:
                         "cannot be joined along the sequence)", stage_index)  # fmt: skip
             return None
         lengths = [o.shape[0] for o in kept.outputs]
-        out = _first_output(self._forward(stage_index, module, whole, sum(lengths), documents))
+        out = self._forward(stage_index, module, whole, sum(lengths), documents)
+        out = _first_output(out, self.seq_dim)
         if out is None:
             return None
         ref = self._project(out.detach()[:1])

@@ -99,6 +99,13 @@ class UnitActions:
         self.checking = False  # this step compares outputs
         self._checked_len: int | None = None
         self.mismatches: dict[int, tuple[int, float, torch.dtype]] = {}
+        # stages with compiled blocks run the guarded units eagerly (below); a compiled
+        # block's variants: a static first length, then dynamic lengths, and as many again
+        # for what tensor parallelism adds (torchtitan: pytorch#187073)
+        counts = {s.stage_index: rt.compiled_modules(getattr(s, "submod", None)) for s in stages}
+        self._compiled = {index for index, n in counts.items() if n}
+        if self._compiled:
+            rt.allow_compiled_variants(sum(counts.values()), 4)
 
     def begin_step(self, lengths: list[list[int]], documents: list | None) -> None:
         seq_len = sum(lengths[0])
@@ -248,6 +255,9 @@ class UnitActions:
             self.receives.check_received(stage, unit)
         keep = stage.has_backward and torch.is_grad_enabled()
         state.begin_forward(info.microbatch, info.segment)
+        # a stage with compiled blocks runs a guarded step eagerly: the SDPA guard's mode and
+        # the probe's no-grad forward would each compile another variant of every block, and
+        # the check compares eager with eager (every unit: one step's K/V cache is one kind)
         mode = PlainAttentionGuard(info.documents is not None) if self.guard else None
         seen: list[tuple] = []  # (args, kwargs, output) of a guarded forward
         hook = None
@@ -260,7 +270,7 @@ class UnitActions:
         state.attention_calls = 0
         try:
             with activate(UnitContext(state, info, "forward", keep)):
-                with mode or contextlib.nullcontext():
+                with self._eager_if_guarded(stage), mode or contextlib.nullcontext():
                     yield
         except RuntimeError as exc:
             if mode is not None and mode.error is not None:
@@ -270,10 +280,11 @@ class UnitActions:
             if hook is not None:
                 hook.remove()
         if seen and kept:
-            self.outputs.keep(stage.stage_index, *seen[0])
+            self.outputs.keep(stage.stage_index, info.length, *seen[0])
         if seen and probed and state.attention_calls == 0 and self.mixing is None:
             args, kwargs, out = seen[0]
-            if mixes_positions(stage.submod, args, kwargs, out, self.receives.seq_dim):
+            seq_dim = self.receives.seq_dim
+            if mixes_positions(stage.submod, args, kwargs, out, seq_dim, info.local_length):
                 # raised after the step, on every rank at once (see SequencePipelineSchedule)
                 self.mixing = (stage.stage_index, info.segment)
         state.end_forward(info.microbatch, info.segment, keep)
@@ -284,7 +295,7 @@ class UnitActions:
         info, state = self.segment_info(unit), self.kv_states[stage.stage_index]
         state.begin_backward(info.microbatch, info.segment)
         phase = "backward" if free else "backward_input"
-        with activate(UnitContext(state, info, phase, True)):
+        with activate(UnitContext(state, info, phase, True)), self._eager_if_guarded(stage):
             yield
         state.end_backward(info.microbatch, info.segment, free=free)
 
@@ -294,5 +305,14 @@ class UnitActions:
         recompute the layer (and its attention, from the kept K/V cache) once more here."""
         info, state = self.segment_info(unit), self.kv_states[stage.stage_index]
         with activate(UnitContext(state, info, "backward_weight", False)):
-            yield
+            with self._eager_if_guarded(stage):
+                yield
         state.end_weight(info.microbatch, info.segment)
+
+    def _eager_if_guarded(self, stage: PipelineStageBase) -> contextlib.AbstractContextManager:
+        """A guarded step's actions on a stage with compiled blocks run eagerly, backwards
+        too: a checkpointed block's recomputation must build the K/V cache the eager forward
+        built (each kind wires its gradients its own way)."""
+        if self.guard and stage.stage_index in self._compiled:
+            return torch.compiler.set_stance("force_eager")
+        return contextlib.nullcontext()

@@ -24,20 +24,14 @@ from ..bitpipe import build_bitpipe, check_bitpipe
 from ..pipeline import (
     check_config,
     check_schedule_name,
+    contiguous_input_grads,
+    contiguous_output,
     pipelining_result,
     split_style_schedule,
     stages_per_rank,
 )
 from . import _titan
 from .models import family_of
-
-
-def _contiguous_output(_module: nn.Module, _args: Any, output: Any) -> Any:
-    """Stage outputs as contiguous tensors: 0.3's sequence-parallel blocks can return strided
-    views, which gloo (and NCCL) point-to-point sends reject."""
-    if isinstance(output, torch.Tensor) and not output.is_contiguous():
-        return output.contiguous()
-    return output
 
 
 def config_view(trainer_config: Any, parallelism: Any = None, training: Any = None) -> Any:
@@ -120,7 +114,7 @@ def pipeline_seq1f1b(
         parts[i] = parallelize_fn(part, **spmd)
         stages[i].submod = parts[i]
         if not stages[i].is_last:
-            parts[i].register_forward_hook(_contiguous_output)
+            parts[i].register_forward_hook(contiguous_output)
 
     return pipelining_result(
         entry, stages, parts, config, lengths, unit_loss(loss_fn, training.seq_len),
@@ -158,10 +152,10 @@ def _pipeline_bitpipe(
         n_microbatches=training.local_batch_size // parallelism.pipeline_parallel_microbatch_size,
         loss_fn=loss_fn,
         stage_kwargs={"get_mesh": _titan.MESH_CALLBACK.get()(parallel_dims)},
+        output_hook=contiguous_output,
     )
-    for stage in schedule.local_stages:
-        if not stage.is_last:
-            stage.submod.register_forward_hook(_contiguous_output)
+    if parallel_dims.tp > 1:  # where the strided input gradients come from
+        schedule.register_action_context(contiguous_input_grads)
     return schedule, parts, has_first, has_last
 
 

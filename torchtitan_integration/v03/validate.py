@@ -56,7 +56,16 @@ def validate_before_start(config: Any) -> None:
     """Refuse settings that cannot run, naming the config key and the fix, on every rank."""
     par = config.parallelism
     entry = check_schedule_name(par.pipeline_parallel_schedule)
+    cp = par.context_parallel_degree
     if par.pipeline_parallel_degree <= 1:
+        if cp > 1:
+            raise ValueError(
+                f"context_parallel_degree = {cp} with pipeline_parallel_degree = "
+                f"{par.pipeline_parallel_degree}: the Seq1F1B trainer's context parallelism "
+                "is the Seq1F1B schedules' ring attention, so it needs pipeline parallelism. "
+                "Set context_parallel_degree = 1 (or pipeline_parallel_degree >= 2 with a "
+                "Seq1F1B schedule); stock torchtitan runs CP without PP"
+            )
         return
     if entry.replicas == 2:
         check_bitpipe_settings(par, config.training)
@@ -74,6 +83,11 @@ def validate_before_start(config: Any) -> None:
         )
     # an unknown family is refused here, and a latent K/V cache of a family without one
     model_family = family_of(config.model_spec, config.seq1f1b.kv_cache)
+    if cp > 1 and model_family.no_context_parallel:
+        raise ValueError(
+            f"context_parallel_degree = {cp} with {model_family.name}: not supported yet, "
+            f"{model_family.no_context_parallel}. Set context_parallel_degree = 1"
+        )
     if config.seq1f1b.kv_cache == "latent" and max(par.tensor_parallel_degree,
                                                    par.context_parallel_degree) > 1:  # fmt: skip
         raise ValueError(
@@ -117,8 +131,15 @@ def loss_with_chunks(loss: Any, chunks: Any) -> Any:
 
 def check_bitpipe_settings(par: Any, training: Any) -> None:
     """BitPipe pairs rank r with pp-1-r and gives each of its two replicas half of the
-    microbatches: pp and M even, naming the keys."""
+    microbatches: pp and M even, naming the keys; it runs without context parallelism."""
     pp = par.pipeline_parallel_degree
+    if getattr(par, "context_parallel_degree", 1) > 1:
+        raise ValueError(
+            f"parallelism.context_parallel_degree = {par.context_parallel_degree} with BitPipe: "
+            "BitPipe pipelines whole samples and does not shard them over the cp mesh (the "
+            "Seq1F1B schedules' ring attention does): set context_parallel_degree = 1, or use "
+            "a Seq1F1B schedule with context parallelism"
+        )
     if pp % 2:
         raise ValueError(
             f"parallelism.pipeline_parallel_degree = {pp}: BitPipe pairs rank r with rank "

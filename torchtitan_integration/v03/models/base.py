@@ -157,6 +157,8 @@ class ModelFamily:
     #: makes a chunk-aware model's attention cache its compressed latent (``kv_cache =
     #: "latent"``; returns how many layers), for the families whose attention has one
     latent_kv: Callable[[nn.Module], int] | None = None
+    #: why the family does not run with context parallelism (None: it does)
+    no_context_parallel: str | None = None
 
     def with_kv_cache(self, kv_cache: str) -> ModelFamily:
         """This family as ``[seq1f1b] kv_cache`` wants it: unchanged for "expanded"; for
