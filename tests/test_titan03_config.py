@@ -116,7 +116,7 @@ def test_override_parser_matches_tyro_spelling() -> None:
         (["--compile.enable", "--parallelism.context_parallel_degree", "2"],
          "does not run under torch.compile yet"),
         (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_cpu",
-          "--parallelism.expert_parallel_degree", "2"], "expert_parallel_degree = 2 with pipeline"),
+          "--parallelism.expert_parallel_degree", "2"], "Set --parallelism.spmd_backend partial"),
         (["--parallelism.pipeline_parallel_degree", "1",
           "--parallelism.context_parallel_degree", "2"], "so it needs pipeline parallelism"),
         (["--parallelism.pipeline_parallel_schedule", "BitPipe",

@@ -103,18 +103,24 @@ def test_qwen3_compiled_interleaved_matches_unpipelined(qwen3_seed, qwen3_refere
     assert_same_curve(run, qwen3_reference, steps=STEPS)
 
 
-def test_qwen3_moe_checkpointed_matches_unpipelined(tmp_path) -> None:
-    """Qwen3 MoE under Seq1F1B with full activation checkpointing (every segment's forward
-    runs twice, and counts its tokens twice: torchtitan halves the counts of a recomputed
-    block) against PP=1 without: equal curves, and equal expert biases after the last step,
-    each updated before every optimizer step by the sign of each expert's token count against
-    the mean (8 layers x 8 experts x 3 steps). The start-up self-check runs the MoE debug
-    model and compares the token counts per expert too."""
+#: expert parallelism over the two data-parallel ranks; on gloo through torchtitan's
+#: partial-DTensor backend (its default's list all_to_all needs equal sizes on gloo)
+EP2 = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree",
+       "2", "--parallelism.spmd_backend", "partial_dtensor"]  # fmt: skip
+
+
+def test_qwen3_moe_checkpointed_x_ep2_matches_unpipelined(tmp_path) -> None:
+    """Qwen3 MoE under Seq1F1B x expert parallelism (EP = 2 over FSDP = 2) with full activation
+    checkpointing (every segment's forward runs twice, and counts its tokens twice: torchtitan
+    halves the counts of a recomputed block) against PP=1 x EP = 2 without: equal curves, and
+    equal expert biases after the last step, each updated before every optimizer step by the
+    sign of each expert's token count against the mean (8 layers x 8 experts x 3 steps). The
+    start-up self-check runs the MoE debug model and compares the token counts per expert."""
     seed = _seed(QWEN3_MOE, tmp_path / "seed", save_at=MOE_STEPS)
-    ref = run_titan(1, *NO_PP, *QWEN3_MOE, *seed, dump=tmp_path / "pp1")
-    run = run_titan(2, *PP2, *QWEN3_MOE, *seed, "--activation_checkpoint.mode", "full",
+    ref = run_titan(2, *NO_PP, *QWEN3_MOE, *seed, *EP2, dump=tmp_path / "pp1")
+    run = run_titan(4, *PP2, *QWEN3_MOE, *seed, *EP2, "--activation_checkpoint.mode", "full",
                     "--seq1f1b.verify", dump=tmp_path / "pp2")  # fmt: skip
-    assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, run.output[-3000:]
+    assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 4, run.output[-3000:]
     assert "debugmodel_moe resized: 8 MoE layers: 8 routed experts of width 256" in run.output
     assert_same_curve(run, ref, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
     want = _expert_biases(tmp_path / "pp1", MOE_STEPS)

@@ -4,9 +4,10 @@ rank's ~8 s of imports: tests/titan_utils.py sends the runs, one JSON line each 
 reads a JSON line back when every rank has exited).
 
 Each rank is a fresh fork: nothing one run sets reaches the next. The ranks meet over
-``env://`` (rank 0 hosts the store on a free port, as torchrun's ``MASTER_ADDR``/``PORT``), write
-to one log (line-buffered, appended), and when one rank fails the others are stopped, as
-torchrun's agent does. Run as ``python tests/titan_zygote.py`` from the repository root.
+``env://`` (rank 0 hosts the store on a socket this process bound, so no other run on the
+machine can take its port first), write to one log (line-buffered, appended), and when one
+rank fails the others are stopped, as torchrun's agent does. Run as ``python
+tests/titan_zygote.py`` from the repository root.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import time
 import traceback
 
-import torch  # noqa: F401  (the imports every rank shares)
+import torch  # the imports every rank shares
 
 from torchtitan_integration.versions import TITAN_0_3, titan_generation
 
@@ -29,15 +30,21 @@ else:
     from torchtitan_integration.v022.train import run as train
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _listening_socket() -> socket.socket:
+    """A socket bound to a port of the OS's choosing and listening: the run's store takes it
+    over, so no other process can take the port between its choice and its use."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(128)
+    return s
 
 
-def _rank(rank: int, world: int, port: int, argv: list[str], log: int) -> None:
-    """The body of one forked rank; never returns."""
+def _rank(rank: int, world: int, listener: socket.socket, argv: list[str], log: int) -> None:
+    """The body of one forked rank; never returns. Rank 0 hosts the run's store on the
+    inherited listening socket; every rank's ``env://`` rendezvous connects to it as a client
+    (torchrun's agent store: ``TORCHELASTIC_USE_AGENT_STORE``)."""
     code = 1
+    store = None
     try:
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -46,11 +53,19 @@ def _rank(rank: int, world: int, port: int, argv: list[str], log: int) -> None:
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        port = listener.getsockname()[1]
         os.environ.update(
             RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
             WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
         )  # fmt: skip
+        if rank == 0:
+            store = torch.distributed.TCPStore(
+                "127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                master_listen_fd=listener.fileno(), use_libuv=False,
+            )  # fmt: skip
+        else:
+            listener.close()
         sys.argv = ["torchtitan_integration.train", *argv]
         train()
         code = 0
@@ -61,6 +76,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], log: int) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        del store
         os._exit(code)
 
 
@@ -81,16 +97,17 @@ def _stop(pids: set[int]) -> None:
 
 def launch(world: int, argv: list[str], log_path: str, timeout: float) -> int:
     """Fork ``world`` ranks of one run; the first failing rank's exit code (124: timed out)."""
-    port = _free_port()
+    listener = _listening_socket()
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
     sys.stdout.flush()
     pids = set()
     for rank in range(world):
         pid = os.fork()
         if pid == 0:
-            _rank(rank, world, port, argv, log)
+            _rank(rank, world, listener, argv, log)
         pids.add(pid)
     os.close(log)
+    listener.close()
     deadline = time.monotonic() + timeout
     result = 0
     while pids:

@@ -56,7 +56,15 @@ def validate_before_start(config: Any) -> None:
     """Refuse settings that cannot run, naming the config key and the fix, on every rank."""
     par = config.parallelism
     entry = check_schedule_name(par.pipeline_parallel_schedule)
-    cp = par.context_parallel_degree
+    cp, ep = par.context_parallel_degree, getattr(par, "expert_parallel_degree", 1)
+    if ep > 1 and par.spmd_backend == "spmd_types" and not torch.cuda.is_available():
+        raise ValueError(
+            f"expert_parallel_degree = {ep} with spmd_backend = 'spmd_types' on CPU: "
+            "torchtitan's expert-parallel token exchange is then a list all_to_all of unequal "
+            "sizes, which gloo does not run (ProcessGroupGloo::alltoall: invalid tensor size), "
+            "with or without pipelining. Set --parallelism.spmd_backend partial_dtensor (its "
+            "all_to_all_single runs on gloo), or expert_parallel_degree = 1"
+        )
     if par.pipeline_parallel_degree <= 1:
         if cp > 1:
             raise ValueError(
@@ -72,15 +80,6 @@ def validate_before_start(config: Any) -> None:
         return
     if not entry.seq_chunked:
         return
-    if getattr(par, "expert_parallel_degree", 1) > 1:
-        raise ValueError(
-            f"expert_parallel_degree = {par.expert_parallel_degree} with pipeline parallelism "
-            "under the Seq1F1B schedules is not supported yet: on CPU/gloo the first step fails "
-            "in torch's stage initialisation (its forward metadata inference), inside "
-            "torchtitan's expert-parallel token exchange (ProcessGroupGloo::alltoall: invalid "
-            "tensor size), cause not yet found, and on GPUs it is untested. Set "
-            "expert_parallel_degree = 1 (every rank holds every expert; PP=1 x EP trains)"
-        )
     # an unknown family is refused here, and a latent K/V cache of a family without one
     model_family = family_of(config.model_spec, config.seq1f1b.kv_cache)
     if cp > 1 and model_family.no_context_parallel:
