@@ -205,7 +205,8 @@ def row_args(row: Row) -> list[str]:
 
 #: models whose PP=1 numbers move with TP beyond rounding, so their TP rows are compared with
 #: PP=1 under the same TP (GPT-OSS: step 1's loss 8.1206 with TP = 2, 8.1470 without, PP=1
-#: and PP=2 alike; the cause is not found yet)
+#: and PP=2 alike: torchtitan 0.3's experts add their output bias once per TP rank under the
+#: spmd_types backend, their TP degree being read from DTensor parameters only)
 SHARDING_MOVES_NUMBERS = frozenset({"gpt_oss"})
 
 

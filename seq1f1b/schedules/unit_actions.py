@@ -99,7 +99,7 @@ class UnitActions:
         self.checking = False  # this step compares outputs
         self._checked_len: int | None = None
         self.mismatches: dict[int, tuple[int, float, torch.dtype]] = {}
-        # stages with compiled blocks run the guarded units eagerly (below); a compiled
+        # stages with compiled blocks run a guarded step eagerly (below); a compiled
         # block's variants: a static first length, then dynamic lengths, and as many again
         # for what tensor parallelism adds (torchtitan: pytorch#187073)
         counts = {s.stage_index: rt.compiled_modules(getattr(s, "submod", None)) for s in stages}
@@ -284,7 +284,9 @@ class UnitActions:
         if seen and probed and state.attention_calls == 0 and self.mixing is None:
             args, kwargs, out = seen[0]
             seq_dim = self.receives.seq_dim
-            if mixes_positions(stage.submod, args, kwargs, out, seq_dim, info.local_length):
+            with self._eager_if_guarded(stage):
+                mixes = mixes_positions(stage.submod, args, kwargs, out, seq_dim, info.local_length)
+            if mixes:
                 # raised after the step, on every rank at once (see SequencePipelineSchedule)
                 self.mixing = (stage.stage_index, info.segment)
         state.end_forward(info.microbatch, info.segment, keep)
