@@ -129,6 +129,20 @@ def test_bad_settings_are_refused_before_start(args: list[str], message: str) ->
     assert message in str(err.value)
 
 
+def test_gpt_oss_tensor_parallel_is_warned_on_every_rank(caplog) -> None:
+    """torchtitan's GPT-OSS counts its experts' output bias once per TP rank under the
+    spmd_types backend: said at start-up (every rank validates), and only for that family."""
+    tp = ["--parallelism.tensor_parallel_degree", "2"]
+    gpt_oss = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel_cpu"]
+    with caplog.at_level("WARNING", logger="torchtitan_integration.v03.validate"):
+        validate_before_start(build_config(DEBUG, [*gpt_oss, *tp]))
+        assert "the bias counts tensor_parallel_degree times" in caplog.text
+        caplog.clear()
+        validate_before_start(build_config(DEBUG, gpt_oss))
+        validate_before_start(build_config(DEBUG, tp))
+        assert "tensor_parallel_degree times" not in caplog.text
+
+
 def test_bitpipe_settings_that_can_run_are_accepted() -> None:
     validate_before_start(build_config(DEBUG, ["--parallelism.pipeline_parallel_schedule",
                                                "BitPipe"]))  # fmt: skip

@@ -5,6 +5,7 @@ Llama3."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,8 @@ from ..pipeline import check_config, check_loss_chunks, check_schedule_name, sta
 from ..verify import run_start_check
 from . import _titan
 from .models import ModelFamily, NoBf16Casts, family_of
+
+logger = logging.getLogger(__name__)
 
 #: torchtitan 0.3's FSDP and TP (its full-DTensor ``fully_shard(..., dp_mesh_dims=...)``) need
 #: torch 2.15: torch 2.13's fully_shard rejects the plain-tensor parameters 0.3 hands it
@@ -65,6 +68,7 @@ def validate_before_start(config: Any) -> None:
             "with or without pipelining. Set --parallelism.spmd_backend partial_dtensor (its "
             "all_to_all_single runs on gloo), or expert_parallel_degree = 1"
         )
+    _warn_tensor_parallel(config)
     if par.pipeline_parallel_degree <= 1:
         if cp > 1:
             raise ValueError(
@@ -126,6 +130,21 @@ def loss_with_chunks(loss: Any, chunks: Any) -> Any:
             "loss_chunks = 0"
         )
     return dataclasses.replace(loss, num_chunks=chunks)
+
+
+def _warn_tensor_parallel(config: Any) -> None:
+    """Say on every rank what torchtitan's own tensor parallelism gets wrong in the model's
+    family (:attr:`ModelFamily.tensor_parallel_note`), where it is known."""
+    par = config.parallelism
+    if par.tensor_parallel_degree <= 1 or par.spmd_backend != "spmd_types":
+        return
+    try:
+        note = family_of(config.model_spec).tensor_parallel_note
+    except ValueError:  # a family we do not know: refused where it matters, with the list
+        return
+    if note:
+        logger.warning("Seq1F1B: %s with tensor_parallel_degree = %d: %s",
+                       config.model_spec.name, par.tensor_parallel_degree, note)  # fmt: skip
 
 
 def check_bitpipe_settings(par: Any, training: Any) -> None:

@@ -159,6 +159,9 @@ class ModelFamily:
     latent_kv: Callable[[nn.Module], int] | None = None
     #: why the family does not run with context parallelism (None: it does)
     no_context_parallel: str | None = None
+    #: what torchtitan's own tensor parallelism (``spmd_types`` backend) gets wrong in this
+    #: family, warned at start-up on every rank (None: nothing known)
+    tensor_parallel_note: str | None = None
 
     def with_kv_cache(self, kv_cache: str) -> ModelFamily:
         """This family as ``[seq1f1b] kv_cache`` wants it: unchanged for "expanded"; for

@@ -97,4 +97,11 @@ FAMILY = ModelFamily(
         "its learned attention sinks read the log-sum-exp merged over every key, which the "
         "context-parallel ring does not return yet"
     ),
+    tensor_parallel_note=(
+        "torchtitan 0.3's GptOssGroupedExperts reads its TP degree from DTensor parameters "
+        "only, which spmd_types does not make, so each TP rank adds the experts' output bias "
+        "to its partial sum: the bias counts tensor_parallel_degree times (step 1's loss on "
+        "the debug model: 8.121 with TP = 2, 8.147 without). Seq1F1B matches torchtitan's "
+        "PP=1 under the same TP; the fix is upstream (the degree from the TP mesh)"
+    ),
 )
