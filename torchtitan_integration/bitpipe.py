@@ -25,16 +25,21 @@ from seq1f1b.bitpipe.layout import BitPipeLayout, BitPipeStage
 from seq1f1b.bitpipe.sync import broadcast_twins, new_pair_group
 
 
+def bitpipe_cp_error(cp: int) -> ValueError:
+    """The refusal of BitPipe with context parallelism (both torchtitan releases)."""
+    return ValueError(
+        f"[parallelism] context_parallel_degree = {cp} with BitPipe: BitPipe pipelines whole "
+        "samples and does not shard them over the cp mesh (the Seq1F1B schedules' ring "
+        "attention does): set context_parallel_degree = 1, or use a Seq1F1B schedule with "
+        "context parallelism"
+    )
+
+
 def check_bitpipe(parallel_dims: Any) -> None:
     """BitPipe's pairing needs an even PP degree, and it runs without context parallelism
     (names the TOML keys)."""
     if getattr(parallel_dims, "cp", 1) > 1:
-        raise ValueError(
-            f"[parallelism] context_parallel_degree = {parallel_dims.cp} with BitPipe: BitPipe "
-            "pipelines whole samples and does not shard them over the cp mesh (the Seq1F1B "
-            "schedules' ring attention does): set context_parallel_degree = 1, or use a "
-            "Seq1F1B schedule with context parallelism"
-        )
+        raise bitpipe_cp_error(parallel_dims.cp)
     if parallel_dims.pp % 2:
         raise ValueError(
             f"[parallelism] pipeline_parallel_degree = {parallel_dims.pp}: BitPipe pairs rank r "

@@ -55,9 +55,9 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 | stage._RecvInfo .buffer (2.13/2.14) or        | per-unit receive shape (segments differ in       |
 |   .tensor_meta (2.15)                         |   length)                                        |
 | torch._utils._flatten_dense_tensors           | BitPipe pair gradient buckets                    |
-| torch._dynamo.config.recompile_limit          | room for a compiled block's variants: the first  |
-|                                               |   step's SDPA guard on / off x a static first    |
-|                                               |   length / dynamic lengths, per block structure  |
+| torch._dynamo.config.recompile_limit          | room for a compiled block's variants (a static   |
+|                                               |   first length, then dynamic lengths) per block  |
+|                                               |   structure, which share one code object         |
 | torch._dynamo.eval_frame.OptimizedModule,     | zero-bubble orders run compiled stages'          |
 |   Module._compiled_call_impl                  |   backwards whole (split, a compiled backward    |
 |                                               |   would run twice; pytorch#161904)               |

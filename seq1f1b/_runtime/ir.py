@@ -139,14 +139,7 @@ def has_compiled_module(module: torch.nn.Module | None) -> bool:
     """Whether ``module`` or a submodule is compiled (``module.compile()`` or an
     ``OptimizedModule`` wrapper, as torchtitan's per-block compile makes); None: no module
     (mock stages)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    if not isinstance(module, torch.nn.Module):
-        return False
-    return any(
-        isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
-        for m in module.modules()
-    )
+    return compiled_modules(module) > 0
 
 
 def compiled_modules(module: torch.nn.Module | None) -> int:
@@ -462,21 +455,18 @@ def contiguous_receives(stages: Sequence[PipelineStageBase]) -> None:
                         continue
                     if RECV_BUFFER_PER_RECEIVE:
                         meta = getattr(info, "tensor_meta", None)
-                        if meta is not None and tuple(meta.stride) != _dense_strides(meta.shape):
-                            stride = _dense_strides(meta.shape)
-                            info.tensor_meta = dataclasses.replace(meta, stride=stride)
+                        dense = None if meta is None else _dense_strides(meta.shape)
+                        if meta is not None and tuple(meta.stride) != dense:
+                            info.tensor_meta = dataclasses.replace(meta, stride=dense)
                     else:
                         buf = getattr(info, "buffer", None)
                         if isinstance(buf, torch.Tensor) and not buf.is_contiguous():
-                            info.buffer = buf.contiguous()
+                            new = torch.empty(buf.shape, dtype=buf.dtype, device=buf.device)
+                            info.buffer = new.requires_grad_(buf.requires_grad)
 
 
 def _dense_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(tuple(shape)):
-        strides.append(step)
-        step *= max(int(n), 1)
-    return tuple(reversed(strides))
+    return torch.empty(tuple(shape), device="meta").stride()
 
 
 def _receive_into(info: Any, shape: torch.Size) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..bitpipe import bitpipe_cp_error
 from ..pipeline import check_config, check_loss_chunks, check_schedule_name, stages_per_rank
 from ..verify import run_start_check
 from . import _titan
@@ -152,12 +153,7 @@ def check_bitpipe_settings(par: Any, training: Any) -> None:
     microbatches: pp and M even, naming the keys; it runs without context parallelism."""
     pp = par.pipeline_parallel_degree
     if getattr(par, "context_parallel_degree", 1) > 1:
-        raise ValueError(
-            f"parallelism.context_parallel_degree = {par.context_parallel_degree} with BitPipe: "
-            "BitPipe pipelines whole samples and does not shard them over the cp mesh (the "
-            "Seq1F1B schedules' ring attention does): set context_parallel_degree = 1, or use "
-            "a Seq1F1B schedule with context parallelism"
-        )
+        raise bitpipe_cp_error(par.context_parallel_degree)
     if pp % 2:
         raise ValueError(
             f"parallelism.pipeline_parallel_degree = {pp}: BitPipe pairs rank r with rank "
