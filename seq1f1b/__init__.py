@@ -1,6 +1,8 @@
 """seq1f1b: sequence-level pipeline parallelism (Seq1F1B) for torch.distributed.pipelining."""
 
 from .attention.attention_op import add_layer_key, checkpoint_save_ops, segment_positions
+from .attention.carried import CarriedState, carried_state
+from .attention.gated_deltanet import ChunkAwareGatedDeltaNet
 from .attention.kv import SegmentInfo, current_segment, packed_documents
 from .attention.layer import ChunkAwareAttention, chunk_aware_attention, latent_attention
 from .bitpipe import ScheduleBitPipe, build_bitpipe_stages
@@ -26,7 +28,9 @@ from .verify import VerificationReport, verify_model
 __version__ = "0.1.0"
 
 __all__ = [
+    "CarriedState",
     "ChunkAwareAttention",
+    "ChunkAwareGatedDeltaNet",
     "ChunkedLoss",
     "ContextParallelConfig",
     "LatentKV",
@@ -42,6 +46,7 @@ __all__ = [
     "VerificationReport",
     "add_layer_key",
     "build_bitpipe_stages",
+    "carried_state",
     "checkpoint_save_ops",
     "chunk_aware_attention",
     "compute_balanced_split",

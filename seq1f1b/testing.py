@@ -2,7 +2,8 @@
 
 It is the smallest model that exercises what Seq1F1B must get right: causal attention through
 :func:`seq1f1b.chunk_aware_attention` (grouped-query), RoPE at absolute positions taken from the
-running segment, SwiGLU, RMSNorm, optional activation checkpointing per block.
+running segment, SwiGLU, RMSNorm, optional activation checkpointing per block; optionally a
+hybrid stack whose other layers are Gated DeltaNet (a recurrent state carried between segments).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .attention.attention_op import segment_positions
+from .attention.gated_deltanet import ChunkAwareGatedDeltaNet
 from .attention.layer import ChunkAwareAttention
 
 __all__ = ["TinyConfig", "TinyStage", "build_stages", "full_model", "rope_positions"]
@@ -31,6 +33,9 @@ class TinyConfig:
     rope_theta: float = 10000.0
     window: int | None = None  # sliding window of the even layers (odd layers: global)
     sinks: int = 0
+    #: hybrid stacks (Qwen3.5): layer i attends when i % full_attention_every is the last
+    #: residue, the others are Gated DeltaNet (recurrent state carried across segments)
+    full_attention_every: int = 1
 
 
 def rope_positions(x: torch.Tensor) -> torch.Tensor:
@@ -54,30 +59,39 @@ class Block(nn.Module):
         self.cfg = cfg
         hd = cfg.dim // cfg.n_heads
         self.norm1 = nn.RMSNorm(cfg.dim)
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
-        local = cfg.window is not None and index % 2 == 0  # Gemma-style local/global layers
-        self.attn = ChunkAwareAttention(cfg.window, cfg.sinks) if local else ChunkAwareAttention()
+        every = cfg.full_attention_every
+        self.delta_net = None
+        if index % every != every - 1:  # a Gated DeltaNet layer: no softmax attention
+            self.delta_net = ChunkAwareGatedDeltaNet(cfg.dim, cfg.n_kv_heads, cfg.n_heads, hd, hd)
+        else:
+            self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+            self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+            self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+            self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+            local = cfg.window is not None and index % 2 == 0  # Gemma-style local/global
+            self.attn = ChunkAwareAttention(
+                cfg.window if local else None, cfg.sinks if local else 0
+            )
         self.norm2 = nn.RMSNorm(cfg.dim)
         self.w1 = nn.Linear(cfg.dim, cfg.ffn, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn, bias=False)
         self.w2 = nn.Linear(cfg.ffn, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        hd = self.cfg.dim // self.cfg.n_heads
         h = self.norm1(x)
+        x = x + (self.delta_net(h) if self.delta_net is not None else self._attention(h, x))
+        h = self.norm2(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+    def _attention(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = h.shape
+        hd = self.cfg.dim // self.cfg.n_heads
         q = self.wq(h).view(b, s, self.cfg.n_heads, hd).transpose(1, 2)
         k = self.wk(h).view(b, s, self.cfg.n_kv_heads, hd).transpose(1, 2)
         v = self.wv(h).view(b, s, self.cfg.n_kv_heads, hd).transpose(1, 2)
         pos = rope_positions(x)
         q, k = _rope(q, pos, self.cfg.rope_theta), _rope(k, pos, self.cfg.rope_theta)
-        a = self.attn(q, k, v).transpose(1, 2).reshape(b, s, -1)
-        x = x + self.wo(a)
-        h = self.norm2(x)
-        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+        return self.wo(self.attn(q, k, v).transpose(1, 2).reshape(b, s, -1))
 
 
 class TinyStage(nn.Module):

@@ -45,10 +45,12 @@ class Case:
     cp: int = 1  # context-parallel degree (the world is pp x cp, pp outer)
     cp_prefix: str = "auto"
     memory_cap: float = 1.0  # seq_split="memory_capped" only
+    hybrid: bool = False  # Qwen3.5's stack: three Gated DeltaNet layers, then one attention
 
     @property
     def cfg(self) -> TinyConfig:
-        return replace(CFG, window=self.window, sinks=self.sinks)
+        every = 4 if self.hybrid else 1
+        return replace(CFG, window=self.window, sinks=self.sinks, full_attention_every=every)
 
 
 # one row per sample of a batch of 6 at 24 tokens: a document over three segments of 8, no
@@ -235,6 +237,30 @@ def zbv_grid() -> list[Case]:
         Case(2, 4, 2, docs=True, checkpointing=True, schedule=z),
         Case(2, 3, 2, docs=True, pad=True, schedule=z),
     ]
+
+
+def hybrid_grid() -> list[Case]:
+    """Gated DeltaNet layers (their state carried between segments) beside attention, under
+    every Seq1F1B-family schedule: K in {1,2,3,4}, uneven splits shorter than the
+    convolution, checkpointing, documents (a reset at and inside segments), padding; with two
+    stages per rank, stages 0 and 2 hold no attention layer."""
+    h = {"hybrid": True}
+    return [
+        Case(1, 4, 2, **h),
+        Case(1, 3, 2, split=(2, 17, 5), checkpointing=True, **h),
+        Case(1, 3, 2, docs=True, **h),
+        Case(1, 4, 1, docs=True, checkpointing=True, pad=True, **h),
+        Case(2, 4, 2, schedule="InterleavedSeq1F1B", **h),
+        Case(2, 3, 2, docs=True, checkpointing=True, schedule="InterleavedSeq1F1B", **h),
+        Case(1, 4, 2, checkpointing=True, schedule="ZBSeq1F1B", **h),
+        Case(2, 3, 2, docs=True, split=(11, 3, 10), schedule="ZBVSeq1F1B", **h),
+        Case(2, 2, 3, checkpointing=True, schedule="ZBVSeq1F1B", **h),
+        Case(1, 1, 2, **h),
+    ]
+
+
+def run_hybrid_grid(rank: int, world: int) -> None:
+    run_cases(rank, world, hybrid_grid())
 
 
 def run_zbv_grid(rank: int, world: int) -> None:

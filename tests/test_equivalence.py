@@ -12,6 +12,7 @@ from equivalence import (
     run_cp_grid,
     run_eval_case,
     run_grid,
+    run_hybrid_grid,
     run_mask_grid,
     run_wide_cp_grid,
     run_with_instance_override,
@@ -107,6 +108,13 @@ def test_zero_bubble_split_backward_matches_reference(world: int, stages_per_ran
     # ZBSeq1F1B: BACKWARD_INPUT / BACKWARD_WEIGHT with the cached K/V gradients; K in
     # {1,2,3,4}, uneven splits, checkpointing, documents + window
     run_ranks(run_zb_grid, world, stages_per_rank)
+
+
+def test_recurrent_state_matches_reference() -> None:
+    """A hybrid stack (Gated DeltaNet layers, whose convolution tail and delta-rule state go
+    from segment to segment, beside attention) equals the unsegmented model under Seq1F1B,
+    InterleavedSeq1F1B, ZBSeq1F1B and ZBVSeq1F1B: documents, checkpointing, uneven splits."""
+    run_ranks(run_hybrid_grid, 2)
 
 
 @pytest.mark.parametrize("world", [2, FOUR_RANKS])

@@ -264,7 +264,8 @@ class StageKVState:
     num_segments: int
     skip_invisible: bool = True  # see ScheduleSeq1F1B(skip_invisible=...)
     peak_bytes: int = 0  # most K/V bytes cached at once since clear(reset_peak=True)
-    attention_calls: int = 0  # chunk-aware attention calls (counted in guarded steps)
+    #: chunk-aware calls: attention, and carried-state reads (counted in guarded steps)
+    attention_calls: int = 0
     _cache: dict[int, dict[Hashable, list[SegmentKV | None]]] = field(default_factory=dict)
     _next_fwd: dict[int, int] = field(default_factory=dict)
     _next_bwd: dict[int, int] = field(default_factory=dict)

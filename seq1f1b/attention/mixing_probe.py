@@ -5,10 +5,12 @@ A segment's forward must reach every earlier position through the chunk-aware at
 K/V cache); anything else that combines positions (attention written by hand, a foreign kernel
 such as flash-attn's or xformers', a convolution or a norm over the sequence) sees only the
 running segment, so the result is silently wrong. In the guarded first step, a stage forward of
-a later segment that made no chunk-aware call is run once more (no gradients, the same random
-state) with the segment's first position changed: if any later position's output moves, the
-stage mixes positions itself and the step fails naming the fix. Attention-free stages
-(embedding, MLP, head) pass: each output position depends on its own input position only.
+a later segment that made no chunk-aware call (an attention call or a carried-state read) is
+run once more (no gradients, the same random state) with the segment's first position
+changed: if any later position's output moves, the stage mixes positions itself and the step
+fails naming the fix. A declared carried state is seen, and the first-step output check holds
+it to the whole-sequence run. Attention-free stages (embedding, MLP, head) pass: each output
+position depends on its own input position only.
 """
 
 from __future__ import annotations
@@ -75,11 +77,13 @@ def mixing_error(stage_index: int, segment: int) -> PositionMixingError:
     return PositionMixingError(
         f"stage {stage_index} combines sequence positions in the forward of segment {segment} "
         "without calling the chunk-aware attention: attention written by hand (softmax(QK^T)V), "
-        "a foreign kernel (flash-attn, xformers, a fused SDPA), or a layer that mixes positions "
-        "(a convolution, a norm over the sequence). Under Seq1F1B such a layer sees only the "
+        "a foreign kernel (flash-attn, xformers, a fused SDPA), a recurrent layer whose state is "
+        "not carried (Gated DeltaNet, Mamba, an RNN) or a layer that mixes positions (a "
+        "convolution, a norm over the sequence). Under Seq1F1B such a layer sees only the "
         "running segment, so training would be silently wrong. Route attention through "
-        "seq1f1b.chunk_aware_attention(q, k, v, layer=...) or ChunkAwareAttention, and keep "
-        "other layers per-position; seq1f1b.verify_model(...) checks a model before training "
+        "seq1f1b.chunk_aware_attention(q, k, v, layer=...) or ChunkAwareAttention, carry a "
+        "recurrent state with seq1f1b.carried_state(layer) (ChunkAwareGatedDeltaNet does), and "
+        "keep other layers per-position; seq1f1b.verify_model(...) checks a model before training "
         "(check_attention=False turns this check off).",
         stage_index,
         segment,

@@ -70,7 +70,9 @@ def output_mismatch_error(stage_index: int, segment: int, error: float, dtype: t
             "positions taken from the segment instead of the sequence (RoPE or learned "
             "positions from arange(segment length): use seq1f1b.current_segment().positions() "
             "or seq1f1b.segment_positions), attention that does not read the earlier segments' "
-            "K/V (not chunk-aware), or a recurrent state not carried from one segment to the next"
+            "K/V (not chunk-aware), or a recurrent layer (Gated DeltaNet, Mamba) that restarts "
+            "each segment from a zero state: carry it with seq1f1b.carried_state(layer) (or use "
+            "seq1f1b.ChunkAwareGatedDeltaNet)"
         )
     return OutputMismatchError(
         f"Seq1F1B first-step check: stage {stage_index}'s outputs differ {where} from the same "

@@ -1,0 +1,183 @@
+"""The gated delta rule (Gated DeltaNet's recurrence) with an initial and a final state.
+
+Per head, with a state ``S`` (key dim x value dim), decays ``a_t = exp(g_t)`` and write
+strengths ``beta_t``:
+
+    S_t = a_t S_{t-1} + beta_t k_t^T (v_t - a_t k_t S_{t-1}),    o_t = q_t S_t
+
+(``q``, ``k`` L2-normalised per head, ``q`` scaled by ``dk^-1/2``: torchtitan's and FLA's
+``use_qk_l2norm_in_kernel``). :func:`chunk_gated_delta_rule` computes it a chunk of positions
+at a time in pure torch (the CPU path and the reference); on CUDA with FLA installed,
+:func:`gated_delta_rule` calls FLA's ``chunk_gated_delta_rule`` with ``initial_state`` and
+``output_final_state``. :func:`recurrent_gated_delta_rule` is the step-by-step definition the
+tests hold both to.
+
+Within a chunk, with ``G_t`` the cumulative log decay from the chunk's start, the state is
+``S_t = e^{G_t} S_0 + sum_{s<=t} e^{G_t - G_s} k_s^T u_s`` where the corrections ``u`` solve
+the unit lower-triangular system ``(I + A) U = beta V - beta e^{G} K S_0`` with
+``A_ts = beta_t e^{G_t - G_s} k_t.k_s`` (s < t); the outputs are
+``O = e^{G} Q S_0 + (Q K^T * D) U`` with ``D_ts = e^{G_t - G_s}`` (s <= t), and the chunk's
+final state ``e^{G_C} S_0 + (K e^{G_C - G})^T U``. Every exponent is <= 0 (decays are <= 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .carried import Piece
+
+__all__ = [
+    "chunk_gated_delta_rule",
+    "gated_delta_rule",
+    "gated_delta_rule_pieces",
+    "recurrent_gated_delta_rule",
+]
+
+CHUNK = 64
+
+
+def _normalised(q: torch.Tensor, k: torch.Tensor, l2norm: bool) -> tuple[torch.Tensor, ...]:
+    q, k = q.float(), k.float()
+    if l2norm:
+        q, k = F.normalize(q, p=2, dim=-1, eps=1e-6), F.normalize(k, p=2, dim=-1, eps=1e-6)
+    return q * q.shape[-1] ** -0.5, k
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    *,
+    l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence position by position (the definition; slow). ``q``, ``k``: (B, L, H,
+    dk); ``v``: (B, L, H, dv); ``g``, ``beta``: (B, L, H); state (B, H, dk, dv), fp32.
+    Returns the output (B, L, H, dv, in ``v``'s dtype) and the final state."""
+    q, k = _normalised(q, k, l2norm)
+    b, length, h, dk = k.shape
+    s = q.new_zeros(b, h, dk, v.shape[-1]) if initial_state is None else initial_state.float()
+    outs = []
+    for t in range(length):
+        s = s * g[:, t].float().exp()[..., None, None]
+        kt, vt = k[:, t], v[:, t].float()
+        delta = (vt - torch.einsum("bhk,bhkv->bhv", kt, s)) * beta[:, t].float()[..., None]
+        s = s + torch.einsum("bhk,bhv->bhkv", kt, delta)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], s))
+    return torch.stack(outs, 1).to(v.dtype), s
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    *,
+    l2norm: bool = True,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence a chunk of ``chunk`` positions at a time (see the module), pure torch,
+    fp32 inside; shapes as :func:`recurrent_gated_delta_rule`."""
+    q, k = _normalised(q, k, l2norm)
+    b, length, h, dk = k.shape
+    dv = v.shape[-1]
+    # heads first: (B, H, L, d)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    vf, gf, bf = v.float().transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)
+    s = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
+    outs = []
+    for a in range(0, length, chunk):
+        e = min(a + chunk, length)
+        qc, kc, vc, bc = q[:, :, a:e], k[:, :, a:e], vf[:, :, a:e], bf[:, :, a:e, None]
+        cum = gf[:, :, a:e].cumsum(-1)  # G_t
+        diff = cum[..., :, None] - cum[..., None, :]  # G_t - G_s
+        n = e - a
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = torch.where(lower, diff, float("-inf")).exp()  # D (s <= t), 0 above
+        eye = torch.eye(n, dtype=q.dtype, device=q.device)
+        system = eye + (bc * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
+        rhs = bc * vc - (bc * cum.exp()[..., None] * kc) @ s
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        outs.append((cum.exp()[..., None] * qc) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ u)
+        last = cum[..., -1:]
+        s = last.exp()[..., None] * s + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ u
+    out = torch.cat(outs, 2) if outs else vf
+    return out.transpose(1, 2).to(v.dtype), s
+
+
+def _fla_available(t: torch.Tensor) -> bool:
+    if t.device.type != "cuda":
+        return False
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    *,
+    l2norm: bool = True,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence with an initial state, returning the output and the final state:
+    FLA's chunked kernel on CUDA when FLA is installed (``backend="auto"`` or ``"fla"``),
+    else :func:`chunk_gated_delta_rule` (``"torch"``)."""
+    if backend == "fla" or (backend == "auto" and _fla_available(q)):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+        out, final = fla_chunk(
+            q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+            use_qk_l2norm_in_kernel=l2norm,
+        )  # fmt: skip
+        return out, final
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"gated_delta_rule(backend={backend!r}): use 'auto', 'fla' or 'torch'")
+    return chunk_gated_delta_rule(q, k, v, g, beta, initial_state, l2norm=l2norm)
+
+
+def gated_delta_rule_pieces(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    pieces: Sequence[Piece],
+    *,
+    l2norm: bool = True,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gated_delta_rule` restarted at every document start: each piece starts from the
+    carried ``initial_state`` of its rows when it continues an earlier segment's document,
+    else from zeros. Returns the output and, per row, the state after the row's last piece
+    (what the next segment continues)."""
+    if len(pieces) == 1 and pieces[0].a == 0 and pieces[0].b == q.shape[1]:
+        init = initial_state if pieces[0].continues else None
+        return gated_delta_rule(q, k, v, g, beta, init, l2norm=l2norm, backend=backend)
+    rows: dict[tuple[int, int], list[torch.Tensor]] = {}
+    finals: dict[tuple[int, int], torch.Tensor] = {}
+    for p in sorted(pieces, key=lambda p: (p.r0, p.a)):
+        init = initial_state[p.r0 : p.r1] if p.continues and initial_state is not None else None
+        sl = (slice(p.r0, p.r1), slice(p.a, p.b))
+        out, fin = gated_delta_rule(
+            q[sl], k[sl], v[sl], g[sl], beta[sl], init, l2norm=l2norm, backend=backend
+        )
+        rows.setdefault((p.r0, p.r1), []).append(out)
+        finals[p.r0, p.r1] = fin
+    keys = sorted(rows)
+    out = torch.cat([torch.cat(rows[key], 1) for key in keys], 0)
+    return out, torch.cat([finals[key] for key in keys], 0)

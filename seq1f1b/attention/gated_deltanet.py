@@ -1,0 +1,102 @@
+"""A chunk-aware Gated DeltaNet layer (Qwen3.5's and Qwen3-Next's linear attention).
+
+The layer projects queries, keys, values, an output gate and the two gating signals, runs a
+short causal convolution over the q/k/v channels, the gated delta rule, a gated RMSNorm and
+the output projection. Under a Seq1F1B schedule it carries two states from segment to segment
+of a sample (:mod:`seq1f1b.attention.carried`): the convolution's last inputs and the
+delta-rule state; a packed row restarts both at each document. Model adapters that keep their
+own projections call :func:`gated_deltanet_core` with them instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .carried import carried_state
+from .causal_conv import causal_conv1d
+from .gated_delta import gated_delta_rule_pieces
+
+__all__ = ["ChunkAwareGatedDeltaNet", "gated_deltanet_core"]
+
+
+def gated_deltanet_core(
+    layer: Hashable,
+    qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    head_dims: tuple[int, int, int, int],
+    *,
+    anchor: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Gated DeltaNet from the projected, not yet convolved ``qkv`` (B, L, Hk*dk + Hk*dk +
+    Hv*dv) to the delta rule's output (B, L, Hv, dv), carrying the convolution's tail and the
+    state across segments. ``conv_weight``: (channels, 1, W); ``g`` (log decay, <= 0) and
+    ``beta``: (B, L, Hv); ``head_dims``: (Hk, dk, Hv, dv); keys and queries are repeated to
+    ``Hv`` heads. ``layer`` names the layer's carried state on its stage; ``anchor`` is the
+    layer's input (see :meth:`CarriedState.initial`)."""
+    n_k, dk, n_v, dv = head_dims
+    b, length, _ = qkv.shape
+    carry = carried_state(layer)
+    pieces = carry.pieces(b, length)
+    init = carry.initial(anchor)
+    tail, state = (None, None) if init is None else init
+    mixed, new_tail = causal_conv1d(qkv, conv_weight, tail, pieces)
+    q, k, v = mixed.split((n_k * dk, n_k * dk, n_v * dv), dim=-1)
+    q, k = q.view(b, length, n_k, dk), k.view(b, length, n_k, dk)
+    v = v.reshape(b, length, n_v, dv)
+    if n_v != n_k:
+        q, k = q.repeat_interleave(n_v // n_k, dim=2), k.repeat_interleave(n_v // n_k, dim=2)
+    out, final = gated_delta_rule_pieces(q, k, v, g, beta, state, pieces, backend=backend)
+    return carry.keep(out, new_tail, final)
+
+
+class ChunkAwareGatedDeltaNet(nn.Module):
+    """Gated DeltaNet on (B, L, dim) inputs, chunk-aware (see the module). ``n_key_heads``
+    of ``key_dim`` for queries and keys, ``n_value_heads`` of ``value_dim`` for values (a
+    multiple of the key heads), a convolution of ``conv_width`` taps."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_key_heads: int,
+        n_value_heads: int,
+        key_dim: int,
+        value_dim: int,
+        conv_width: int = 4,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if n_value_heads % n_key_heads:
+            raise ValueError(
+                f"ChunkAwareGatedDeltaNet: n_value_heads={n_value_heads} must be a multiple of "
+                f"n_key_heads={n_key_heads}"
+            )
+        self.head_dims = (n_key_heads, key_dim, n_value_heads, value_dim)
+        channels = 2 * n_key_heads * key_dim + n_value_heads * value_dim
+        self.in_proj_qkv = nn.Linear(dim, channels, bias=False)
+        self.in_proj_z = nn.Linear(dim, n_value_heads * value_dim, bias=False)
+        self.in_proj_a = nn.Linear(dim, n_value_heads, bias=False)
+        self.in_proj_b = nn.Linear(dim, n_value_heads, bias=False)
+        self.conv = nn.Conv1d(channels, channels, conv_width, groups=channels, bias=False)
+        self.A_log = nn.Parameter(torch.empty(n_value_heads).uniform_(0.0, 2.0).log())
+        self.dt_bias = nn.Parameter(torch.empty(n_value_heads).uniform_(-1.0, 1.0))
+        self.norm = nn.RMSNorm(value_dim, eps=eps)
+        self.out_proj = nn.Linear(n_value_heads * value_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, length, _ = x.shape
+        _, _, n_v, dv = self.head_dims
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        out = gated_deltanet_core(
+            self, self.in_proj_qkv(x), self.conv.weight, g, beta, self.head_dims, anchor=x
+        )
+        z = self.in_proj_z(x).view(b, length, n_v, dv)
+        out = self.norm(out) * F.silu(z)
+        return self.out_proj(out.reshape(b, length, n_v * dv))

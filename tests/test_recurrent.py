@@ -1,0 +1,178 @@
+"""Carried (recurrent) state: the gated delta rule and the short convolution with an initial
+and a final state equal the sequence in one call (fp32, values and every gradient), packed
+documents restart them, and a recurrent layer whose state is not carried fails the first
+step instead of training silently wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_ranks
+from equivalence import Case, run_eval_case
+from torch.distributed.pipelining import PipelineStage
+
+from seq1f1b import ChunkAwareGatedDeltaNet, ScheduleSeq1F1B
+from seq1f1b.attention.carried import Piece, document_pieces
+from seq1f1b.attention.causal_conv import causal_conv1d
+from seq1f1b.attention.gated_delta import (
+    chunk_gated_delta_rule,
+    gated_delta_rule_pieces,
+    recurrent_gated_delta_rule,
+)
+from seq1f1b.attention.masks import document_runs
+from seq1f1b.attention.mixing_probe import PositionMixingError
+from seq1f1b.schedules.output_check import OutputMismatchError
+from seq1f1b.testing import TinyConfig, build_stages
+
+B, L, H, DK, DV = 2, 37, 3, 8, 6
+
+
+def _inputs(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, L, H, DK, generator=g), torch.randn(B, L, H, DK, generator=g)
+    v = torch.randn(B, L, H, DV, generator=g)
+    decay = -2 * torch.rand(B, L, H, generator=g)
+    beta = torch.rand(B, L, H, generator=g)
+    s0 = torch.randn(B, H, DK, DV, generator=g)
+    return [t.requires_grad_() for t in (q, k, v, decay, beta, s0)]
+
+
+def _grads(outs: tuple[torch.Tensor, ...], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    loss = sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs)
+    return list(torch.autograd.grad(loss, inputs))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
+    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    assert err <= tol, err
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("chunk", [64, 16, 5])
+def test_chunked_delta_rule_equals_the_recurrence(chunk: int) -> None:
+    """The chunked form (whole chunks, a ragged last one, one chunk) equals the step-by-step
+    definition: output, final state and the gradient of every input, the initial state's
+    included."""
+    inputs = _inputs()
+    ref = recurrent_gated_delta_rule(*inputs)
+    out = chunk_gated_delta_rule(*inputs, chunk=chunk)
+    for a, b in zip(out, ref, strict=True):
+        _close(a, b)
+    for a, b in zip(_grads(out, inputs), _grads(ref, inputs), strict=True):
+        _close(a, b)
+
+
+@pytest.mark.fast
+def test_segments_carrying_state_equal_one_call() -> None:
+    """Three segments (2, 22 and 13 positions: one shorter than the convolution), each
+    starting from the state and convolution tail the previous one ended with, equal the
+    sequence in one call: outputs, the final state and every gradient."""
+    q, k, v, decay, beta, s0 = inputs = _inputs()
+    x = torch.randn(B, L, 5, requires_grad=True)
+    w = torch.randn(5, 1, 4, requires_grad=True)
+    ref = (*chunk_gated_delta_rule(q, k, v, decay, beta, s0), *causal_conv1d(x, w, None))
+    outs, convs, state, tail = [], [], s0, None
+    for a, b in ((0, 2), (2, 24), (24, L)):
+        whole = [Piece(0, B, 0, b - a, a > 0)]
+        o, state = gated_delta_rule_pieces(
+            q[:, a:b], k[:, a:b], v[:, a:b], decay[:, a:b], beta[:, a:b], state,
+            [Piece(0, B, 0, b - a, True)],
+        )  # fmt: skip
+        y, tail = causal_conv1d(x[:, a:b], w, tail, whole)
+        outs.append(o)
+        convs.append(y)
+    got = (torch.cat(outs, 1), state, torch.cat(convs, 1), tail)
+    for a, b in zip(got, ref, strict=True):
+        _close(a, b)
+    every = [*inputs, x, w]
+    for a, b in zip(_grads(got, every), _grads(ref, every), strict=True):
+        _close(a, b)
+
+
+@pytest.mark.fast
+def test_documents_restart_the_state_and_the_convolution() -> None:
+    """Packed rows: each document of a segment starts from zeros unless it began in an
+    earlier segment, where it continues the carried state; equal to running each document
+    alone."""
+    ids = torch.tensor([[0] * 5 + [1] * 20 + [2] * 12, [0] * 30 + [1] * 7])
+    groups = document_runs(ids)
+    q, k, v, decay, beta, _ = _inputs()
+    x, w = torch.randn(B, L, 5), torch.randn(5, 1, 4)
+    ref_out, ref_conv = torch.zeros(B, L, H, DV), torch.zeros(B, L, 5)
+    for row in range(B):
+        for a, b in document_runs(ids[row : row + 1])[0][2]:
+            sl = (slice(row, row + 1), slice(a, b))
+            ref_out[sl] = chunk_gated_delta_rule(q[sl], k[sl], v[sl], decay[sl], beta[sl])[0]
+            ref_conv[sl] = causal_conv1d(x[sl], w, None)[0]
+    outs, convs, state, tail = [], [], None, None
+    for a, b in ((0, 10), (10, 25), (25, L)):  # a document starts at position 25 of row 0
+        pieces = document_pieces(groups, a, b)
+        assert any(p.a == 0 and not p.continues for p in pieces) == (a in (0, 25))
+        o, state = gated_delta_rule_pieces(
+            q[:, a:b], k[:, a:b], v[:, a:b], decay[:, a:b], beta[:, a:b], state, pieces
+        )
+        y, tail = causal_conv1d(x[:, a:b], w, tail, pieces)
+        outs.append(o)
+        convs.append(y)
+    _close(torch.cat(outs, 1), ref_out)
+    _close(torch.cat(convs, 1), ref_conv)
+
+
+class ForgetfulGatedDeltaNet(ChunkAwareGatedDeltaNet):
+    """Gated DeltaNet that restarts every segment from zeros (a layer not made chunk-aware)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        n_k, dk, n_v, dv = self.head_dims
+        g = -self.A_log.exp() * F.softplus(self.in_proj_a(x) + self.dt_bias)
+        mixed, _ = causal_conv1d(self.in_proj_qkv(x), self.conv.weight, None)
+        q, k, v = mixed.split((n_k * dk, n_k * dk, n_v * dv), dim=-1)
+        rep = n_v // n_k
+        q = q.view(b, n, n_k, dk).repeat_interleave(rep, 2)
+        k = k.view(b, n, n_k, dk).repeat_interleave(rep, 2)
+        out, _ = chunk_gated_delta_rule(q, k, v.view(b, n, n_v, dv), g, self.in_proj_b(x).sigmoid())
+        out = self.norm(out) * F.silu(self.in_proj_z(x).view(b, n, n_v, dv))
+        return self.out_proj(out.reshape(b, n, n_v * dv))
+
+
+def _forgetful(rank: int, world: int) -> None:
+    cfg = TinyConfig(n_layers=4, full_attention_every=2)  # GDN, attention, GDN, attention
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(0, cfg.vocab, (2, 17), generator=g)
+    x, y = t[:, :-1], t[:, 1:]
+
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    def step(num_stages: int) -> None:
+        mods = build_stages(cfg, num_stages)
+        for m in mods:
+            for block in m.layers:
+                if block.delta_net is not None:
+                    block.delta_net.__class__ = ForgetfulGatedDeltaNet
+        stages = [PipelineStage(m, i, num_stages, torch.device("cpu")) for i, m in enumerate(mods)]
+        ScheduleSeq1F1B(stages, 2, 2, loss).step(x, target=y)
+
+    # a stage of recurrent layers only: the mixing probe names the forgotten state
+    with pytest.raises(PositionMixingError, match="a recurrent layer whose state is not carried"):
+        step(4)
+    # beside attention: the output check, naming the zero state
+    with pytest.raises(OutputMismatchError, match="restarts each segment from a zero state"):
+        step(2)
+
+
+def test_a_state_not_carried_fails_the_first_step() -> None:
+    run_ranks(_forgetful, 1)
+
+
+def _eval_hybrid(rank: int, world: int) -> None:
+    run_eval_case(rank, world, Case(1, 4, 2, hybrid=True))
+    run_eval_case(rank, world, Case(2, 3, 2, docs=True, hybrid=True, split=(2, 12, 10)))
+
+
+def test_eval_with_recurrent_state_matches_reference() -> None:
+    """eval() (forward only): the carried state flows forward without gradients and is gone
+    after the step."""
+    run_ranks(_eval_hybrid, 2)
