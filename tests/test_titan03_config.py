@@ -102,6 +102,9 @@ def test_override_parser_matches_tyro_spelling() -> None:
     assert got == {"a.b": True, "c.d": False, "e.f": "1", "g_h.i_j": "x"}
 
 
+QWEN3_5 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_cpu"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -121,12 +124,30 @@ def test_override_parser_matches_tyro_spelling() -> None:
           "--parallelism.context_parallel_degree", "2"], "so it needs pipeline parallelism"),
         (["--parallelism.pipeline_parallel_schedule", "BitPipe",
           "--parallelism.context_parallel_degree", "2"], "does not shard them over the cp mesh"),
+        ([*QWEN3_5, "--parallelism.context_parallel_degree", "2"],
+         "carry a recurrent state from segment to segment"),
+        ([*QWEN3_5, "--compile.enable"], "carried state lives outside the traced graph"),
+        ([*QWEN3_5, "--compile.enable", "--parallelism.pipeline_parallel_degree", "1"],
+         "Set --compile.enable false"),
     ],
 )  # fmt: skip
 def test_bad_settings_are_refused_before_start(args: list[str], message: str) -> None:
     with pytest.raises(ValueError) as err:
         validate_before_start(build_config(DEBUG, args))
     assert message in str(err.value)
+
+
+def test_qwen3_5_shape_prices_its_hybrid_stack() -> None:
+    """Qwen3.5's debug model: its full-attention layers' heads (4 of 64, 2 K/V heads) and the
+    six Gated DeltaNet layers priced as attention over 64 keys; the CPU flavor has the shipped
+    tokenizer's vocabulary."""
+    from torchtitan_integration.v03.models import family
+
+    config = build_config(DEBUG, QWEN3_5)
+    shape = family("qwen3_5").shape(config.model_spec.model)
+    assert (shape.n_heads, shape.head_dim, shape.n_kv_heads, shape.vocab) == (4, 64, 2, 2048)
+    assert (shape.n_layers, shape.window, shape.window_layers) == (8, 64, 6)
+    validate_before_start(config)
 
 
 def test_gpt_oss_tensor_parallel_is_warned_on_every_rank(caplog) -> None:
@@ -223,8 +244,8 @@ def test_deepseek_v3_shape_counts_mla_and_dense_then_moe_layers() -> None:
 
 
 def test_unknown_model_is_refused_naming_the_supported_ones() -> None:
-    with pytest.raises(ValueError, match=r"'qwen3_5'.* trains llama3, qwen3"):
-        build_config(DEBUG, ["--model.name", "qwen3_5"])
+    with pytest.raises(ValueError, match=r"'flux'.* trains llama3, qwen3.*qwen3_5"):
+        build_config(DEBUG, ["--model.name", "flux"])
     with pytest.raises(ValueError, match=r"flavor = 'tiny' is not a qwen3 flavor.*_moe_cpu"):
         build_config(DEBUG, ["--model.name", "qwen3", "--model.flavor", "tiny"])
 

@@ -167,3 +167,32 @@ def test_gpt_oss_sinks_and_windows_under_zbv_match_unpipelined(tmp_path) -> None
     assert "Seq1F1B: pp=2 stages/rank=2 M=2 K=4" in run.output, run.output[-3000:]
     assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, run.output[-3000:]
     assert_same_curve(run, ref, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
+
+
+# Qwen3.5 at a CPU's size (debugmodel_cpu: torchtitan's debugmodel, 8 layers, Gated DeltaNet
+# on layers 0-2 and 4-6 and gated full attention on 3 and 7, with the shipped tokenizer's
+# vocabulary), at 128 tokens: K = 4 segments of 32, each Gated DeltaNet layer carrying its
+# convolution tails and delta-rule state from segment to segment
+QWEN3_5 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_cpu",
+           "--training.seq_len", "128", "--training.steps", str(MOE_STEPS)]  # fmt: skip
+
+
+def test_qwen3_5_recurrent_state_matches_unpipelined(tmp_path) -> None:
+    """Qwen3.5's hybrid stack under Seq1F1B (with the start-up self-check), InterleavedSeq1F1B
+    with full activation checkpointing (stage 0 holds only Gated DeltaNet layers: the mixing
+    probe sees their declared state) and ZBVSeq1F1B (split backward: the state's gradient in
+    the input half) equals PP=1 from one seed checkpoint."""
+    seed = _seed(QWEN3_5, tmp_path / "seed")
+    ref = run_titan(1, *NO_PP, *QWEN3_5, *seed, dump=tmp_path / "pp1")
+    for name, extra in (
+        ("Seq1F1B", ["--seq1f1b.verify"]),
+        ("InterleavedSeq1F1B", ["--activation_checkpoint.mode", "full"]),
+        ("ZBVSeq1F1B", []),
+    ):
+        run = run_titan(2, *PP2, *QWEN3_5, *seed, *extra,
+                        "--parallelism.pipeline_parallel_schedule", name,
+                        dump=tmp_path / name)  # fmt: skip
+        assert "first-step check passed" in run.output, run.output[-3000:]
+        if extra == ["--seq1f1b.verify"]:
+            assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, run.output
+        assert_same_curve(run, ref, steps=MOE_STEPS)

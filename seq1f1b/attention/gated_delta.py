@@ -96,8 +96,11 @@ def chunk_gated_delta_rule(
     for a in range(0, length, chunk):
         e = min(a + chunk, length)
         qc, kc, vc, bc = q[:, :, a:e], k[:, :, a:e], vf[:, :, a:e], bf[:, :, a:e, None]
-        cum = gf[:, :, a:e].cumsum(-1)  # G_t
-        diff = cum[..., :, None] - cum[..., None, :]  # G_t - G_s
+        # G_t in float64: a difference of two fp32 cumulative sums of strong decays (|G| in
+        # the thousands) would keep only about 1e-4 of G_t - G_s
+        cum64 = gf[:, :, a:e].double().cumsum(-1)
+        diff = (cum64[..., :, None] - cum64[..., None, :]).to(q.dtype)  # G_t - G_s
+        cum = cum64.to(q.dtype)
         n = e - a
         lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         decay = torch.where(lower, diff, float("-inf")).exp()  # D (s <= t), 0 above
@@ -106,8 +109,11 @@ def chunk_gated_delta_rule(
         rhs = bc * vc - (bc * cum.exp()[..., None] * kc) @ s
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
         outs.append((cum.exp()[..., None] * qc) @ s + ((qc @ kc.transpose(-1, -2)) * decay) @ u)
-        last = cum[..., -1:]
-        s = last.exp()[..., None] * s + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ u
+        to_end = (cum64[..., -1:] - cum64).to(q.dtype)  # G_C - G_s
+        s = (
+            cum[..., -1:].exp()[..., None] * s
+            + (kc * to_end.exp()[..., None]).transpose(-1, -2) @ u
+        )
     out = torch.cat(outs, 2) if outs else vf
     return out.transpose(1, 2).to(v.dtype), s
 

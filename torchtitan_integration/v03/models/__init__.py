@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import deepseek_v3, gpt_oss, llama3, qwen3
+from . import deepseek_v3, gpt_oss, llama3, qwen3, qwen3_5
 from .base import (
     ModelFamily,
     NoBf16Casts,
@@ -33,7 +33,8 @@ __all__ = [
 ]
 
 FAMILIES: dict[str, ModelFamily] = {
-    f.name: f for f in (llama3.FAMILY, qwen3.FAMILY, deepseek_v3.FAMILY, gpt_oss.FAMILY)
+    f.name: f
+    for f in (llama3.FAMILY, qwen3.FAMILY, deepseek_v3.FAMILY, gpt_oss.FAMILY, qwen3_5.FAMILY)
 }
 
 

@@ -162,6 +162,8 @@ class ModelFamily:
     #: what torchtitan's own tensor parallelism (``spmd_types`` backend) gets wrong in this
     #: family, warned at start-up on every rank (None: nothing known)
     tensor_parallel_note: str | None = None
+    #: why the family's blocks do not run under torch.compile (None: they do)
+    no_compile: str | None = None
 
     def with_kv_cache(self, kv_cache: str) -> ModelFamily:
         """This family as ``[seq1f1b] kv_cache`` wants it: unchanged for "expanded"; for
@@ -190,7 +192,7 @@ class ModelFamily:
     def model_spec(self, flavor: str, attn_backend: str = "flex") -> Any:
         """torchtitan's ``ModelSpec`` of ``flavor`` (or of the flavor a :attr:`resized` one
         starts from, resized), adapted (:attr:`adapt`)."""
-        registry = importlib.import_module(f"torchtitan.models.{self.name}").model_registry
+        registry = self.module().model_registry
         flavors = self.flavors()
         if flavor not in flavors:
             raise ValueError(
@@ -211,8 +213,23 @@ class ModelFamily:
 
     def flavors(self) -> list[str]:
         """The flavors torchtitan ships for this family, then the :attr:`resized` ones."""
-        module = importlib.import_module(f"torchtitan.models.{self.name}")
+        module = self.module()
         return [*getattr(module, self.configs or f"{self.name}_configs"), *self.resized]
+
+    def module(self) -> Any:
+        """``torchtitan.models.<name>``; a dependency it imports and the venv lacks is named
+        (Qwen3.5 imports FLA's kernels even on CPU)."""
+        try:
+            return importlib.import_module(f"torchtitan.models.{self.name}")
+        except ModuleNotFoundError as exc:
+            if exc.name is None or exc.name.split(".")[0] == "torchtitan":
+                raise
+            raise ModuleNotFoundError(
+                f"[model] name = {self.name!r}: torchtitan.models.{self.name} imports "
+                f"{exc.name!r}, which this environment lacks (Qwen3.5: pip install fla-core, "
+                "FLA's kernels, which torchtitan imports even on CPU)",
+                name=exc.name,
+            ) from exc
 
     def check_flavor(self, model_config: Any) -> str:
         """The flavor the start-up self-check runs for a run of ``model_config``: the debug
