@@ -1,14 +1,19 @@
 """Hugging Face ``transformers`` decoders under the Seq1F1B schedules.
 
-Two things make a ``...ForCausalLM`` of the Llama family (Llama, Qwen2/3, Mistral: a
-``model.model`` with ``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``, and an
-``lm_head``) chunkable, without editing transformers:
+These make a ``...ForCausalLM`` of the Llama family (Llama, Qwen2/3, Mistral, DeepSeek-V3,
+GPT-OSS, the hybrids Qwen3-Next and Qwen3.5: a ``model.model`` with ``embed_tokens``,
+``layers``, ``norm``, ``rotary_emb``, and an ``lm_head``) chunkable, without editing
+transformers:
 
 * its attention goes through transformers' own ``AttentionInterface`` as a call to
   :func:`seq1f1b.chunk_aware_attention` (:func:`register_attention`, then
   ``attn_implementation="seq1f1b"``), so each segment attends to the K/V of the earlier ones;
 * each pipeline stage (:class:`DecoderStage`) computes the rotary embeddings from the running
-  segment's absolute positions (:func:`seq1f1b.segment_positions`), not from ``0..len-1``.
+  segment's absolute positions (:func:`seq1f1b.segment_positions`), not from ``0..len-1``;
+* the hybrid decoders' Gated DeltaNet layers (Qwen3-Next, Qwen3.5: ``layer.linear_attn``) run
+  :func:`linear_attention_forward`, their own projections, convolution weight, gates and
+  norm around Seq1F1B's kernels, carrying the convolution tail and the delta-rule state from
+  segment to segment (:func:`seq1f1b.carried_state`).
 
     register_attention()
     model = LlamaForCausalLM(config)                # config._attn_implementation = "seq1f1b"
@@ -25,12 +30,21 @@ from itertools import pairwise
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .attention.attention_op import add_layer_key, segment_positions
+from .attention.gated_deltanet import gated_deltanet_core
 from .attention.layer import chunk_aware_attention
 
-__all__ = ["ATTENTION", "DecoderStage", "decoder_stages", "register_attention", "seq1f1b_attention"]
+__all__ = [
+    "ATTENTION",
+    "DecoderStage",
+    "decoder_stages",
+    "linear_attention_forward",
+    "register_attention",
+    "seq1f1b_attention",
+]
 
 #: the ``attn_implementation`` name :func:`register_attention` registers
 ATTENTION = "seq1f1b"
@@ -81,6 +95,55 @@ def register_attention() -> None:
     AttentionInterface.register(ATTENTION, seq1f1b_attention)
 
 
+def linear_attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    cache: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' ``Qwen3NextGatedDeltaNet`` / ``Qwen3_5GatedDeltaNet`` forward for
+    training under Seq1F1B: the same projections (Qwen3-Next's interleaved ``in_proj_qkvz``
+    and ``in_proj_ba``, or Qwen3.5's separate ones), convolution weight, gates, gated norm and
+    output projection, with the short convolution and the delta rule continuing from the
+    previous segment's state. ``attention_mask`` is not read (packed documents come with the
+    step); a generation cache is refused."""
+    del attention_mask, kwargs
+    if cache is not None:
+        raise ValueError("Seq1F1B's Gated DeltaNet trains without a generation cache")
+    b, n, _ = hidden_states.shape
+    if hasattr(self, "in_proj_qkvz"):  # Qwen3-Next: q, k, v, z and b, a interleaved by key head
+        q, k, v, z, beta, a = self.fix_query_key_value_ordering(
+            self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+        )
+        qkv = torch.cat([t.reshape(b, n, -1) for t in (q, k, v)], -1)
+    else:
+        qkv, z = self.in_proj_qkv(hidden_states), self.in_proj_z(hidden_states)
+        beta, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+    g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+    dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
+    out = gated_deltanet_core(
+        self, qkv, self.conv1d.weight, g, beta.sigmoid(), dims, anchor=hidden_states
+    )
+    out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(out.reshape(b, n, -1))
+
+
+def _chunk_aware_linear_attention(module: nn.Module) -> None:
+    """Give a transformers Gated DeltaNet layer :func:`linear_attention_forward` (idempotent);
+    refuses what that forward does not compute."""
+    if getattr(module, "_seq1f1b_chunk_aware", False):
+        return
+    if module.activation != "silu" or module.conv1d.bias is not None:
+        raise ValueError(
+            f"{type(module).__name__}: Seq1F1B's short convolution is bias-free with a SiLU "
+            f"(this layer: activation {module.activation!r}, bias "
+            f"{module.conv1d.bias is not None})"
+        )
+    module.forward = linear_attention_forward.__get__(module)
+    module._seq1f1b_chunk_aware = True
+
+
 class DecoderStage(nn.Module):
     """Layers ``start:stop`` of a transformers causal LM as one pipeline stage: the token
     embedding on the first stage, the final norm and ``lm_head`` on the last (``skip_head``
@@ -98,7 +161,10 @@ class DecoderStage(nn.Module):
         self.lm_head = causal_lm.lm_head if stop == n else None
         self.skip_head = False
         for layer in self.layers:
-            add_layer_key(layer.self_attn)  # names the layer under torch.compile
+            if getattr(layer, "linear_attn", None) is not None:  # Gated DeltaNet (hybrids)
+                _chunk_aware_linear_attention(layer.linear_attn)
+            else:
+                add_layer_key(layer.self_attn)  # names the layer under torch.compile
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x

@@ -5,12 +5,12 @@ strengths ``beta_t``:
 
     S_t = a_t S_{t-1} + beta_t k_t^T (v_t - a_t k_t S_{t-1}),    o_t = q_t S_t
 
-(``q``, ``k`` L2-normalised per head, ``q`` scaled by ``dk^-1/2``: torchtitan's and FLA's
-``use_qk_l2norm_in_kernel``). :func:`chunk_gated_delta_rule` computes it a chunk of positions
-at a time in pure torch (the CPU path and the reference); on CUDA with FLA installed,
-:func:`gated_delta_rule` calls FLA's ``chunk_gated_delta_rule`` with ``initial_state`` and
-``output_final_state``. :func:`recurrent_gated_delta_rule` is the step-by-step definition the
-tests hold both to.
+(``q``, ``k`` L2-normalised per head as FLA does, ``q`` scaled by ``dk^-1/2``: torchtitan's
+and FLA's ``use_qk_l2norm_in_kernel``), computed in fp32 (fp64 for fp64 inputs).
+:func:`chunk_gated_delta_rule` computes it a chunk of positions at a time in pure torch (the
+CPU path and the reference); on CUDA with FLA installed, :func:`gated_delta_rule` calls FLA's
+``chunk_gated_delta_rule`` with ``initial_state`` and ``output_final_state``.
+:func:`recurrent_gated_delta_rule` is the step-by-step definition the tests hold both to.
 
 Within a chunk, with ``G_t`` the cumulative log decay from the chunk's start, the state is
 ``S_t = e^{G_t} S_0 + sum_{s<=t} e^{G_t - G_s} k_s^T u_s`` where the corrections ``u`` solve
@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .carried import Piece
 
@@ -39,10 +38,18 @@ __all__ = [
 CHUNK = 64
 
 
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(|x|^2 + 1e-6)`` per head, FLA's (and transformers') normalisation: the eps
+    sits under the root, so a short vector (a freshly initialised layer's) stays short."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+
+
 def _normalised(q: torch.Tensor, k: torch.Tensor, l2norm: bool) -> tuple[torch.Tensor, ...]:
-    q, k = q.float(), k.float()
+    """``q``, ``k`` in the compute dtype (fp32, fp64 for fp64 inputs), normalised, q scaled."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q, k = q.to(dtype), k.to(dtype)
     if l2norm:
-        q, k = F.normalize(q, p=2, dim=-1, eps=1e-6), F.normalize(k, p=2, dim=-1, eps=1e-6)
+        q, k = _l2norm(q), _l2norm(k)
     return q * q.shape[-1] ** -0.5, k
 
 
@@ -61,12 +68,13 @@ def recurrent_gated_delta_rule(
     Returns the output (B, L, H, dv, in ``v``'s dtype) and the final state."""
     q, k = _normalised(q, k, l2norm)
     b, length, h, dk = k.shape
-    s = q.new_zeros(b, h, dk, v.shape[-1]) if initial_state is None else initial_state.float()
+    f = q.dtype
+    s = q.new_zeros(b, h, dk, v.shape[-1]) if initial_state is None else initial_state.to(f)
     outs = []
     for t in range(length):
-        s = s * g[:, t].float().exp()[..., None, None]
-        kt, vt = k[:, t], v[:, t].float()
-        delta = (vt - torch.einsum("bhk,bhkv->bhv", kt, s)) * beta[:, t].float()[..., None]
+        s = s * g[:, t].to(f).exp()[..., None, None]
+        kt, vt = k[:, t], v[:, t].to(f)
+        delta = (vt - torch.einsum("bhk,bhkv->bhv", kt, s)) * beta[:, t].to(f)[..., None]
         s = s + torch.einsum("bhk,bhv->bhkv", kt, delta)
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], s))
     return torch.stack(outs, 1).to(v.dtype), s
@@ -90,8 +98,8 @@ def chunk_gated_delta_rule(
     dv = v.shape[-1]
     # heads first: (B, H, L, d)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
-    vf, gf, bf = v.float().transpose(1, 2), g.float().transpose(1, 2), beta.float().transpose(1, 2)
-    s = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
+    vf, gf, bf = (t.to(q.dtype).transpose(1, 2) for t in (v, g, beta))
+    s = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(q.dtype)
     outs = []
     for a in range(0, length, chunk):
         e = min(a + chunk, length)
