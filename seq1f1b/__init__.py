@@ -11,6 +11,7 @@ from .planning.split_search import MemoryCappedSplit
 from .schedules.options import ContextParallelConfig, SequenceSplit
 from .schedules.partition import (
     LatentKV,
+    LinearAttention,
     ModelShape,
     compute_balanced_split,
     resolve_split,
@@ -34,6 +35,7 @@ __all__ = [
     "ChunkedLoss",
     "ContextParallelConfig",
     "LatentKV",
+    "LinearAttention",
     "MemoryCappedSplit",
     "ModelShape",
     "ScheduleBitPipe",

@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
 from seq1f1b.schedules.partition import (
+    LinearAttention,
     ModelShape,
     compute_balanced_split,
     explicit_split,
@@ -274,3 +276,49 @@ def test_masked_cost_profile_and_its_split() -> None:
     docs = [[p // 512 for p in range(8192)]]
     masked = profile_balanced_split(profile_flops(attended_keys(8192, docs), shape), 4, 8)
     assert sum(masked) == 8192 and all(n % 8 == 0 and abs(n - 2048) <= 16 for n in masked)
+
+
+HYBRID = ModelShape(
+    hidden=4096, n_heads=32, n_layers=32, vocab=50304, ffn_hidden=4 * 4096, head_dim=128,
+    n_kv_heads=8, linear_attention=LinearAttention(24, 16, 32, 128, 128),
+)  # fmt: skip
+
+
+def test_linear_attention_layers_cost_the_same_at_every_position() -> None:
+    """A hybrid stack's Gated DeltaNet layers cost a segment the same wherever it sits: only
+    its softmax layers (a quarter here) grow with the position, so the compute split of a
+    hybrid cuts nearly equal segments where a dense model's first is far longer."""
+    dense = replace(HYBRID, linear_attention=None)
+    for shape in (HYBRID, dense):
+        grow = segment_flops(1024, 8192, shape) - segment_flops(1024, 4096, shape)
+        attn = (4 * shape.head_dim + 3) * shape.n_heads * 1024 * 4096
+        assert grow == pytest.approx(shape.softmax_layers * attn, rel=1e-12)
+    assert HYBRID.softmax_layers == 8 and dense.softmax_layers == 32
+    # the additivity the solver relies on holds for the hybrid too
+    split = compute_balanced_split(32768, 4, HYBRID)
+    ends = list(itertools.accumulate(split))
+    total = sum(segment_flops(s, e, HYBRID) for s, e in zip(split, ends, strict=True))
+    assert total == pytest.approx(segment_flops(32768, 32768, HYBRID), rel=1e-12)
+    skew = split[0] / split[-1]
+    dense_split = compute_balanced_split(32768, 4, dense)
+    assert 1.0 < skew < dense_split[0] / dense_split[-1]
+
+
+def test_linear_attention_state_is_priced_per_unit_not_per_token() -> None:
+    """The state a Gated DeltaNet layer carries (fp32 delta-rule state and bf16 convolution
+    tail) is the same for any segment length; the K/V a later segment needs is only the
+    softmax layers'."""
+    from seq1f1b.planning.costmodel import MemoryModel
+
+    la = HYBRID.linear_attention
+    assert la.state_bytes(2) == 4 * 32 * 128 * 128 + 2 * 3 * (2 * 16 * 128 + 32 * 128)
+    memory = MemoryModel(HYBRID, recompute=True)
+    per_token = memory.layer_bytes_per_token(segmented=True)
+    dense = MemoryModel(replace(HYBRID, linear_attention=None), recompute=True)
+    kv = 2 * 2 * 8 * 128
+    assert dense.layer_bytes_per_token(True) - per_token == pytest.approx(kv * 24 / 32)
+    for tokens in (1024, 8192):
+        state = memory.unit_bytes(tokens, 8, False, True) - tokens * 8 * per_token
+        assert state == pytest.approx(8 * 24 / 32 * la.state_bytes(2))
+    with pytest.raises(ValueError, match=r"linear_attention\.layers = 32 must be in 1\.\.n_layers"):
+        replace(HYBRID, linear_attention=LinearAttention(32, 16, 32, 128, 128))

@@ -139,14 +139,16 @@ def test_bad_settings_are_refused_before_start(args: list[str], message: str) ->
 
 def test_qwen3_5_shape_prices_its_hybrid_stack() -> None:
     """Qwen3.5's debug model: its full-attention layers' heads (4 of 64, 2 K/V heads) and the
-    six Gated DeltaNet layers priced as attention over 64 keys; the CPU flavor has the shipped
-    tokenizer's vocabulary."""
+    six Gated DeltaNet layers (2 key heads, 4 value heads of 64); the CPU flavor has the
+    shipped tokenizer's vocabulary."""
     from torchtitan_integration.v03.models import family
 
     config = build_config(DEBUG, QWEN3_5)
     shape = family("qwen3_5").shape(config.model_spec.model)
     assert (shape.n_heads, shape.head_dim, shape.n_kv_heads, shape.vocab) == (4, 64, 2, 2048)
-    assert (shape.n_layers, shape.window, shape.window_layers) == (8, 64, 6)
+    la = shape.linear_attention
+    assert (shape.n_layers, shape.softmax_layers, shape.window) == (8, 2, None)
+    assert (la.layers, la.key_heads, la.value_heads, la.key_dim, la.conv_width) == (6, 2, 4, 64, 4)
     validate_before_start(config)
 
 

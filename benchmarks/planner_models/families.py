@@ -3,8 +3,10 @@ the latent K/V cache of multi-head latent attention costs and saves.
 
     python -m benchmarks.planner_models.families [--gpu h100-80gb] [--json FILE]
 
-Table 1: for each preset (Llama3 8B beside Qwen3 32B, Qwen3-30B-A3B, DeepSeek-V3 671B and
-GPT-OSS 120B), pp = 4 and 8, 32k and 128k tokens, the planner's best fitting 1F1B and best
+Table 1: for each preset (Llama3 8B beside Qwen3 32B, Qwen3-30B-A3B, DeepSeek-V3 671B,
+GPT-OSS 120B and the hybrid Qwen3.5 27B, whose Gated DeltaNet layers are priced linear in
+the length with a state per sample; its MoE flavors need expert parallelism, which the
+planner does not price), pp = 4 and 8, 32k and 128k tokens, the planner's best fitting 1F1B and best
 fitting Seq1F1B-family setting (any K, split, AC, TP, FSDP) on the GPU profile: predicted
 tokens/s per GPU and their ratio. Mixtures of experts are priced by active FLOPs, weights by
 all experts. The planner prices equal stages only: DeepSeek-V3 671B's 61 layers, which no
@@ -14,6 +16,12 @@ pp = 4 only.
 Table 2: the latent K/V cache at DeepSeek-V3 671B: cached values a token a layer both ways,
 and the re-expansion's share of the step (the same setting priced with and without it) at
 64k and 128k; TP = 1 as the latent cache runs (the step need not fit for this ratio).
+
+Table 3: Qwen3.5 397B-A17B's hybrid stack (45 Gated DeltaNet layers, 15 with attention),
+per unit of one sample on the whole model: the K/V cache a later segment reads of it (its
+attention layers, bf16) beside the state its Gated DeltaNet layers carry to the next segment
+(fp32 delta-rule state and bf16 convolution tail), for K = 1..16 at 32k and 128k. The state
+does not depend on the segment length.
 """
 
 from __future__ import annotations
@@ -28,9 +36,10 @@ from seq1f1b.planning.costmodel import PRESETS
 from seq1f1b.planning.planner import search
 from seq1f1b.planning.profiles import PROFILES, profile
 
-__all__ = ["latent_rows", "main", "model_rows"]
+__all__ = ["hybrid_rows", "latent_rows", "main", "model_rows"]
 
-MODELS = ("llama3-8b", "qwen3-32b", "qwen3-30b-a3b", "deepseek-v3-671b", "gpt-oss-120b")
+MODELS = ("llama3-8b", "qwen3-32b", "qwen3-30b-a3b", "deepseek-v3-671b", "gpt-oss-120b",
+          "qwen3.5-27b")  # fmt: skip
 GPUS = {"deepseek-v3-671b": 256}  # the rest: 64
 SEQ_LENS = (32768, 131072)
 PIPELINES = (4, 8)
@@ -94,13 +103,27 @@ def latent_rows(gpu: str = "h100-80gb") -> list[dict]:
     return rows
 
 
+def hybrid_rows(name: str = "qwen3.5-397b-a17b") -> list[dict]:
+    """Table 3 (module docstring)."""
+    shape = PRESETS[name]
+    la = shape.linear_attention
+    assert la is not None
+    kv_per_token = shape.softmax_layers * 2 * 2 * shape.n_kv_heads * shape.head_dim  # bf16
+    return [
+        {"seq_len": seq_len, "seq_chunks": k, "segment": seq_len // k,
+         "kv_bytes": kv_per_token * seq_len // k, "state_bytes": la.layers * la.state_bytes(2)}
+        for seq_len in SEQ_LENS
+        for k in (1, 2, 4, 8, 16)
+    ]  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.planner_models.families",
                                  description=__doc__)  # fmt: skip
     ap.add_argument("--gpu", default="h100-80gb", choices=sorted(PROFILES))
     ap.add_argument("--json", type=Path, help="write both tables here too")
     a = ap.parse_args(argv)
-    models, latent = model_rows(a.gpu), latent_rows(a.gpu)
+    models, latent, hybrid = model_rows(a.gpu), latent_rows(a.gpu), hybrid_rows()
     print("| model | GPUs | pp | seq | 1F1B tok/s/GPU | Seq1F1B family tok/s/GPU | ratio | "
           "Seq1F1B setting |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in models:
@@ -114,8 +137,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"| {r['seq_len'] // 1024}k, {r['setting']} | {r['latent_values']} vs "
               f"{r['expanded_values']} (1/{r['expanded_values'] / r['latent_values']:.0f}) | "
               f"{r['reexpansion_share']:.1%} | {r['activation_peak_ratio']:.2f} |")  # fmt: skip
+    print(
+        "\n| Qwen3.5 397B-A17B, one sample | K | segment | K/V cache of a unit (15 attention "
+        "layers) | state a unit carries (45 Gated DeltaNet layers) |\n|---|---|---|---|---|"
+    )
+    for r in hybrid:
+        print(
+            f"| {r['seq_len'] // 1024}k | {r['seq_chunks']} | {r['segment']} | "
+            f"{r['kv_bytes'] / 2**20:.0f} MiB | {r['state_bytes'] / 2**20:.0f} MiB |"
+        )
     if a.json:
-        a.json.write_text(json.dumps({"models": models, "latent": latent}, indent=1))
+        a.json.write_text(json.dumps({"models": models, "latent": latent, "hybrid": hybrid},
+                                     indent=1))  # fmt: skip
     return 0
 
 

@@ -95,7 +95,7 @@ from dataclasses import dataclass
 
 from .._runtime import ir as rt
 from .._runtime.ir import Action
-from ..schedules.partition import LatentKV, ModelShape
+from ..schedules.partition import LatentKV, LinearAttention, ModelShape
 
 __all__ = [
     "FP32_SLOWDOWN",
@@ -171,6 +171,31 @@ PRESETS: dict[str, ModelShape] = {
         gated_ffn=True,
         ffn_total=89892,
         latent_kv=LatentKV(512, 64, 16 * (128 + 128)),
+    ),
+    # Qwen3.5: 3 of every 4 layers Gated DeltaNet (16 key heads of 128, value heads of 128),
+    # the 4th gated full attention (head dim 256; its query gate is not priced)
+    "qwen3.5-27b": ModelShape(
+        5120,
+        24,
+        64,
+        248320,
+        ffn_hidden=17408,
+        head_dim=256,
+        n_kv_heads=4,
+        gated_ffn=True,
+        linear_attention=LinearAttention(48, 16, 48, 128, 128),
+    ),
+    "qwen3.5-397b-a17b": ModelShape(
+        4096,
+        32,
+        60,
+        248320,
+        ffn_hidden=11 * 1024,
+        head_dim=256,
+        n_kv_heads=2,
+        gated_ffn=True,
+        ffn_total=513 * 1024,
+        linear_attention=LinearAttention(45, 16, 64, 128, 128),
     ),
     "gpt-oss-120b": ModelShape(
         2880,
@@ -271,10 +296,13 @@ def action_work(
     assert d is not None and shape.ffn_hidden is not None
     proj = 4 * hidden * d * (h + shape.n_kv_heads)
     mlp = (6 if shape.gated_ffn else 4) * hidden * shape.ffn_hidden
-    linear = layers * s * (proj + mlp) + (2 * s * hidden * shape.vocab if last else 0)
+    soft = layers * shape.softmax_layers / shape.n_layers  # the stage's softmax layers
+    linear = s * (soft * proj + layers * mlp) + (2 * s * hidden * shape.vocab if last else 0)
+    if shape.linear_attention is not None:  # a hybrid's Gated DeltaNet layers (per token)
+        linear += (layers - soft) * s * shape.linear_attention.flops_per_token(hidden)
     if latent and shape.latent_kv is not None:
         linear += layers * shape.latent_kv.expand_flops(end - s) * 4 / 3
-    attention = layers * (s * end - s * s / 2) * (4 * d + 3) * h
+    attention = soft * (s * end - s * s / 2) * (4 * d + 3) * h
     widths = layers * (4 * hidden + (2 if shape.gated_ffn else 1) * shape.ffn_hidden)
     elements = s * (widths + (shape.vocab if last else 0))
     return Work(float(linear), float(attention), float(elements), float(layers + int(last)))
@@ -452,7 +480,8 @@ class MemoryModel:
         """Bytes a layer keeps per token of a unit in flight (``segmented``: K > 1); with the
         latent K/V cache (``latent_kv``) the later segments' K/V is the latent."""
         s, b = self.shape, self.dtype_bytes
-        kv = 2 * b * s.n_kv_heads * s.head_dim if segmented else 0
+        # the K/V cache: softmax layers only (a hybrid's others carry a state, unit_bytes)
+        kv = 2 * b * s.n_kv_heads * s.head_dim * s.softmax_layers / s.n_layers if segmented else 0
         if segmented and self.latent_kv and s.latent_kv is not None:
             kv = b * s.latent_kv.cached
             if not (self.recompute or self.selective):  # the expanded K/V are saved anyway
@@ -466,10 +495,14 @@ class MemoryModel:
 
     def unit_bytes(self, tokens: float, layers: int, last: bool, segmented: bool) -> float:
         """Bytes a forward of ``tokens`` leaves on a stage of ``layers`` blocks until its
-        backward: the blocks' saved tensors, and on the last stage the loss's fp32
-        log-probabilities."""
+        backward: the blocks' saved tensors, a hybrid's carried states (whatever ``tokens``),
+        and on the last stage the loss's fp32 log-probabilities."""
         saved = tokens * layers * self.layer_bytes_per_token(segmented)
         saved -= self._window_kv_saving(tokens, layers, segmented)
+        la = self.shape.linear_attention
+        if segmented and la is not None:  # the state each Gated DeltaNet layer hands on
+            share = layers * la.layers / self.shape.n_layers
+            saved += share * la.state_bytes(self.dtype_bytes) / self.tp
         if last and self.loss_chunk_tokens is not None:
             saved += tokens * 4 * self.shape.hidden
         elif last:

@@ -58,6 +58,47 @@ class LatentKV:
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """The Gated DeltaNet layers of a hybrid stack (Qwen3.5, Qwen3-Next): ``layers`` of the
+    model's layers mix positions through a recurrent state instead of softmax attention:
+    ``key_heads`` query/key heads of ``key_dim``, ``value_heads`` value heads of
+    ``value_dim``, a causal convolution of ``conv_width`` taps over the q/k/v channels, the
+    delta rule in chunks of ``chunk`` positions. Their work is linear in the sequence; what
+    a later segment needs of an earlier one is the state, whatever its length."""
+
+    layers: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_width: int = 4
+    chunk: int = 64
+
+    @property
+    def channels(self) -> int:
+        """The convolved q/k/v channels."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def flops_per_token(self, hidden: int) -> float:
+        """Forward FLOPs a token costs in one such layer: the projections (q, k, v, the output
+        gate, the two gating signals, the output), the convolution, and the chunked delta
+        rule (within a chunk, attention-like products over ``chunk`` positions; across
+        chunks, the state read and update, ``dk x dv`` a value head each)."""
+        v = self.value_heads * self.value_dim
+        proj = 2 * hidden * (self.channels + v + 2 * self.value_heads) + 2 * v * hidden
+        conv = 2 * self.conv_width * self.channels
+        dk, dv = self.key_dim, self.value_dim
+        per_head = 2 * self.chunk * (2 * dk + dv) + 6 * dk * dv
+        return float(proj + conv + self.value_heads * per_head)
+
+    def state_bytes(self, dtype_bytes: int) -> int:
+        """Bytes one layer carries from a segment to the next, a sample: the delta-rule state
+        (fp32) and the convolution's last ``conv_width - 1`` inputs."""
+        state = 4 * self.value_heads * self.key_dim * self.value_dim
+        return state + dtype_bytes * (self.conv_width - 1) * self.channels
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """Transformer shape for the FLOPs model.
 
@@ -77,6 +118,9 @@ class ModelShape:
 
     ``latent_kv``: multi-head latent attention's compressed K/V (:class:`LatentKV`), which the
     latent K/V cache keeps instead of the expanded K and V (the planner prices both).
+
+    ``linear_attention``: a hybrid stack's Gated DeltaNet layers (:class:`LinearAttention`);
+    the heads above are the softmax-attention layers', which are the other layers.
     """
 
     hidden: int
@@ -92,6 +136,13 @@ class ModelShape:
     window_layers: int | None = None
     ffn_total: int | None = None
     latent_kv: LatentKV | None = None
+    linear_attention: LinearAttention | None = None
+
+    @property
+    def softmax_layers(self) -> int:
+        """The layers with softmax attention (all but a hybrid's linear-attention ones)."""
+        la = self.linear_attention
+        return self.n_layers - (la.layers if la is not None else 0)
 
     def __post_init__(self) -> None:
         """Validate eagerly so a bad shape fails at config time, not mid-solve."""
@@ -138,6 +189,12 @@ class ModelShape:
             object.__setattr__(self, "window_layers", layers)
         if _as_int("ModelShape.sinks", self.sinks) < 0:
             raise ValueError(f"ModelShape.sinks must be >= 0 (got {self.sinks})")
+        la = self.linear_attention
+        if la is not None and not 1 <= la.layers < self.n_layers:
+            raise ValueError(
+                f"ModelShape.linear_attention.layers = {la.layers} must be in 1..n_layers-1 = "
+                f"{self.n_layers - 1} (a hybrid keeps some softmax-attention layers)"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"ModelShape.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
@@ -159,10 +216,14 @@ def _coefficients(end: float, shape: ModelShape) -> tuple[float, float]:
     ffn, d = shape.ffn_hidden, shape.head_dim
     assert ffn is not None and d is not None  # resolved in __post_init__
     attn = (4 * d + 3) * heads
-    a = layers * attn / 2
+    soft = shape.softmax_layers  # a hybrid's linear-attention layers: linear in the tokens
+    a = soft * attn / 2
     proj = 4 * hidden * d * (heads + shape.n_kv_heads)  # Q, O: h heads; K, V: kv heads
     mlp = (6 if shape.gated_ffn else 4) * hidden * ffn
-    b = 4 * hidden * shape.vocab + layers * (end * attn + proj + mlp)
+    b = 4 * hidden * shape.vocab + soft * (end * attn + proj) + layers * mlp
+    if shape.linear_attention is not None:
+        la = shape.linear_attention
+        b += la.layers * la.flops_per_token(hidden)
     return a, b
 
 

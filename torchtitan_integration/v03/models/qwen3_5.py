@@ -24,15 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from seq1f1b import ModelShape
+from seq1f1b import LinearAttention, ModelShape
 from seq1f1b.attention.gated_deltanet import gated_deltanet_core
 
 from ..model import make_chunk_aware
 from .base import ModelFamily, Resized, mean_ffn_hidden, total_ffn_hidden
-
-#: the FLOPs model prices a Gated DeltaNet layer as attention over this many keys a query
-#: (the chunked kernel's intra-chunk part; its cost is linear in the sequence length)
-DELTANET_WINDOW = 64
 
 
 def chunk_aware_deltanet_forward(
@@ -94,9 +90,21 @@ def make_hybrid_chunk_aware(model: nn.Module) -> int:
 
 def hybrid_shape(config: Any) -> ModelShape:
     """The FLOPs shape of a Qwen3.5 config: the full-attention layers' heads and head dim,
-    the Gated DeltaNet layers priced as attention over :data:`DELTANET_WINDOW` keys."""
+    and the Gated DeltaNet layers (:class:`seq1f1b.LinearAttention`: linear in the length,
+    a state carried per sample)."""
     attn = config.first_attention
-    deltanet = sum(layer.delta_net is not None for layer in config.layers)
+    deltanet = [layer.delta_net for layer in config.layers if layer.delta_net is not None]
+    linear = None
+    if deltanet:
+        dn = deltanet[0]
+        linear = LinearAttention(
+            len(deltanet),
+            dn.in_proj_q.out_features // dn.key_head_dim,
+            dn.in_proj_v.out_features // dn.value_head_dim,
+            dn.key_head_dim,
+            dn.value_head_dim,
+            dn.conv_kernel_size,
+        )
     return ModelShape(
         hidden=config.dim,
         n_heads=attn.n_heads,
@@ -107,8 +115,7 @@ def hybrid_shape(config: Any) -> ModelShape:
         head_dim=attn.head_dim,
         n_kv_heads=attn.n_kv_heads,
         gated_ffn=True,
-        window=DELTANET_WINDOW if deltanet else None,
-        window_layers=deltanet or None,
+        linear_attention=linear,
     )
 
 
