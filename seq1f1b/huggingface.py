@@ -142,6 +142,7 @@ def _chunk_aware_linear_attention(module: nn.Module) -> None:
         )
     module.forward = linear_attention_forward.__get__(module)
     module._seq1f1b_chunk_aware = True
+    add_layer_key(module)  # names its carried state under torch.compile
 
 
 class DecoderStage(nn.Module):

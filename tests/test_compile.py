@@ -23,11 +23,19 @@ from seq1f1b.attention.attention_op import segment_positions
 
 
 @pytest.mark.parametrize(
-    "schedule,checkpointing,docs",
-    [("Seq1F1B", True, True), ("ZBVSeq1F1B", True, False), ("ZBSeq1F1B", False, True)],
+    "schedule,checkpointing,docs,hybrid",
+    [
+        ("Seq1F1B", True, True, False),
+        ("ZBVSeq1F1B", True, False, False),
+        ("ZBSeq1F1B", False, True, False),
+        # Gated DeltaNet blocks: the carried state through the compiled op pair
+        ("InterleavedSeq1F1B", True, False, True),
+    ],
 )
-def test_compiled_blocks_match_eager_reference(schedule: str, checkpointing: bool, docs: bool):
-    run_ranks(compiled_schedule_steps, 1, schedule, checkpointing, docs, fresh=True)
+def test_compiled_blocks_match_eager_reference(
+    schedule: str, checkpointing: bool, docs: bool, hybrid: bool
+) -> None:
+    run_ranks(compiled_schedule_steps, 1, schedule, checkpointing, docs, hybrid, fresh=True)
 
 
 def test_compiled_on_some_ranks_only_is_refused_on_every_rank() -> None:

@@ -185,3 +185,24 @@ def test_eval_with_recurrent_state_matches_reference() -> None:
     """eval() (forward only): the carried state flows forward without gradients and is gone
     after the step."""
     run_ranks(_eval_hybrid, 2)
+
+
+@pytest.mark.fast
+def test_kept_state_is_a_copy() -> None:
+    """What a segment keeps for the next one is a copy: the convolution tail is a view of the
+    layer's input, and a compiled graph reuses that buffer once the op returns (under
+    compile(checkpoint_wrapper(block)) the next segment read overwritten values)."""
+    from seq1f1b.attention.carried import carried_state
+    from seq1f1b.attention.kv import SegmentInfo, StageKVState, UnitContext, activate
+
+    state = StageKVState(0, 2)
+    info = SegmentInfo(0, 0, 2, 0, 8, 16, (0, 8, 16))
+    x = torch.randn(2, 8, 5)
+    tail = x[:, -3:]
+    with activate(UnitContext(state, info, "forward", True)):
+        carried_state("layer").keep(x, tail)
+    kept = state.layer_entries(0, ("carried", "layer"))[0].tensors[0]
+    assert kept.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    before = kept.clone()
+    x.zero_()
+    assert torch.equal(kept, before) and kept.requires_grad

@@ -126,9 +126,6 @@ QWEN3_5 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_cpu"]
           "--parallelism.context_parallel_degree", "2"], "does not shard them over the cp mesh"),
         ([*QWEN3_5, "--parallelism.context_parallel_degree", "2"],
          "carry a recurrent state from segment to segment"),
-        ([*QWEN3_5, "--compile.enable"], "carried state lives outside the traced graph"),
-        ([*QWEN3_5, "--compile.enable", "--parallelism.pipeline_parallel_degree", "1"],
-         "Set --compile.enable false"),
     ],
 )  # fmt: skip
 def test_bad_settings_are_refused_before_start(args: list[str], message: str) -> None:

@@ -179,14 +179,15 @@ QWEN3_5 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_cpu",
 
 def test_qwen3_5_recurrent_state_matches_unpipelined(tmp_path) -> None:
     """Qwen3.5's hybrid stack under Seq1F1B (with the start-up self-check), InterleavedSeq1F1B
-    with full activation checkpointing (stage 0 holds only Gated DeltaNet layers: the mixing
-    probe sees their declared state) and ZBVSeq1F1B (split backward: the state's gradient in
-    the input half) equals PP=1 from one seed checkpoint."""
+    with compiled blocks and full activation checkpointing (stage 0 holds only Gated DeltaNet
+    layers: the mixing probe sees their declared state; the compiled op pair carries it) and
+    ZBVSeq1F1B (split backward: the state's gradient in the input half) equals PP=1 from one
+    seed checkpoint."""
     seed = _seed(QWEN3_5, tmp_path / "seed")
     ref = run_titan(1, *NO_PP, *QWEN3_5, *seed, dump=tmp_path / "pp1")
     for name, extra in (
         ("Seq1F1B", ["--seq1f1b.verify"]),
-        ("InterleavedSeq1F1B", ["--activation_checkpoint.mode", "full"]),
+        ("InterleavedSeq1F1B", ["--activation_checkpoint.mode", "full", "--compile.enable"]),
         ("ZBVSeq1F1B", []),
     ):
         run = run_titan(2, *PP2, *QWEN3_5, *seed, *extra,

@@ -69,6 +69,9 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 |                                               |   (AutogradContextVar: the unit context seen in  |
 |                                               |   recomputation on CUDA; pytorch#191777)         |
 | aten._scaled_dot_product_flash_attention_*    | flash kernels that return the LSE (attention.py) |
+| torch._C._ForceDispatchKeyGuard,              | autograd inside a custom op's implementation     |
+|   _dispatch_tls_local_include/exclude_set,    |   (``autograd_inside_custom_op``: the compiled   |
+|   DispatchKey(Set)                            |   Gated DeltaNet's backward differentiates it)   |
 | distributed_c10d._get_default_group,          | BitPipe pair check; torchtitan on gloo (CPU)     |
 |   _set_pg_timeout                             |                                                  |
 | torch._utils._get_available_device_type       | named (device_type_probe) for torchtitan 0.2.2's |
@@ -155,6 +158,7 @@ from .ir import (
     add_reduce_grad,
     add_wait_send,
     allow_compiled_variants,
+    autograd_inside_custom_op,
     broadcast_to_and_flatten,
     compiled_modules,
     default_process_group,
@@ -230,6 +234,7 @@ __all__ = [
     "add_reduce_grad",
     "add_wait_send",
     "allow_compiled_variants",
+    "autograd_inside_custom_op",
     "broadcast_to_and_flatten",
     "compiled_modules",
     "default_process_group",

@@ -178,6 +178,22 @@ def has_checkpointed_module(module: torch.nn.Module | None) -> bool:
     return any(isinstance(m, CheckpointWrapper) for m in module.modules())
 
 
+@contextlib.contextmanager
+def autograd_inside_custom_op() -> Iterator[None]:
+    """Autograd recording again inside a ``torch.library`` custom op's implementation, which
+    torch runs with the autograd dispatch keys excluded (the compiled Gated DeltaNet's
+    backward differentiates its layer there). Upstream hook that would remove it: a custom op
+    option to run its implementation with autograd (or ``register_autograd`` accepting a
+    backward that differentiates the implementation itself)."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+    for name in ("AutogradOther", "AutogradNestedTensor", "AutogradCPU", "AutogradCUDA"):
+        keys = keys | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, name))
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    with torch._C._ForceDispatchKeyGuard(include, exclude - keys), torch.enable_grad():
+        yield
+
+
 def donated_buffers_enabled() -> bool:
     """AOTAutograd's donated buffers are on (the chunk-aware op keys its graphs by it)."""
     import torch._functorch.config as functorch_config

@@ -71,6 +71,11 @@ class _ReadCarried(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
+        unit = current_unit()
+        if unit is not None and unit.phase == "backward_weight":
+            # a compiled block's backward runs in both halves of a split backward (its op
+            # recomputes and differentiates the layer each time): the input half left it
+            return (None, *(None for _ in grads))
         for leaf, grad in zip(ctx.leaves, grads, strict=True):
             if grad is not None and leaf.requires_grad:
                 grad = grad.to(leaf.dtype)
@@ -152,9 +157,10 @@ class CarriedState:
                     f"the state of {len(entries)} segments of sample {info.microbatch} but "
                     f"runs segment {seg}: each layer keeps its state once per unit forward"
                 )
+            # copies: a compiled graph may reuse the buffer a view (a convolution tail) is of
             entries.append(
                 None if last else CarriedEntry(
-                    tuple(t.detach().requires_grad_(ctx.keep_kv) for t in final)
+                    tuple(t.detach().clone().requires_grad_(ctx.keep_kv) for t in final)
                 )
             )  # fmt: skip
         elif len(entries) <= seg:
@@ -196,8 +202,8 @@ def carried_state(layer: Hashable) -> CarriedState:
     module) in the running unit; outside a Seq1F1B unit a no-op (see the module)."""
     if torch.compiler.is_compiling():
         raise NotImplementedError(
-            "Seq1F1B: a layer with carried (recurrent) state does not run inside "
-            "torch.compile yet (its state lives outside the traced graph, and no custom op "
-            "carries it): compile only the blocks without one, or turn compile off"
+            "Seq1F1B: carried_state() reads the running unit, which a traced graph must not "
+            "see: under torch.compile call it inside a custom op, as "
+            "seq1f1b.attention.gated_deltanet.gated_deltanet_core does (seq1f1b::gated_deltanet)"
         )
     return CarriedState(layer, current_unit())

@@ -6,21 +6,43 @@ the output projection. Under a Seq1F1B schedule it carries two states from segme
 of a sample (:mod:`seq1f1b.attention.carried`): the convolution's last inputs and the
 delta-rule state; a packed row restarts both at each document. Model adapters that keep their
 own projections call :func:`gated_deltanet_core` with them instead.
+
+Under torch.compile the core is one opaque custom op pair, as the compiled attention is
+(:mod:`seq1f1b.attention.attention_op`): ``seq1f1b::gated_deltanet`` runs it when the op runs
+(reading the unit, keeping the state for the next segment, nothing traced or guarded) and
+``seq1f1b::gated_deltanet_backward`` recomputes it from its inputs under the backward's unit
+and differentiates it, so the state's gradient flows as in eager mode and no graph is held
+between the two (a checkpointed block keeps only the op's inputs). The layer is named by its
+``seq1f1b_layer_key`` buffer (:func:`seq1f1b.add_layer_key`), eager and compiled alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _runtime as rt
+from .attention_op import LAYER_KEY, add_layer_key, layer_key_of
 from .carried import carried_state
 from .causal_conv import causal_conv1d
 from .gated_delta import gated_delta_rule_pieces
 
 __all__ = ["ChunkAwareGatedDeltaNet", "gated_deltanet_core"]
+
+
+def _state_key(layer: Hashable) -> Hashable:
+    """The carried state's key: the layer's key buffer when it has one (the compiled op sees
+    only the buffer), else the layer itself."""
+    key = getattr(layer, LAYER_KEY, None)
+    return _key_of(key) if isinstance(key, torch.Tensor) else layer
+
+
+def _key_of(layer_key: torch.Tensor) -> Hashable:
+    return ("carried", layer_key.untyped_storage().data_ptr())
 
 
 def gated_deltanet_core(
@@ -38,11 +60,29 @@ def gated_deltanet_core(
     Hv*dv) to the delta rule's output (B, L, Hv, dv), carrying the convolution's tail and the
     state across segments. ``conv_weight``: (channels, 1, W); ``g`` (log decay, <= 0) and
     ``beta``: (B, L, Hv); ``head_dims``: (Hk, dk, Hv, dv); keys and queries are repeated to
-    ``Hv`` heads. ``layer`` names the layer's carried state on its stage; ``anchor`` is the
-    layer's input (see :meth:`CarriedState.initial`)."""
+    ``Hv`` heads. ``layer`` names the layer's carried state on its stage (under
+    torch.compile a module with a key buffer, :func:`seq1f1b.add_layer_key`); ``anchor`` is
+    the layer's input (see :meth:`CarriedState.initial`)."""
+    if torch.compiler.is_compiling():
+        return gated_deltanet_op(
+            qkv, conv_weight, g, beta, layer_key_of(layer), list(head_dims), backend
+        )
+    return _core(_state_key(layer), qkv, conv_weight, g, beta, head_dims, anchor, backend)
+
+
+def _core(
+    key: Hashable,
+    qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    head_dims: Sequence[int],
+    anchor: torch.Tensor,
+    backend: str,
+) -> torch.Tensor:
     n_k, dk, n_v, dv = head_dims
     b, length, _ = qkv.shape
-    carry = carried_state(layer)
+    carry = carried_state(key)
     pieces = carry.pieces(b, length)
     init = carry.initial(anchor)
     tail, state = (None, None) if init is None else init
@@ -54,6 +94,79 @@ def gated_deltanet_core(
         q, k = q.repeat_interleave(n_v // n_k, dim=2), k.repeat_interleave(n_v // n_k, dim=2)
     out, final = gated_delta_rule_pieces(q, k, v, g, beta, state, pieces, backend=backend)
     return carry.keep(out, new_tail, final)
+
+
+def _out_shape(qkv: torch.Tensor, g: torch.Tensor, head_dims: Sequence[int]) -> torch.Tensor:
+    return qkv.new_empty((*qkv.shape[:2], head_dims[2], head_dims[3]))
+
+
+@torch.library.custom_op("seq1f1b::gated_deltanet", mutates_args=())
+def gated_deltanet_op(
+    qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    layer_key: torch.Tensor,
+    head_dims: list[int],
+    backend: str,
+) -> torch.Tensor:
+    """The compiled form of :func:`gated_deltanet_core` (see the module): no graph kept."""
+    if qkv.device.type == "meta":
+        return _out_shape(qkv, g, head_dims)
+    with torch.no_grad():
+        out = _core(_key_of(layer_key), qkv, conv_weight, g, beta, head_dims, qkv, backend)
+    return out.contiguous()
+
+
+@gated_deltanet_op.register_fake
+def _(qkv, conv_weight, g, beta, layer_key, head_dims, backend):
+    return _out_shape(qkv, g, head_dims)
+
+
+@torch.library.custom_op("seq1f1b::gated_deltanet_backward", mutates_args=())
+def gated_deltanet_backward(
+    grad_out: torch.Tensor,
+    qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    layer_key: torch.Tensor,
+    head_dims: list[int],
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`gated_deltanet_op`: the core recomputed from its inputs under the
+    running backward's unit (it reads the previous segment's state and wires this segment's
+    to the gradient the next one left), then differentiated."""
+    inputs = [t.detach().requires_grad_() for t in (qkv, conv_weight, g, beta)]
+    with rt.autograd_inside_custom_op():
+        out = _core(_key_of(layer_key), *inputs, head_dims, inputs[0], backend)
+        grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+    return tuple(
+        torch.zeros_like(t) if d is None else d.to(t.dtype).contiguous()
+        for t, d in zip(inputs, grads, strict=True)
+    )
+
+
+@gated_deltanet_backward.register_fake
+def _(grad_out, qkv, conv_weight, g, beta, layer_key, head_dims, backend):
+    return tuple(torch.empty_like(t) for t in (qkv, conv_weight, g, beta))
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    qkv, conv_weight, g, beta, layer_key, head_dims, backend = inputs
+    ctx.save_for_backward(qkv, conv_weight, g, beta, layer_key)
+    ctx.head_dims, ctx.backend = head_dims, backend
+
+
+def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+    qkv, conv_weight, g, beta, layer_key = ctx.saved_tensors
+    grads = gated_deltanet_backward(
+        grad_out, qkv, conv_weight, g, beta, layer_key, ctx.head_dims, ctx.backend
+    )
+    return (*grads, None, None, None)
+
+
+gated_deltanet_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class ChunkAwareGatedDeltaNet(nn.Module):
@@ -88,6 +201,7 @@ class ChunkAwareGatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(n_value_heads).uniform_(-1.0, 1.0))
         self.norm = nn.RMSNorm(value_dim, eps=eps)
         self.out_proj = nn.Linear(n_value_heads * value_dim, dim, bias=False)
+        add_layer_key(self)  # names the layer's carried state under torch.compile
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, length, _ = x.shape

@@ -70,7 +70,6 @@ def validate_before_start(config: Any) -> None:
             "all_to_all_single runs on gloo), or expert_parallel_degree = 1"
         )
     _warn_tensor_parallel(config)
-    _check_compile(config)
     if par.pipeline_parallel_degree <= 1:
         if cp > 1:
             raise ValueError(
@@ -132,22 +131,6 @@ def loss_with_chunks(loss: Any, chunks: Any) -> Any:
             "loss_chunks = 0"
         )
     return dataclasses.replace(loss, num_chunks=chunks)
-
-
-def _check_compile(config: Any) -> None:
-    """Refuse torch.compile of the model for a family whose blocks cannot be compiled with
-    Seq1F1B's adaptation (:attr:`ModelFamily.no_compile`), pipelined or not."""
-    compiling = config.compile.enable and "model" in config.compile.components
-    try:
-        reason = family_of(config.model_spec).no_compile
-    except ValueError:  # a family we do not know: refused where it matters, with the list
-        return
-    if compiling and reason:
-        raise ValueError(
-            f"[compile] enable = true with {config.model_spec.name}: not supported yet, "
-            f"{reason}. Set --compile.enable false (or leave 'model' out of "
-            "compile.components)"
-        )
 
 
 def _warn_tensor_parallel(config: Any) -> None:

@@ -162,8 +162,6 @@ class ModelFamily:
     #: what torchtitan's own tensor parallelism (``spmd_types`` backend) gets wrong in this
     #: family, warned at start-up on every rank (None: nothing known)
     tensor_parallel_note: str | None = None
-    #: why the family's blocks do not run under torch.compile (None: they do)
-    no_compile: str | None = None
 
     def with_kv_cache(self, kv_cache: str) -> ModelFamily:
         """This family as ``[seq1f1b] kv_cache`` wants it: unchanged for "expanded"; for

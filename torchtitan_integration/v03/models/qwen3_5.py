@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from seq1f1b import LinearAttention, ModelShape
+from seq1f1b import LinearAttention, ModelShape, add_layer_key
 from seq1f1b.attention.gated_deltanet import gated_deltanet_core
 
 from ..model import make_chunk_aware
@@ -46,8 +46,9 @@ def chunk_aware_deltanet_forward(
     g = -torch.exp(self.A_log.float()) * F.softplus(self.in_proj_a(x_BLD).float() + self.dt_bias)
     beta = torch.sigmoid(self.in_proj_b(x_BLD))
     out = gated_deltanet_core(
-        self, torch.cat([q, k, v], -1), weight, g, beta, (n_k, dk, n_v, dv), anchor=x_BLD
-    )
+        self.seq1f1b_state, torch.cat([q, k, v], -1), weight, g, beta, (n_k, dk, n_v, dv),
+        anchor=x_BLD,
+    )  # fmt: skip
     out = self.norm(out, self.in_proj_z(x_BLD).view(b, length, n_v, dv))
     return self.out_proj(out.reshape(b, length, n_v * dv))
 
@@ -84,6 +85,9 @@ def make_hybrid_chunk_aware(model: nn.Module) -> int:
             if not getattr(module, "_seq1f1b_chunk_aware", False):
                 module.forward = chunk_aware_deltanet_forward.__get__(module)
                 module._seq1f1b_chunk_aware = True
+                # names its carried state under torch.compile: a plain child module's buffer
+                # (torchtitan wants a placement for every buffer of its own modules)
+                module.seq1f1b_state = add_layer_key(nn.Module())
             converted += 1
     return converted
 
@@ -140,9 +144,5 @@ FAMILY = ModelFamily(
         "its Gated DeltaNet layers carry a recurrent state from segment to segment, and a "
         "context-parallel rank holds two chunks of each segment: the state would need a scan "
         "over the CP ranks, which Seq1F1B does not run yet"
-    ),
-    no_compile=(
-        "its Gated DeltaNet layers' carried state lives outside the traced graph and no "
-        "custom op carries it through a compiled block yet"
     ),
 )
