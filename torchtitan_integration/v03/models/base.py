@@ -26,11 +26,11 @@ def _unchanged(model_config: Any) -> list[str]:
 def decoder_shape(
     config: Any, *, head_dim: int | None = None, n_kv_heads: int | None = None
 ) -> ModelShape:
-    """The FLOPs shape of a 0.3 ``Decoder`` config: GQA heads and head dim (or the family's
-    ``head_dim`` / ``n_kv_heads``), and the FFN width a token goes through (SwiGLU; for MoE
-    layers the active width, ``top_k`` routed experts plus the shared ones, so FLOPs follow
-    active parameters)."""
-    attn = config.layers[0].attention
+    """The FLOPs shape of a 0.3 ``Decoder`` config: GQA heads and head dim of its (first)
+    attention layers (or the family's ``head_dim`` / ``n_kv_heads``), and the FFN width a
+    token goes through (SwiGLU; for MoE layers the active width, ``top_k`` routed experts plus
+    the shared ones, so FLOPs follow active parameters)."""
+    attn = next(layer.attention for layer in config.layers if layer.attention is not None)
     return ModelShape(
         hidden=config.dim,
         n_heads=attn.n_heads,

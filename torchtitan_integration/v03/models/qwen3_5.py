@@ -28,7 +28,7 @@ from seq1f1b import LinearAttention, ModelShape, add_layer_key
 from seq1f1b.attention.gated_deltanet import gated_deltanet_core
 
 from ..model import make_chunk_aware
-from .base import ModelFamily, Resized, mean_ffn_hidden, total_ffn_hidden
+from .base import ModelFamily, Resized, decoder_shape
 
 
 def chunk_aware_deltanet_forward(
@@ -93,34 +93,22 @@ def make_hybrid_chunk_aware(model: nn.Module) -> int:
 
 
 def hybrid_shape(config: Any) -> ModelShape:
-    """The FLOPs shape of a Qwen3.5 config: the full-attention layers' heads and head dim,
-    and the Gated DeltaNet layers (:class:`seq1f1b.LinearAttention`: linear in the length,
-    a state carried per sample)."""
-    attn = config.first_attention
+    """The FLOPs shape of a Qwen3.5 config: the full-attention layers' heads and head dim
+    (:func:`decoder_shape`), and the Gated DeltaNet layers (:class:`seq1f1b.LinearAttention`:
+    linear in the length, a state carried per sample)."""
     deltanet = [layer.delta_net for layer in config.layers if layer.delta_net is not None]
-    linear = None
-    if deltanet:
-        dn = deltanet[0]
-        linear = LinearAttention(
-            len(deltanet),
-            dn.in_proj_q.out_features // dn.key_head_dim,
-            dn.in_proj_v.out_features // dn.value_head_dim,
-            dn.key_head_dim,
-            dn.value_head_dim,
-            dn.conv_kernel_size,
-        )
-    return ModelShape(
-        hidden=config.dim,
-        n_heads=attn.n_heads,
-        n_layers=len(config.layers),
-        vocab=config.vocab_size,
-        ffn_hidden=mean_ffn_hidden(config),
-        ffn_total=mean_ffn_hidden(config, total_ffn_hidden),
-        head_dim=attn.head_dim,
-        n_kv_heads=attn.n_kv_heads,
-        gated_ffn=True,
-        linear_attention=linear,
+    if not deltanet:
+        return decoder_shape(config)
+    dn = deltanet[0]
+    linear = LinearAttention(
+        len(deltanet),
+        dn.in_proj_q.out_features // dn.key_head_dim,
+        dn.in_proj_v.out_features // dn.value_head_dim,
+        dn.key_head_dim,
+        dn.value_head_dim,
+        dn.conv_kernel_size,
     )
+    return dataclasses.replace(decoder_shape(config), linear_attention=linear)
 
 
 def cpu_sized(model_config: Any) -> list[str]:
