@@ -196,3 +196,20 @@ def test_fsdp_compile_bf16_matches_unpipelined(seed, tmp_path) -> None:
     # the first step checked itself in this mix (bf16 outputs, FSDP, compiled blocks run eager)
     checked = re.findall(r"stage (\d): first-step check passed.*bfloat16", run.output)
     assert sorted(checked) == ["0", "0", "1", "1"], run.output[-3000:]  # two FSDP ranks each
+
+
+BALANCED = ["--seq1f1b.balanced_packing", "--training.dataset", "pycode_blocks",
+            "--training.steps", "3"]  # fmt: skip
+
+
+@pytest.mark.titan_grid
+def test_balanced_packing_matches_unpipelined(seed, tmp_path) -> None:
+    """``[seq1f1b] balanced_packing`` on many short documents: Seq1F1B at PP=2 trains on the
+    same balanced rows as PP=1 (groups are one step's rows whatever the microbatch size) and
+    equals it step for step."""
+    ref = run_titan(1, "--parallelism.pipeline_parallel_degree", "1", *seed, *BALANCED,
+                    dump=tmp_path / "pp1")  # fmt: skip
+    run = run_titan(2, *seed, *BALANCED, dump=tmp_path / "pp2")
+    assert "M=2" in run.output, run.output[-2000:]
+    assert "balanced packing: each step's 4 rows" in run.output
+    assert_same_curve(run, ref, steps=3)

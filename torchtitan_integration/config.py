@@ -40,6 +40,14 @@ class Seq1F1B:
     576 values a token at 671B instead of 40,960, re-expanded for each later segment; exact,
     at the cost of the re-expansion's matmuls; not with context or tensor parallelism)."""
 
+    balanced_packing: bool = False
+    """Rebalance each step's packed rows by attention cost (WLB-LLM): the documents (and
+    parts of documents) of the rows one data-parallel rank feeds per step
+    (``local_batch_size``) are reassigned among those rows so that the costliest row, by the
+    sum of its documents' squared lengths, costs as little as they allow; every (input,
+    label) pair is kept, positions restart per piece. torchtitan 0.3's text dataloader only
+    (``torchtitan_integration.balanced_packing``)."""
+
     stages_per_rank: int = 2
     """Stages per rank for InterleavedSeq1F1B (ignored when
     parallelism.pipeline_parallel_layers_per_stage is set)."""

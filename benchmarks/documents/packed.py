@@ -53,6 +53,7 @@ from seq1f1b.schedules.partition import (
     token_cost,
     uniform_split,
 )
+from torchtitan_integration.balanced_packing import balance_rows
 
 __all__ = ["corpus_document_lengths", "pack", "simulate_splits"]
 
@@ -136,6 +137,26 @@ def step_time(
     return simulate(order, cost).makespan
 
 
+def positions_of(docs: torch.Tensor) -> torch.Tensor:
+    """Per-document positions (0 at each run of one document id in a row), as torchtitan
+    yields them for packed rows."""
+    idx = torch.arange(docs.shape[1]).expand_as(docs)
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    return idx - torch.where(starts, idx, 0).cummax(dim=1).values
+
+
+def balanced_documents(docs: torch.Tensor) -> torch.Tensor:
+    """``docs`` (rows of document ids) with the documents reassigned among the rows by
+    :func:`balance_rows`; every piece gets an id of its own."""
+    pos = positions_of(docs)
+    _, _, new_pos = balance_rows(docs, docs, pos)
+    assert new_pos is not None
+    return (new_pos == 0).long().cumsum(dim=1) + docs.shape[1] * torch.arange(
+        docs.shape[0]
+    ).unsqueeze(1)
+
+
 def simulate_splits(
     docs: torch.Tensor, shape: ModelShape, pp: int, microbatches: int, k: int
 ) -> dict[str, Any]:
@@ -153,6 +174,13 @@ def simulate_splits(
         "mask_aware": [mask_balanced_split(docs[r : r + 1], k, shape) for r in range(rows)],
     }
     times = {name: step_time(order, prefixes, ls, pp) for name, ls in splits.items()}
+    balanced = balanced_documents(docs)  # the same documents, rows balanced (WLB-LLM)
+    times["balanced"] = step_time(
+        order,
+        row_prefix_flops(balanced, shape),
+        [mask_balanced_split(balanced[r : r + 1], k, shape) for r in range(rows)],
+        pp,
+    )
     return {
         "pp": pp, "M": microbatches, "K": k, "seq_len": seq_len,
         "lengths": {name: ls[0] for name, ls in splits.items()},
@@ -160,6 +188,7 @@ def simulate_splits(
         "mask_step_vs_uniform": times["mask_step"] / times["uniform"],
         "mask_aware_vs_uniform": times["mask_aware"] / times["uniform"],
         "mask_aware_vs_causal": times["mask_aware"] / times["causal"],
+        "balanced_vs_causal": times["balanced"] / times["causal"],
     }  # fmt: skip
 
 
@@ -469,12 +498,14 @@ def main() -> None:
     for name, d in out["distributions"].items():
         print(f"{name}: {d}")
     print("| documents | seq_len | pp | K | causal / uniform | mask-aware per step / uniform | "
-          "mask-aware per sample / uniform | per sample / causal |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "mask-aware per sample / uniform | per sample / causal | balanced rows, per sample / "
+          "causal |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in out["simulated"]:
         print(f"| {r['documents']} | {r['seq_len']} | {r['pp']} | {r['K']} | "
               f"{r['causal_vs_uniform']:.3f} | {r['mask_step_vs_uniform']:.3f} | "
-              f"{r['mask_aware_vs_uniform']:.3f} | {r['mask_aware_vs_causal']:.3f} |")  # fmt: skip
+              f"{r['mask_aware_vs_uniform']:.3f} | {r['mask_aware_vs_causal']:.3f} | "
+              f"{r['balanced_vs_causal']:.3f} |")  # fmt: skip
     print(
         "\nCP=2: max/mean attention work over the CP ranks (worst unit / mean) and simulated "
         "step time, per split: causal head-tail layout vs document-balanced layout"

@@ -38,7 +38,6 @@ from seq1f1b import (
     ChunkedLoss,
     ContextParallelConfig,
     MemoryCappedSplit,
-    ModelShape,
     ScheduleBitPipe,
     SequenceSplit,
 )
@@ -49,6 +48,7 @@ from seq1f1b.testing import TinyConfig, build_stages
 
 from .cpu_replay import replay_step_time
 from .probe import ActionRecord, ProbedBitPipeStage, ProbedStage, RankProbe, SavedTensorMeter
+from .tiny_shape import model_shape
 
 __all__ = ["RunSpec", "Setting", "measure", "model_shape", "packed_documents", "run_split"]
 
@@ -145,17 +145,6 @@ class RunResult:
     cp_sent_bytes: dict[str, int] = field(default_factory=dict)  # one step's CP ring traffic
     trace: list[dict[str, Any]] = field(default_factory=list)
     step_traces: list[list[dict[str, Any]]] = field(default_factory=list)
-
-
-def model_shape(cfg: TinyConfig) -> ModelShape:
-    """FLOPs-model shape of a TinyConfig; SwiGLU's three matrices count as a 1.5x wider FFN."""
-    return ModelShape(
-        hidden=cfg.dim,
-        n_heads=cfg.n_heads,
-        n_layers=cfg.n_layers,
-        vocab=cfg.vocab,
-        ffn_hidden=3 * cfg.ffn // 2,
-    )
 
 
 def run_split(spec: RunSpec, cfg: TinyConfig, seq_len: int) -> SequenceSplit:

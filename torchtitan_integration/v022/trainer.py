@@ -56,6 +56,11 @@ class Seq1F1BTrainer(TrainerCore, Trainer):
 
         check_world_size(job_config.parallelism, int(os.environ.get("WORLD_SIZE", "1")))
         check_model_name(job_config.model.name)  # before torchtitan looks the name up
+        if job_config.seq1f1b.balanced_packing:
+            raise ValueError(
+                "[seq1f1b] balanced_packing = true needs torchtitan 0.3's text dataloader (its "
+                "rows carry positions); on torchtitan 0.2.2 set it to false"
+            )
         with applied(patches.TRAINER_INIT):  # patch 7
             super().__init__(job_config)
         warn_if_fp32(job_config, self.parallel_dims)

@@ -30,6 +30,7 @@ from ..patches import applied
 from ..pipeline import check_schedule_name, check_world_size
 from . import _titan, patches
 from .checkpointing import saving_chunk_aware_attention
+from .dataloader import balanced_dataloader
 from .model import default_positions, document_ids_from_positions
 from .models import ModelFamily, family_of
 from .pipeline import pipeline_seq1f1b
@@ -108,6 +109,13 @@ class Seq1F1BTrainer(TrainerCore, Trainer):
         family = family_of(spec, config.seq1f1b.kv_cache) if ours or not pp else None
         if family is not None:
             config.validator = _chunk_aware_validator(config.validator)
+        if config.seq1f1b.balanced_packing:  # each step's rows balanced among themselves
+            from torchtitan.tools.logging import logger
+
+            rows = config.training.local_batch_size
+            config.dataloader = balanced_dataloader(config.dataloader, rows)
+            logger.info("Seq1F1B: balanced packing: each step's %d rows regrouped by their "
+                        "documents' attention cost", rows)  # fmt: skip
         base_pipelining = spec.pipelining_fn
         if getattr(base_pipelining, "func", None) is pipeline_seq1f1b:
             base_pipelining = base_pipelining.keywords["base_pipelining_fn"]
