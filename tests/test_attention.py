@@ -196,8 +196,8 @@ def _unit_fwd_bwd(q, k, v, go, lengths, seg_counts, monkeypatch):
     segment: ``seg_counts[seg] = (merges, accumulators)``."""
     from seq1f1b.attention import tiles
 
-    merge, acc = _Counting(tiles.merge), _Counting(tiles.new_accumulator)
-    monkeypatch.setattr(tiles, "merge", merge)
+    merge, acc = _Counting(tiles.merge_into), _Counting(tiles.new_accumulator)
+    monkeypatch.setattr(tiles, "merge_into", merge)
     monkeypatch.setattr(tiles, "new_accumulator", acc)
     state = StageKVState(0, len(lengths))
     starts = segment_offsets(lengths)

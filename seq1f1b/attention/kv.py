@@ -380,7 +380,8 @@ def accumulate_cache_grads(entries: Sequence[SegmentKV], dkv: dict[int, list[tor
         for leaf, grad in ((entry.k, g[0]), (entry.v, g[1])):
             if leaf.requires_grad:
                 grad = grad.to(leaf.dtype)
-                leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+                # in place: the entry's .grad is this function's own sum (no one else holds it)
+                leaf.grad = grad if leaf.grad is None else leaf.grad.add_(grad)
 
 
 class InjectKVGrad(torch.autograd.Function):

@@ -21,7 +21,7 @@ from .. import _runtime as rt
 from .head_dims import one_head_dim_backward, one_head_dim_forward
 from .masks import MaskSpec, PlanEntry, tile_mask
 
-__all__ = ["kv_blocks", "merge", "run_tiles_backward", "run_tiles_forward"]
+__all__ = ["kv_blocks", "merge", "merge_into", "run_tiles_backward", "run_tiles_forward"]
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -78,13 +78,27 @@ def accumulator_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor):
-    """Combine two partial softmax results by log-sum-exp (rows with -inf on both stay 0)."""
+def _merge_weight(lse_acc: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(merged LSE, weight of the new part): the accumulated part weighs ``1 - weight``, and
+    rows with -inf on both sides get weight 0 (they stay 0)."""
     new = torch.logaddexp(lse_acc, lse)
-    finite = torch.isfinite(new)
-    w_acc = torch.where(finite, torch.exp(lse_acc - new), 0.0).unsqueeze(-1)
-    w_new = torch.where(finite, torch.exp(lse - new), 0.0).unsqueeze(-1)
-    return out_acc * w_acc + o.to(out_acc.dtype) * w_new, new
+    weight = torch.where(torch.isfinite(new), torch.exp(lse - new), 0.0)
+    return new, weight.unsqueeze(-1)
+
+
+def merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor):
+    """Combine two partial softmax results by log-sum-exp (rows with -inf on both stay 0):
+    ``out_acc + w (o - out_acc)``, one pass over the outputs (``torch.lerp``)."""
+    new, weight = _merge_weight(lse_acc, lse)
+    return torch.lerp(out_acc, o.to(out_acc.dtype), weight), new
+
+
+def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor):
+    """:func:`merge` written into ``out_acc`` / ``lse_acc`` (views of the accumulators): no
+    output-sized temporary, no copy back."""
+    new, weight = _merge_weight(lse_acc, lse)
+    out_acc.lerp_(o.to(out_acc.dtype), weight)
+    lse_acc.copy_(new)
 
 
 # ----------------------------------------------------------------------------- math kernels
@@ -220,9 +234,7 @@ def run_tiles_forward(
         if out_acc is None or lse_acc is None:
             out_acc = new_accumulator(q, output_shape(q, blocks), 0.0, acc)
             lse_acc = new_accumulator(q, q.shape[:-1], float("-inf"), acc)
-        out_acc[rows, :, qs], lse_acc[rows, :, qs] = merge(
-            out_acc[rows, :, qs], lse_acc[rows, :, qs], o, lse.to(lse_acc.dtype)
-        )
+        merge_into(out_acc[rows, :, qs], lse_acc[rows, :, qs], o, lse.to(lse_acc.dtype))
     if out_acc is None or lse_acc is None:  # nothing planned: no query sees a key
         out_acc = new_accumulator(q, output_shape(q, blocks), 0.0, acc)
         lse_acc = new_accumulator(q, q.shape[:-1], float("-inf"), acc)
@@ -262,6 +274,7 @@ def run_tiles_backward(
         _drop_lse_columns(dkv, width)
         return dq
     bwd = kernels[2]
+    grad_out = grad_out.contiguous()  # once: the flash kernels want it so, tile by tile
     wide = accumulator_dtype(q)
     lone_q = final and len(plan) == 1
     per_block = Counter(entry[0] for entry in plan) if final else Counter()
