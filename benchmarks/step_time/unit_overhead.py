@@ -169,6 +169,7 @@ def measure(cfg: Config) -> list[Row]:
 
 
 def _commit() -> str:
+    """The commit of the ``seq1f1b`` imported, ``+dirty`` if its files differ from it."""
     import seq1f1b
 
     here = os.path.dirname(os.path.abspath(seq1f1b.__file__))  # the library measured
@@ -177,7 +178,7 @@ def _commit() -> str:
             ["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         )
         dirty = subprocess.run(
-            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--", "."],
             capture_output=True,
             text=True,
         )
