@@ -19,5 +19,5 @@ Why by subject: a reader looking for "how was memory measured" finds one folder,
 shared harness sits below the subjects that use it. No module or folder here is named like one
 in ``seq1f1b/`` (tests/test_benchmarks_layout.py checks), so a traceback or an import never
 leaves it unclear which ``calibration`` or ``masks`` is meant. The goals the numbers are held to
-live in the README's "Targets" table, not here: the code reports measurements and ratios.
+live in docs/benchmarks.md's "Targets" table, not here: the code reports measurements and ratios.
 """

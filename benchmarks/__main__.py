@@ -2,7 +2,7 @@
 
 Writes ``DIR/results.json`` (every number), ``DIR/results.md`` (the tables), timeline PNGs
 (``DIR/timelines/``, ``DIR/*.png``) and Chrome/Perfetto traces of the measured runs
-(``DIR/traces/``). See README "Benchmarks" for what each part measures.
+(``DIR/traces/``). See docs/benchmarks.md for what each part measures.
 """
 
 from __future__ import annotations

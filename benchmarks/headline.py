@@ -1,8 +1,8 @@
-"""The run's headline measurements: one line each, the ratios the README's targets are about.
+"""The run's headline measurements: one line each, the ratios the targets are about.
 
-Why: the numbers a reader compares with the goals (README, "Targets") are spread over many
-tables; this collects them, measured values and ratios only. Whether a goal is met is read
-against the README, not decided here.
+Why: the numbers a reader compares with the goals (docs/benchmarks.md, "Targets") are spread
+over many tables; this collects them, measured values and ratios only. Whether a goal is met is read
+against docs/benchmarks.md, not decided here.
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def _pictures(out: str, results: dict[str, Any], log: Callable[[str], None]) -> 
         if os.path.exists(path):
             paths.append(path)
     first = next((s for s in results["measured"].values() if s["timed"]), None)
-    if first:  # the README's picture: 1F1B against Seq1F1B K=4, both splits, as measured
+    if first:  # docs/benchmarks.md's picture: 1F1B against Seq1F1B K=4, both splits, as measured
         path = os.path.join(out, "timeline_measured_1f1b_vs_seq1f1b.png")
         only = ("1F1B", "Seq1F1B K=4 uniform", "Seq1F1B K=4 compute")
         measured_picture(path, first["runs"], f"measured {first['short']}", only)

@@ -1,7 +1,7 @@
 """Smoke test: ``python -m benchmarks --smoke`` runs every part on tiny sizes and writes results.
 
 Benchmarks are not part of the test suite; this only checks that the command works end to end
-and that results.json has what the README promises (simulated bubble per schedule; measured
+and that results.json has what docs/benchmarks.md promises (simulated bubble per schedule; measured
 median step time and per-stage peak activation bytes).
 """
 
@@ -81,7 +81,7 @@ def test_results_json(smoke_out: Path) -> None:
         < (pp4["1F1B"]["peak_activation_bytes"][0])
     )
     assert res["budget"]["rows"] and all(r["longest_seq_len"] > 0 for r in res["budget"]["rows"])
-    # measurements only: the goals they are read against live in the README
+    # measurements only: the goals they are read against live in docs/benchmarks.md
     assert res["headline"] and all(set(h) == {"name", "value"} for h in res["headline"])
     bounds = [b for b in res["memory_bounds"] if b["label"].startswith("ZBVSeq1F1B")]
     assert {b["stage"] for b in bounds} == {0, 1, 2, 3}

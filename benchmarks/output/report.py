@@ -134,7 +134,7 @@ def budget_table(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def headline_table(rows: Sequence[dict[str, str]]) -> list[str]:
-    """The headline measurements, one row each (their goals: README, "Targets")."""
+    """The headline measurements, one row each (their goals: docs/benchmarks.md, "Targets")."""
     return _table(["measured", "value"], [[r["name"], r["value"]] for r in rows])
 
 
