@@ -7,7 +7,6 @@ from .attention.kv import SegmentInfo, current_segment, packed_documents
 from .attention.layer import ChunkAwareAttention, chunk_aware_attention, latent_attention
 from .bitpipe import ScheduleBitPipe, build_bitpipe_stages
 from .chunked_loss import ChunkedLoss
-from .planning.split_search import MemoryCappedSplit
 from .schedules.options import ContextParallelConfig, SequenceSplit
 from .schedules.partition import (
     LatentKV,
@@ -27,6 +26,17 @@ from .schedules.schedule import (
 from .verify import VerificationReport, verify_model
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``MemoryCappedSplit`` comes from the planning layer, a tool on the library: imported
+    when first asked for, so ``import seq1f1b`` does not load the planner."""
+    if name == "MemoryCappedSplit":
+        from .planning.split_search import MemoryCappedSplit
+
+        return MemoryCappedSplit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CarriedState",

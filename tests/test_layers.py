@@ -188,3 +188,22 @@ def test_the_package_schedules_are_layers_over_the_upstream_class() -> None:
                 if method and name.startswith("_") and inherited and name not in LAYER_HOOKS:
                     wrong.append(f"{layer.__name__}.{name}")
     assert not wrong, f"layers override private methods that are not hooks: {sorted(set(wrong))}"
+
+
+def test_importing_the_library_does_not_load_the_planner() -> None:
+    """The planning layer is a tool on the library: ``import seq1f1b`` leaves it unloaded
+    (a fresh interpreter), and ``seq1f1b.MemoryCappedSplit`` still resolves, on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, seq1f1b\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('seq1f1b.planning'))\n"
+        "assert not loaded, loaded\n"
+        "from seq1f1b import MemoryCappedSplit, SequenceSplit\n"
+        "assert issubclass(MemoryCappedSplit, SequenceSplit)\n"
+        "assert 'seq1f1b.planning.split_search' in sys.modules\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
