@@ -409,9 +409,10 @@ def calibrated_ratios(
 
 
 def measured(preset_name: str, steps: int = 3) -> None:
-    """Measured step times of the three splits on packed rows, vs simulated (FLOPs, and this
-    CPU's fitted action costs): the corpus, and documents of ~512 tokens (at 4096 tokens the
-    corpus gives a row one to three documents)."""
+    """Measured step times of the three splits on packed rows, and of the mask-aware split on
+    the same rows balanced (``balanced``), vs simulated (FLOPs, and this CPU's fitted action
+    costs): the corpus, and documents of ~512 tokens (at 4096 tokens the corpus gives a row one
+    to three documents)."""
     from ..harness.measured import RunSpec, Setting, measure, model_shape, packed_documents
     from ..harness.presets import PRESETS
     from ..planner_models.time_costs import replay_fastest
@@ -439,10 +440,18 @@ def measured(preset_name: str, steps: int = 3) -> None:
                 "mask_aware": [mask_balanced_split(docs[r : r + 1], k, shape) for r in range(m)],
             }[what]
             works[spec.label] = unit_works(docs, lengths, preset.model, pp)
+        # the same documents, the rows balanced (WLB-LLM), cut per sample
+        balanced = balanced_documents(docs)
+        rows = tuple(tuple(r) for r in balanced.tolist())
+        spec = RunSpec("Seq1F1B", k, "compute", document_ids=rows, tag=f"{name}, balanced")
+        specs.append(spec)
+        lengths = [mask_balanced_split(balanced[r : r + 1], k, shape) for r in range(m)]
+        works[spec.label] = unit_works(balanced, lengths, preset.model, pp)
     setting = Setting(pp, m, seq_len, preset.model, tuple(specs), steps, keep_trace=True)
     runs = {r["label"]: r for r in measure(setting)}
     labels = {(name, what): f"Seq1F1B K={k} {split}, {name}, {what}"
               for name in layouts for what, split in splits.items()}  # fmt: skip
+    labels |= {(name, "balanced"): f"Seq1F1B K={k} compute, {name}, balanced" for name in layouts}
     fit_on = [labels[name, "uniform"] for name in layouts]
     predicted = calibrated_ratios(runs, works, fit_on, pp, m, k)
     base = runs["1F1B"]["step_time_s"]
@@ -455,7 +464,9 @@ def measured(preset_name: str, steps: int = 3) -> None:
         sim = simulate_splits(docs, shape, pp, m, k)
         n_docs = int((docs[:, 1:] != docs[:, :-1]).sum()) + m
         uni = runs[labels[name, "uniform"]]
-        for what in splits:
+        sim["balanced_vs_uniform"] = sim["balanced_vs_causal"] * sim["causal_vs_uniform"]
+        sim["lengths"]["balanced"] = mask_balanced_split(balanced_documents(docs)[:1], k, shape)
+        for what in (*splits, "balanced"):
             run, label = runs[labels[name, what]], labels[name, what]
             flops = 1.0 if what == "uniform" else sim[f"{what}_vs_uniform"]
             fitted = predicted[label] / predicted[labels[name, "uniform"]]
