@@ -195,7 +195,7 @@ def row_args(row: Row) -> list[str]:
             "--activation_checkpoint.mode", row["ac"],
             "--seq1f1b.loss_chunks", "4" if row["loss"] == "chunked" else "0"]  # fmt: skip
     split = EXPLICIT[seq_len(row)] if row["split"] == "explicit" else row["split"]
-    args += ["--seq1f1b.split", split]
+    args += ["--seq1f1b.seq_split", split]
     if row["compile"] == "compiled":
         args.append("--compile.enable")
     if row["precision"] == "bf16":

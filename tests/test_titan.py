@@ -104,7 +104,7 @@ def test_interleaved_with_selective_ac(seed, reference, tmp_path):
     """InterleavedSeq1F1B (two stages a rank, uniform split) with torchtitan's selective
     activation checkpointing: both in one run. (Full AC runs under the zero-bubble schedules.)"""
     run = run_titan(2, *PP2, *seed, "--parallelism.pipeline_parallel_schedule",
-                    "InterleavedSeq1F1B", "--seq1f1b.split", "uniform",
+                    "InterleavedSeq1F1B", "--seq1f1b.seq_split", "uniform",
                     "--activation_checkpoint.mode", "selective", dump=tmp_path)  # fmt: skip
     assert "stages/rank=2" in run.output
     assert_same_curve(run, reference)

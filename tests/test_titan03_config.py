@@ -59,7 +59,7 @@ def test_overrides_on_top_of_the_toml() -> None:
         DEBUG,
         [
             "--training.steps", "7",
-            "--seq1f1b.split=uniform",
+            "--seq1f1b.seq_split=uniform",
             "--checkpoint.enable",
             "--checkpoint.no_last_save_model_only",
             "--training.dataset", "pycode_blocks",  # 0.2.2's key, moved
@@ -69,7 +69,7 @@ def test_overrides_on_top_of_the_toml() -> None:
         ],
     )  # fmt: skip
     assert config.training.steps == 7
-    assert config.seq1f1b.split == "uniform"
+    assert config.seq1f1b.seq_split == "uniform"
     assert config.checkpoint.enable is True
     assert config.checkpoint.last_save_model_only is False
     assert (config.dataloader.dataset, config.dataloader.dataset_path) == ("pycode_blocks", "/data")
@@ -115,7 +115,8 @@ QWEN3_5 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_cpu"]
          "gives 1 microbatches: BitPipe runs half of them on each replica"),
         (["--seq1f1b.seq_chunks", "0"], "[seq1f1b] seq_chunks = 0 must be >= 1"),
         (["--parallelism.pipeline_parallel_schedule", "Seq2F2B"], "is unknown: use one of"),
-        (["--seq1f1b.split", "100,100"], "[training] seq_len = 512 cannot be split"),
+        (["--seq1f1b.seq_split", "100,100"], "[training] seq_len = 512 cannot be split"),
+        (["--seq1f1b.split", "uniform"], "[seq1f1b] split is now [seq1f1b] seq_split"),
         (["--compile.enable", "--parallelism.context_parallel_degree", "2"],
          "does not run under torch.compile yet"),
         (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_cpu",

@@ -97,3 +97,20 @@ def test_a_failing_patch_undoes_the_ones_before_it(fake_module: types.ModuleType
     with pytest.raises(ValueError, match="cannot make it"), applied(scope):
         pass
     assert fake_module.f == "original"
+
+
+def test_renamed_seq1f1b_keys_are_refused_naming_the_new_name(tmp_path: Path) -> None:
+    """``[seq1f1b] split`` became ``seq_split`` (the API's name): the old key, in the TOML or on
+    the command line, stops the train entry before anything starts, naming the new one, on
+    either torchtitan; the new key passes."""
+    from torchtitan_integration.train import refuse_renamed_keys
+
+    old = tmp_path / "old.toml"
+    old.write_text('[seq1f1b]\nseq_chunks = 4\nsplit = "compute"\n')
+    new = tmp_path / "new.toml"
+    new.write_text('[seq1f1b]\nseq_chunks = 4\nseq_split = "compute"\n')
+    with pytest.raises(SystemExit, match=r"\[seq1f1b\] split in .*old.toml \(now seq_split\)"):
+        refuse_renamed_keys(["--job.config_file", str(old)])
+    with pytest.raises(SystemExit, match=r"--seq1f1b.split \(now --seq1f1b.seq_split\)"):
+        refuse_renamed_keys([f"--job.config_file={new}", "--seq1f1b.split=uniform"])
+    refuse_renamed_keys(["--job.config_file", str(new), "--seq1f1b.seq_split", "uniform"])

@@ -7,14 +7,18 @@ missing), so ``--seq1f1b.seq_chunks 8`` works on the command line as well.
 
 from dataclasses import dataclass, field
 
+#: keys of the ``[seq1f1b]`` section that were renamed -> their name now (same values)
+RENAMED = {"split": "seq_split"}
+
 
 @dataclass
 class Seq1F1B:
     seq_chunks: int = 4
     """K: segments each sample's sequence is cut into (1 = plain 1F1B over samples)."""
 
-    split: str = "compute"
-    """'uniform', 'compute' (equal FLOPs under causal attention), or lengths like '96,80,80'."""
+    seq_split: str = "compute"
+    """'uniform', 'compute' (equal FLOPs under each sample's document mask), or lengths like
+    '96,80,80' (the API's ``seq_split``; the old key ``split`` is refused, naming this one)."""
 
     loss_chunks: int = 0
     """Under the Seq1F1B schedules, run the last stage's output head and the loss in this many

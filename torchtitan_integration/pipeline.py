@@ -50,7 +50,7 @@ def parse_split(split: str) -> str | list[int]:
         return [int(x) for x in s.replace(" ", "").split(",") if x]
     except ValueError:
         raise ValueError(
-            f"[seq1f1b] split = {split!r} is not understood: use 'uniform', 'compute' or "
+            f"[seq1f1b] seq_split = {split!r} is not understood: use 'uniform', 'compute' or "
             "comma-separated segment lengths such as '1024,768,768,512'"
         ) from None
 
@@ -190,12 +190,12 @@ def check_config(
     multiple = segment_multiple(tp, cp)
     try:
         lengths = resolve_split(
-            parse_split(cfg.split), seq_len, cfg.seq_chunks, shape=shape, multiple_of=multiple
+            parse_split(cfg.seq_split), seq_len, cfg.seq_chunks, shape=shape, multiple_of=multiple
         )
     except ValueError as exc:
         raise ValueError(
             f"[training] seq_len = {seq_len} cannot be split by [seq1f1b] seq_chunks = "
-            f"{cfg.seq_chunks}, split = {cfg.split!r}"
+            f"{cfg.seq_chunks}, seq_split = {cfg.seq_split!r}"
             + (f" with tensor_parallel_degree = {tp}" if tp > 1 else "")
             + (
                 f" and context_parallel_degree = {cp} (each segment a multiple of {multiple})"
@@ -231,7 +231,7 @@ def build_schedule(
         )
     cls = entry.schedule_class()
     seq_len = config.training.seq_len
-    if config.seq1f1b.split == "compute":  # re-balanced per step for the batch's documents
+    if config.seq1f1b.seq_split == "compute":  # re-balanced per step for the batch's documents
         tp = max(par.tensor_parallel_degree, 1)
         split = SequenceSplit("compute", model_shape=shape, multiple_of=tp, seq_len=seq_len)
     else:
@@ -256,7 +256,7 @@ def build_schedule(
         config.seq1f1b.seq_chunks,
         1 if cp_group is None else torch.distributed.get_world_size(cp_group),
         lengths,
-        config.seq1f1b.split,
+        config.seq1f1b.seq_split,
         shape,
     )
     return schedule

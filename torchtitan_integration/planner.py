@@ -178,7 +178,7 @@ def render_toml(
             "",
             "[seq1f1b]",
             f"seq_chunks = {s.seq_chunks}",
-            f'split = "{s.split}"   # lengths {best.segment_lengths}',
+            f'seq_split = "{s.split}"   # lengths {best.segment_lengths}',
             f"loss_chunks = {TITAN_LOSS_CHUNKS}   # head + loss in chunks (the plan prices it)",
             *(['kv_cache = "latent"   # MLA: earlier segments kept as the latent'] if s.latent_kv
               else []),

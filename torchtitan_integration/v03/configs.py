@@ -84,7 +84,7 @@ def seq1f1b_debugmodel() -> Any:
         pipeline_parallel_schedule="Seq1F1B",
         pipeline_parallel_microbatch_size=2,
     )
-    config.seq1f1b = Seq1F1B(seq_chunks=4, split="compute")
+    config.seq1f1b = Seq1F1B(seq_chunks=4, seq_split="compute")
     config.metrics = MetricsProcessor.Config(
         log_freq=1, enable_tensorboard=True, save_tb_folder="tb"
     )

@@ -148,7 +148,11 @@ def _set(config: Any, path: str, value: Any, source: str) -> None:
 
 
 def _no_home(key: str, path: str | None = None) -> str:
+    from ..config import RENAMED
+
     section, _, name = key.partition(".")
+    if section == "seq1f1b" and name in RENAMED:
+        return f"[seq1f1b] {name} is now [seq1f1b] {RENAMED[name]} (the same values): rename it"
     hint = NO_HOME.get(key)
     where = f"[{section}] {name}"
     if hint:
