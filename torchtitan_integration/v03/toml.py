@@ -151,8 +151,9 @@ def _no_home(key: str, path: str | None = None) -> str:
     from ..config import RENAMED
 
     section, _, name = key.partition(".")
-    if section == "seq1f1b" and name in RENAMED:
-        return f"[seq1f1b] {name} is now [seq1f1b] {RENAMED[name]} (the same values): rename it"
+    renamed = {f"seq1f1b.{old}": new for old, new in RENAMED.items()}
+    if key in renamed:
+        return f"[seq1f1b] {name} is now [seq1f1b] {renamed[key]} (the same values): rename it"
     hint = NO_HOME.get(key)
     where = f"[{section}] {name}"
     if hint:
