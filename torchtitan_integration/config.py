@@ -5,10 +5,33 @@ torchtitan merges this module's ``JobConfig`` into its own when a TOML sets
 missing), so ``--seq1f1b.seq_chunks 8`` works on the command line as well.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 #: keys of the ``[seq1f1b]`` section that were renamed -> their name now (same values)
 RENAMED = {"split": "seq_split"}
+_CONFIG_FILE = ("--job.config_file", "--job.config-file")
+
+
+def config_file_arg(argv: Sequence[str]) -> str | None:
+    """The TOML a torchtitan command line names (``--job.config_file X`` or ``=X``), if any."""
+    path = None
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key in _CONFIG_FILE:
+            path = value if eq else (argv[i + 1] if i + 1 < len(argv) else path)
+    return path
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """The TOML file at ``path`` as a dict (``tomllib``, or ``tomli`` on Python 3.10)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    with open(path, "rb") as f:
+        return tomllib.load(f)
 
 
 @dataclass

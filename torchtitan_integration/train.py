@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from .config import RENAMED
+from .config import RENAMED, config_file_arg, load_toml
 from .versions import TITAN_0_3, titan_generation
 
 
@@ -20,23 +20,16 @@ def refuse_renamed_keys(argv: Sequence[str]) -> None:
     """A renamed ``[seq1f1b]`` key in the TOML (``--job.config_file``) or on the command line
     is an error naming its new name, on either torchtitan, before anything starts."""
     found: list[str] = []
-    path = None
-    for i, arg in enumerate(argv):
-        key, eq, value = arg.partition("=")
-        if key == "--job.config_file":
-            path = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    for arg in argv:
+        key = arg.partition("=")[0]
         name = key[len("--seq1f1b.") :].replace("-", "_") if key.startswith("--seq1f1b.") else ""
         if name in RENAMED:
             found.append(f"--seq1f1b.{name} (now --seq1f1b.{RENAMED[name]})")
+    path = config_file_arg(argv)
     if path:
         try:
-            import tomllib
-        except ImportError:  # Python 3.10
-            import tomli as tomllib
-        try:
-            with open(path, "rb") as f:
-                section = tomllib.load(f).get("seq1f1b", {})
-        except (OSError, tomllib.TOMLDecodeError):
+            section = load_toml(path).get("seq1f1b", {})
+        except (OSError, ValueError):  # tomllib.TOMLDecodeError is a ValueError
             section = {}  # torchtitan reports an unreadable file itself
         found += [f"[seq1f1b] {k} in {path} (now {RENAMED[k]})" for k in section if k in RENAMED]
     if found:

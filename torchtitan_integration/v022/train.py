@@ -13,25 +13,19 @@ import sys
 
 from .. import assets
 from ..common import process_groups_destroyed
+from ..config import config_file_arg, load_toml
 from . import _titan, patches, spec
 
 CONFIG_MODULE = "torchtitan_integration.config"
 
 
 def _toml_names_config_module(argv: list[str]) -> bool:
-    for i, a in enumerate(argv):
-        path = a.split("=", 1)[1] if a.startswith("--job.config_file=") else None
-        if a in ("--job.config_file", "--job.config-file") and i + 1 < len(argv):
-            path = argv[i + 1]
-        if path and os.path.exists(path):
-            try:
-                import tomllib
-            except ImportError:  # Python 3.10
-                import tomli as tomllib
-
-            with open(path, "rb") as f:
-                return "custom_config_module" in tomllib.load(f).get("job", {})
-    return False
+    path = config_file_arg(argv)
+    return (
+        bool(path)
+        and os.path.exists(path)
+        and ("custom_config_module" in load_toml(path).get("job", {}))
+    )
 
 
 def with_config_module(argv: list[str]) -> list[str]:
