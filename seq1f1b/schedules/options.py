@@ -43,23 +43,6 @@ def check_counts(n_microbatches: Any, seq_chunks: Any, seq_dim: Any) -> tuple[in
     return m, k
 
 
-def runtime_options(
-    max_active_stages: int | None,
-    unshard_lookahead: str | tuple[int, ...] | None,
-    defer_reduce_grad_wait: bool,
-    max_outstanding_sends: int | None,
-) -> dict[str, Any]:
-    """torch 2.15's runtime options that are set (None / False: torch's default), so that an
-    older torch, which has none of them, is handed only those asked for (and refuses them)."""
-    options = {
-        "max_active_stages": max_active_stages,
-        "unshard_lookahead": unshard_lookahead,
-        "defer_reduce_grad_wait": defer_reduce_grad_wait or None,
-        "max_outstanding_sends": max_outstanding_sends,
-    }
-    return {name: value for name, value in options.items() if value is not None}
-
-
 @dataclass(frozen=True)
 class SequenceSplit:
     """How each sample's sequence is cut into ``seq_chunks`` segments.

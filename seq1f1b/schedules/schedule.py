@@ -28,7 +28,8 @@ __all__ = [
 class ScheduleSeq1F1B(SequencePipelineSchedule):
     """Seq1F1B: 1F1B over (sample, sequence segment) units with ordered K/V dependencies.
 
-    Args:
+    Args (positional as in the class proposed to torch, :mod:`seq1f1b.schedules.upstream`;
+    what this package adds is keyword-only):
         stages: this rank's stages: one, or several in looped placement (stage s on rank
             s % pp), which gives the interleaved order.
         n_microbatches: M, samples along the batch dim (dim 0).
@@ -38,12 +39,16 @@ class ScheduleSeq1F1B(SequencePipelineSchedule):
         args_chunk_spec, kwargs_chunk_spec, output_merge_spec: how inputs are split into
             samples and outputs merged, as in torch's schedules (each sample is then cut
             along ``seq_dim``).
-        scale_grads, backward_requires_autograd, defer_pp_recv: as in torch's schedules.
+        scale_grads: as in torch's schedules.
         seq_dim: sequence dimension of inputs, targets, per-token kwargs and activations.
         seq_split: how each sample is cut (torch's ``seq_split``, which takes fixed lengths):
             a :class:`~seq1f1b.schedules.options.SequenceSplit` (mode, model shape, multiple,
             fixed length), or its mode alone ("uniform", the default; "compute" needs the model
             shape; or explicit lengths).
+        backward_requires_autograd, defer_pp_recv: as in torch's schedules.
+        max_active_stages, unshard_lookahead, defer_reduce_grad_wait, max_outstanding_sends:
+            torch 2.15's runtime options, as in its ``ScheduleInterleaved1F1B``, at its
+            defaults; older torch runs at those and refuses any other value.
         context_parallel: a :class:`~seq1f1b.schedules.options.ContextParallelConfig` to shard
             each segment over a CP group (ring attention, see
             :mod:`seq1f1b.attention.context_parallel`).
@@ -58,9 +63,6 @@ class ScheduleSeq1F1B(SequencePipelineSchedule):
         skip_invisible: with packed documents / sliding windows, skip (query, key) blocks that
             share no visible pair and cache only what later segments see; False computes every
             block under the mask and caches every segment (the mask-alone baseline).
-        max_active_stages, unshard_lookahead, defer_reduce_grad_wait, max_outstanding_sends:
-            torch 2.15's runtime options, as in its ``ScheduleInterleaved1F1B`` (None / False:
-            torch's default); refused on older torch.
 
     Each step may have its own sequence length (and its own split). A tiny all-reduce per
     step (pp > 1) lets middle stages, which get no input, learn the length and makes bad
@@ -68,7 +70,7 @@ class ScheduleSeq1F1B(SequencePipelineSchedule):
     """
 
     def _calculate_single_rank_operations(self, rank: int) -> list[Action | None]:
-        return list(rank_order(self.order_spec, rank))
+        return self._runnable(rank_order(self.order_spec, rank))
 
 
 class ScheduleInterleavedSeq1F1B(ScheduleSeq1F1B):
@@ -122,4 +124,4 @@ class ScheduleZBVSeq1F1B(SequencePipelineSchedule):
     _placement = "v"
 
     def _calculate_single_rank_operations(self, rank: int) -> list[Action | None]:
-        return list(v_rank_order(self.order_spec, rank))
+        return self._runnable(v_rank_order(self.order_spec, rank))

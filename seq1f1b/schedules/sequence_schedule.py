@@ -26,9 +26,10 @@ supported torch, and averages gradients over a context-parallel group.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
@@ -39,7 +40,7 @@ from ..attention.kv import metadata_inference
 from ..orders.order import OrderSpec
 from ..orders.order_rules import check_order_rules
 from .microbatch import merge_unit_outputs
-from .options import ContextParallelConfig, SequenceSplit, check_counts, runtime_options
+from .options import ContextParallelConfig, SequenceSplit, check_counts
 from .preflight import Preflight, fingerprint
 from .receives import ReceiveCheck
 from .step_inputs import StepInputs, UnitCutter, split_step_inputs
@@ -100,20 +101,20 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
         kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
         output_merge_spec: dict[str, Any] | tuple[Any] | None = None,
         scale_grads: bool = True,
-        backward_requires_autograd: bool = True,
-        defer_pp_recv: bool = False,
-        *,
         seq_dim: int = 1,
         seq_split: SequenceSplit | str | Sequence[int] | None = None,
+        backward_requires_autograd: bool = True,
+        defer_pp_recv: bool = False,
+        max_active_stages: int = 3,
+        unshard_lookahead: Literal["full", "auto"] | tuple[int, ...] = "full",
+        *,
+        defer_reduce_grad_wait: bool = False,
+        max_outstanding_sends: int | None = None,
         context_parallel: ContextParallelConfig | None = None,
         ignore_index: int | None = -100,
         kwargs_seq_dims: Mapping[str, int | None] | None = None,
         check_attention: bool = True,
         skip_invisible: bool = True,
-        max_active_stages: int | None = None,
-        unshard_lookahead: str | tuple[int, ...] | None = None,
-        defer_reduce_grad_wait: bool = False,
-        max_outstanding_sends: int | None = None,
     ) -> None:
         stage_list = _check_stages(stages, self._placement)
         rt.release_recv_meta_fns(stage_list)  # this schedule takes over their receive sizing
@@ -122,17 +123,12 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
         self.context_parallel = context_parallel or ContextParallelConfig()
         self.sequence_split.check(k)
         self._cp = self.context_parallel.resolve()
-        self.order_spec = OrderSpec(stage_list[0].group_size, len(stage_list), m, k,
-                                    self._split_backward, self._placement)  # fmt: skip
-        self._whole_backward = self._split_backward and unsplittable(stage_list, type(self))
         lengths = None if isinstance(mode := self.sequence_split.mode, str) else mode  # fixed
-        options = runtime_options(max_active_stages, unshard_lookahead, defer_reduce_grad_wait,
-                                  max_outstanding_sends)  # fmt: skip
         super().__init__(stage_list, m, k, loss_fn, args_chunk_spec, kwargs_chunk_spec,
                          output_merge_spec, scale_grads, seq_dim, lengths,
-                         backward_requires_autograd, defer_pp_recv, **options)  # fmt: skip
-        if self._whole_backward:
-            self._install_order({r: whole_backwards(o) for r, o in self.pipeline_order.items()})
+                         backward_requires_autograd, defer_pp_recv, max_active_stages,
+                         unshard_lookahead, defer_reduce_grad_wait=defer_reduce_grad_wait,
+                         max_outstanding_sends=max_outstanding_sends)  # fmt: skip
         self.cutter = UnitCutter(m, k, seq_dim, dict(kwargs_seq_dims or {}), ignore_index,
                                  scale_grads, *self.chunk_specs[:2])  # fmt: skip
         settings = fingerprint(type(self).__name__, m, k, self.sequence_split, len(stage_list),
@@ -150,6 +146,23 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
 
     _split_backward = False  # whether the orders split backwards (BACKWARD_INPUT + _WEIGHT)
     _placement = "looped"  # stage s on rank s % pp; "v": rank r holds r and 2*pp-1-r
+
+    # Derived from what the base's __init__ sets before it builds the order, so that the order
+    # hooks it calls need nothing this subclass sets first.
+    @functools.cached_property
+    def order_spec(self) -> OrderSpec:
+        """The order's shape: pp, stages per rank, M, K, split backwards, placement."""
+        return OrderSpec(self.pp_group_size, self.n_local_stages, self.n_samples,
+                         self.seq_chunks, self._split_backward, self._placement)  # fmt: skip
+
+    @functools.cached_property
+    def _whole_backward(self) -> bool:
+        """Whether a zero-bubble order runs each backward whole (compiled or checkpointed)."""
+        return self._split_backward and unsplittable(self._stages, type(self))
+
+    def _runnable(self, order: Iterable[Action | None]) -> list[Action | None]:
+        """A rank's order as run: split backwards merged back where they cannot be split."""
+        return whole_backwards(list(order)) if self._whole_backward else list(order)
 
     def split_lengths(self, seq_len: int) -> list[int]:
         """Every sample's segment lengths for ``seq_len`` tokens without packed documents."""
