@@ -157,7 +157,14 @@ def _bad_input_fails_every_rank(rank: int, world: int) -> None:
     else:
         with pytest.raises(RuntimeError, match="another pipeline rank rejected its inputs"):
             sched.step(target=y)  # this message, not a timeout: no rank waited for traffic
-    # the schedule stays usable after the rejected step
+    # whole-batch and pre-split inputs mixed: refused in the same pre-flight, on every rank
+    if rank == 0:
+        with pytest.raises(ValueError, match="either whole-batch inputs"):
+            sched.step(x, arg_mbs=list(x.chunk(2)))
+    else:
+        with pytest.raises(RuntimeError, match="another pipeline rank rejected its inputs"):
+            sched.step(target=y)
+    # the schedule stays usable after the rejected steps
     sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
 
 

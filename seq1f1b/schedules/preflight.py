@@ -1,6 +1,7 @@
-"""The cross-rank pre-flight of a step: every pipeline rank validates and cuts its inputs,
-agrees on the sequence length and learns whether any rank rejected its inputs, before any
-pipeline traffic (:class:`Preflight`).
+"""The cross-rank pre-flight of a step: every pipeline rank agrees on the sequence length and
+learns whether any rank rejected its inputs, before any pipeline traffic
+(:func:`agree_on_step`, the agreement :func:`seq1f1b.schedules.step_inputs.prepare_step` calls
+once it has read this rank's inputs).
 
 Middle stages get no input, so they cannot know the length by themselves; and a rank that
 raises on bad input while its peers enter a recv would leave them waiting until the timeout.
@@ -13,20 +14,14 @@ skipped when pp == 1.
 
 from __future__ import annotations
 
-import logging
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .options import SequenceSplit
-from .step_inputs import Presplit, StepInputs, UnitCutter
-
-logger = logging.getLogger(__name__)
-
-__all__ = ["Preflight", "agree_on_step", "fingerprint"]
+__all__ = ["agree_on_step", "fingerprint"]
 
 #: one schedule setting as the pre-flight compares it: (integer, how to print it)
 Fingerprint = Mapping[str, tuple[int, str]]
@@ -51,9 +46,8 @@ def fingerprint(
 
 
 def agree_on_step(
-    group: dist.ProcessGroup | None,
+    stage: Any,
     group_size: int,
-    device: torch.device,
     local_len: int,
     error: ValueError | None,
     has_documents: bool,
@@ -65,7 +59,8 @@ def agree_on_step(
     built different schedules (``settings``, :func:`fingerprint`: one error naming the
     setting and both values), or if some ranks run whole backwards (compiled blocks under a
     zero-bubble order) and others split them: every rank must lower the same order.
-    ``group`` None is the default group, as in torch's stages."""
+    The all-reduce runs on ``stage``'s group and device (a group of None is the default
+    group, as in torch's stages); with one rank there is nothing to agree on."""
     agreed, failed, any_docs, any_missing = local_len, error is not None, False, False
     any_whole, any_split = False, False
     mine = list((settings or {}).items())
@@ -74,8 +69,8 @@ def agree_on_step(
                  whole_backward, not whole_backward]  # fmt: skip
         for _, (value, _) in mine:  # the largest and (negated) the smallest across the group
             flags += [value, -value]
-        t = torch.tensor(flags, dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        t = torch.tensor(flags, dtype=torch.int64, device=stage.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=stage.group)
         got = [int(x) for x in t.tolist()]
         agreed, failed, any_docs, any_missing, any_whole, any_split = got[:6]
         for i, (name, (value, shown)) in enumerate(mine):
@@ -114,81 +109,3 @@ def agree_on_step(
             "unknown: pass seq_len= to ScheduleSeq1F1B"
         )
     return agreed
-
-
-class Preflight:
-    """A schedule's step preparation: this rank's units, the same split on every rank.
-
-    ``lengths_of(seq_len, document_ids)`` is the schedule's per-sample split (each sample's
-    segment lengths); ``cp`` the context-parallel view that places each rank's shards.
-    """
-
-    def __init__(
-        self,
-        split: SequenceSplit,
-        cutter: UnitCutter,
-        lengths_of: Callable[[int, Any], list[list[int]]],
-        cp: Any,
-        group_size: int,
-        settings: Fingerprint | None = None,
-    ) -> None:
-        self.split, self.cutter, self.lengths_of = split, cutter, lengths_of
-        self.cp, self.group_size, self.settings = cp, group_size, settings
-        self._last_lengths: list[list[int]] | None = None  # logged when the split changes
-
-    def prepare(
-        self,
-        stage: Any,
-        args: tuple,
-        kwargs: dict,
-        target: Any,
-        presplit: Presplit | None,
-        document_ids: Any,
-        whole_backward: bool,
-    ) -> StepInputs:
-        """This rank's units (with the step's per-sample documents), after the pre-flight: a
-        rank whose inputs are bad raises its error, every other rank a pointer to it, before
-        any pipeline traffic."""
-        fixed = self.split.seq_len
-        local = self.cutter.seq_len(args, kwargs, target, presplit)
-        error: ValueError | None = None
-        inputs, documents = None, None
-        step = (args, kwargs, target, presplit, document_ids)
-        try:
-            if fixed is not None and local and local != fixed:
-                raise ValueError(
-                    f"inputs have sequence length {local} but the schedule was built with "
-                    f"seq_len={fixed}: pass matching inputs or rebuild it"
-                )
-            if document_ids is not None:
-                documents = self.cutter.documents(document_ids, fixed or local)
-            if fixed or local:
-                inputs = self._cut(fixed or local, step, documents)
-        except ValueError as exc:
-            error = exc
-        agreed = agree_on_step(stage.group, self.group_size, stage.device, fixed or local,
-                               error, document_ids is not None, whole_backward,
-                               self.settings)  # fmt: skip
-        if inputs is None:  # a rank without inputs learns the length from the others
-            inputs = self._cut(agreed, step, documents)
-        elif sum(inputs.lengths[0]) != agreed:
-            raise ValueError(
-                f"this rank's inputs have sequence length {sum(inputs.lengths[0])} but another "
-                f"rank's have {agreed}: pass the same sequence length on every rank"
-            )
-        inputs.documents = documents
-        return inputs
-
-    def _cut(self, seq_len: int, step: tuple, documents: list | None) -> StepInputs:
-        """This rank's units; ``documents`` (per sample) place the CP shards."""
-        args, kwargs, target, presplit, document_ids = step
-        lengths = self.lengths_of(seq_len, document_ids)
-        if lengths != self._last_lengths:
-            mode = self.split.mode
-            masked = document_ids is not None and mode == "compute"
-            same = all(ls == lengths[0] for ls in lengths)
-            logger.info("Seq1F1B: segment lengths%s %s (seq_split=%s%s)",
-                        "" if same else " per sample", lengths[0] if same else lengths, mode,
-                        ", by document" if masked else "")  # fmt: skip
-            self._last_lengths = lengths
-        return self.cutter.cut(lengths, args, kwargs, target, presplit, self.cp, documents)

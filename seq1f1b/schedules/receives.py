@@ -11,7 +11,7 @@ so a torch release that changed how receives are allocated fails loudly here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -36,6 +36,18 @@ class ReceiveCheck:
     def __init__(self, seq_dim: int, sizing: Mapping[int, _SequenceRecvMeta]) -> None:
         self.seq_dim = seq_dim
         self._sizing = dict(sizing)
+
+    @classmethod
+    def of(
+        cls, seq_dim: int, stages: Sequence[PipelineStageBase], sizing: Sequence[_SequenceRecvMeta]
+    ) -> ReceiveCheck:
+        """The check of a schedule's stages, each sized by its ``_SequenceRecvMeta``."""
+        return cls(seq_dim, {s.stage_index: r for s, r in zip(stages, sizing, strict=True)})
+
+    def size_units(self, unit_lengths: Sequence[int]) -> None:
+        """Size every stage's receives for this step: unit ``u`` has ``unit_lengths[u]``."""
+        for sizing in self._sizing.values():
+            sizing.lengths = tuple(unit_lengths)
 
     def length(self, key: _Key, shape: torch.Size) -> int | None:
         """Positions the receive ``key`` holds at ``seq_dim`` for its unit (None: not a

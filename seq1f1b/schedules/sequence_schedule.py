@@ -10,10 +10,10 @@ its hooks with what stays model-side:
 
 * ``_calculate_single_rank_operations`` (subclasses): the zero-bubble, V and interleaved orders
   of :mod:`seq1f1b.orders`, run whole on compiled stages;
-* ``_get_microbatch_inputs``: the units after :class:`~seq1f1b.schedules.preflight.Preflight`
-  (every rank cuts its inputs, agrees on the length and fails together on bad input before any
-  pipeline traffic), with packed documents and context-parallel shards
-  (:class:`~seq1f1b.schedules.step_inputs.UnitCutter`);
+* ``_get_microbatch_inputs``: the units, read in one pass by
+  :func:`~seq1f1b.schedules.step_inputs.prepare_step` (every rank cuts its inputs, agrees on
+  the length through :func:`~seq1f1b.schedules.preflight.agree_on_step` and fails together on
+  bad input before any pipeline traffic), with packed documents and context-parallel shards;
 * ``_lengths_for``: :class:`~seq1f1b.schedules.options.SequenceSplit` (uniform, compute-balanced,
   per document); ``_loss_weight``: each unit's token share; ``_merge_outputs``: any pytree;
 * the per-action unit context (:class:`~seq1f1b.schedules.unit_actions.UnitActions`: K/V state,
@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -41,15 +41,18 @@ from ..orders.order import OrderSpec
 from ..orders.order_rules import check_order_rules
 from .microbatch import merge_unit_outputs
 from .options import ContextParallelConfig, SequenceSplit, check_counts
-from .preflight import Preflight, fingerprint
+from .preflight import agree_on_step, fingerprint
 from .receives import ReceiveCheck
-from .step_inputs import StepInputs, UnitCutter, split_step_inputs
+from .step_inputs import StepInputs, UnitCutter, prepare_step
 from .unit_actions import UnitActions
 from .upstream import ScheduleSeq1F1B as UpstreamSeq1F1B
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SequencePipelineSchedule"]
+
+#: a step's packed documents: (batch, seq_len) ids, or one such tensor per sample
+DocumentIds = torch.Tensor | Sequence[torch.Tensor]
 
 
 def whole_backwards(order: Sequence[Action | None]) -> list[Action | None]:
@@ -88,8 +91,8 @@ def unsplittable(stages: Sequence[PipelineStageBase], cls: type) -> bool:
 
 
 class SequencePipelineSchedule(UpstreamSeq1F1B):
-    """The class proposed to torch (:mod:`.upstream`), hooks answered model-side (order, pre-
-    flight, documents, CP, token weights, unit context). Args: :class:`seq1f1b.ScheduleSeq1F1B`."""
+    """The class proposed to torch (:mod:`.upstream`), its hooks answered model-side (see the
+    module docstring). Arguments: :class:`seq1f1b.ScheduleSeq1F1B`."""
 
     def __init__(
         self,
@@ -133,25 +136,23 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
                                  scale_grads, *self.chunk_specs[:2])  # fmt: skip
         settings = fingerprint(type(self).__name__, m, k, self.sequence_split, len(stage_list),
                                loss_fn is not None)  # fmt: skip
-        self.preflight = Preflight(self.sequence_split, self.cutter, self.sample_lengths,
-                                   self._cp, self.pp_group_size, settings)  # fmt: skip
-        sizing = {s.stage_index: r for s, r in zip(self._stages, self._recv_metas, strict=True)}
-        self.unit_actions = UnitActions(stage_list, k, ReceiveCheck(seq_dim, sizing), self._cp,
-                                        skip_invisible, check_attention)  # fmt: skip
+        self._agree = functools.partial(agree_on_step, stage_list[0], self.pp_group_size,
+            settings=settings, whole_backward=self._whole_backward)  # fmt: skip
+        receives = ReceiveCheck.of(seq_dim, self._stages, self._recv_metas)
+        self.unit_actions = UnitActions(stage_list, k, receives, self._cp, skip_invisible,
+                                        check_attention)  # fmt: skip
         self.register_action_context(self.unit_actions)
         self._inputs: StepInputs | None = None
-        self._document_ids: Any = None  # the current step's (step() sets it)
         if self.sequence_split.seq_len is not None:
             self.split_lengths(self.sequence_split.seq_len)  # fail now, not at the first step
 
     _split_backward = False  # whether the orders split backwards (BACKWARD_INPUT + _WEIGHT)
     _placement = "looped"  # stage s on rank s % pp; "v": rank r holds r and 2*pp-1-r
 
-    # Derived from what the base's __init__ sets before it builds the order, so that the order
-    # hooks it calls need nothing this subclass sets first.
     @functools.cached_property
     def order_spec(self) -> OrderSpec:
-        """The order's shape: pp, stages per rank, M, K, split backwards, placement."""
+        """The order's shape, from what the base sets before it builds the order (its hooks
+        need nothing this class sets first): pp, stages per rank, M, K, split, placement."""
         return OrderSpec(self.pp_group_size, self.n_local_stages, self.n_samples,
                          self.seq_chunks, self._split_backward, self._placement)  # fmt: skip
 
@@ -166,8 +167,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
 
     def split_lengths(self, seq_len: int) -> list[int]:
         """Every sample's segment lengths for ``seq_len`` tokens without packed documents."""
-        cp = 1 if self._cp is None else self._cp.size
-        return self.sequence_split.lengths(seq_len, self.seq_chunks, cp, self.order_spec)
+        return self.sample_lengths(seq_len)[0]
 
     def sample_lengths(self, seq_len: int, document_ids: Any = None) -> list[list[int]]:
         """Each sample's segment lengths, balanced for its own ``document_ids`` under "compute"."""
@@ -183,16 +183,11 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
              return_outputs: bool = True, loss_kwargs: dict[str, Any] | None = None,
              arg_mbs: list | None = None, kwarg_mbs: list | None = None,
              target_mbs: list | None = None, finalize_gradients: bool = True,
-             document_ids: torch.Tensor | Sequence[torch.Tensor] | None = None,
-             **kwargs: Any) -> Any:  # fmt: skip
+             document_ids: DocumentIds | None = None, **kwargs: Any) -> Any:  # fmt: skip
         """torch's step on the batch or M pre-split samples; ``document_ids`` (batch, seq_len):
         packed documents (every rank); ``losses``: M*K unit losses (docs/direct_api.md)."""
-        self._document_ids = document_ids
-        try:
-            units = self._get_microbatch_inputs(args, kwargs, target, arg_mbs, kwarg_mbs,
-                                                target_mbs)  # fmt: skip
-        finally:
-            self._document_ids = None
+        units = self._get_microbatch_inputs(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs,
+                                            document_ids)  # fmt: skip
         self.begin_step(finalize_gradients)
         self.run_microbatches(*units, losses, return_outputs, loss_kwargs=loss_kwargs)
         if self._cp is not None and self.context_parallel.reduce_grads and self.has_backward:
@@ -200,21 +195,19 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
         last = [s for s in self.local_stages if s.is_last]
         return self._merge_outputs(last[0].output_chunks) if last and return_outputs else None
 
-    def _get_microbatch_inputs(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs):  # type: ignore[override]
-        """The units, after a pre-flight that fails every rank on any rank's bad input."""
-        presplit = split_step_inputs(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs,
-                                     self.n_samples)  # fmt: skip
-        self._inputs = inputs = self.preflight.prepare(self._stages[0], args, kwargs, target,
-                                                       presplit, self._document_ids,
-                                                       self._whole_backward)  # fmt: skip
-        self.segment_lengths = [tuple(lengths) for lengths in inputs.lengths]
-        for recv_meta in self._recv_metas:
-            recv_meta.lengths = tuple(inputs.unit_lengths)
+    def _get_microbatch_inputs(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs,  # type: ignore[override]
+                               document_ids=None):  # fmt: skip
+        """The step's units, after a pre-flight that fails every rank on any rank's bad input."""
+        inputs = prepare_step(self.cutter, (args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs),
+                              document_ids, self.sequence_split.seq_len, self.sample_lengths,
+                              self._cp, self._agree)  # fmt: skip
+        _log_split(self.segment_lengths, inputs, self.sequence_split)
+        self._inputs, self.segment_lengths = inputs, inputs.lengths
         self.unit_actions.begin_step(inputs.lengths, inputs.documents)
         return inputs.args, inputs.kwargs, inputs.targets
 
     def _lengths_for(self, seq_len: int) -> list[tuple[int, ...]]:
-        return [tuple(ls) for ls in self.sample_lengths(seq_len, self._document_ids)]
+        return [tuple(ls) for ls in self.sample_lengths(seq_len)]
 
     def _loss_weight(self, mb_index: int) -> float:
         """The unit's token share; 1.0 for a loss that takes it (:class:`seq1f1b.ChunkedLoss`)."""
@@ -232,15 +225,25 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
     def _merge_outputs(self, output_chunks: list[Any]) -> Any:
         return merge_unit_outputs(output_chunks, self.n_samples, self.seq_dim, self.chunk_specs[2])
 
-    @contextlib.contextmanager
-    def unit_scope(self) -> Iterator[None]:
+    def unit_scope(self) -> contextlib.AbstractContextManager[None]:
         if self._inputs is None:
             raise RuntimeError("call step() or eval(): Seq1F1B splits the sequence itself")
-        with self.unit_actions.step_scope(self.local_stages[0], self.pp_group_size):
-            yield
+        return self.unit_actions.step_scope(self.local_stages[0], self.pp_group_size)
 
     def stage_init_scope(self) -> contextlib.AbstractContextManager[None]:
         return metadata_inference()
+
+
+def _log_split(before: list, inputs: StepInputs, split: SequenceSplit) -> None:
+    """Log a step's segment lengths when they differ from the previous step's."""
+    lengths = inputs.lengths
+    if lengths == before:
+        return
+    same = all(ls == lengths[0] for ls in lengths)
+    by_document = inputs.documents is not None and split.mode == "compute"
+    logger.info("Seq1F1B: segment lengths%s %s (seq_split=%s%s)", "" if same else " per sample",
+                list(lengths[0]) if same else lengths, split.mode,
+                ", by document" if by_document else "")  # fmt: skip
 
 
 def _check_stages(

@@ -1,12 +1,15 @@
-"""A step's inputs as units: the sequence length, the cut into (sample, segment) units, each
-unit's loss weight, and the packed-document runs. Pure functions of the inputs and the
-schedule's settings (no process group, no stage), so every rank computes the same thing and a
-test can call them directly.
+"""A step's inputs as units, read in one pass (:func:`prepare_step`): the pre-split samples,
+the sequence length, the packed documents, the cut into (sample, segment) units and each
+unit's loss weight. Each input is checked here and only here; the cross-rank agreement is a
+callback (:func:`seq1f1b.schedules.preflight.agree_on_step`), so a rank's bad input fails every
+rank before any pipeline traffic. Apart from that callback these are pure functions of the
+inputs and the schedule's settings, so every rank computes the same thing and a test can call
+them directly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,21 +27,37 @@ from .microbatch import (
 from .partition import segment_offsets
 
 __all__ = [
+    "StepDocuments",
     "StepInputs",
     "UnitCutter",
     "check_presplit",
+    "prepare_step",
     "split_step_inputs",
     "token_weights",
 ]
 
 Presplit = tuple[list, list, list | None]
+#: (this rank's sequence length or 0, its error or None, whether it has documents) -> the
+#: length every rank agrees on; raises on every rank if any rank failed
+Agree = Callable[[int, "ValueError | None", bool], int]
+#: (sequence length, per-sample document ids or None) -> each sample's segment lengths
+LengthsOf = Callable[[int, "list[torch.Tensor] | None"], list[list[int]]]
+
+
+@dataclass(frozen=True)
+class StepDocuments:
+    """The step's packed documents, per sample: the ids (what the split balances) and their
+    runs (what the attention masks and the context-parallel shards follow)."""
+
+    ids: list[torch.Tensor]
+    runs: list
 
 
 @dataclass
 class StepInputs:
     """This rank's share of one step, cut into units (``u = m * K + k``)."""
 
-    lengths: list[list[int]]  # each sample's segment lengths
+    lengths: list[tuple[int, ...]]  # each sample's segment lengths
     args: list
     kwargs: list
     targets: list | None
@@ -188,8 +207,8 @@ class UnitCutter:
             weights = token_weights(tokens, total, 1 if cp is None else cp.size)
         return StepInputs(lengths, arg_units, kwarg_units, target_units, weights)
 
-    def documents(self, document_ids: Any, seq_len: int) -> list:
-        """Per-sample document runs, checked against the batch and the sequence length."""
+    def documents(self, document_ids: Any, seq_len: int) -> StepDocuments:
+        """Per-sample document ids and runs, checked against the batch and the length."""
         m = self.n_samples
         if isinstance(document_ids, torch.Tensor):
             if document_ids.dim() != 2 or document_ids.shape[0] % m:
@@ -211,4 +230,70 @@ class UnitCutter:
                     f"document_ids cover {ids.shape[-1]} positions but the inputs have "
                     f"seq_len={seq_len}: pass one id per token"
                 )
-        return [document_runs(ids) for ids in samples]
+        return StepDocuments(samples, [document_runs(ids) for ids in samples])
+
+
+def prepare_step(
+    cutter: UnitCutter,
+    step: tuple[tuple, dict, Any, list | None, list | None, list | None],
+    document_ids: Any,
+    fixed_len: int | None,
+    lengths_of: LengthsOf,
+    cp: ContextParallel | None,
+    agree: Agree,
+) -> StepInputs:
+    """This rank's units of one step, read in one pass.
+
+    ``step`` is ``(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)`` as ``step()`` got
+    them. A rank that carries the sequence checks and cuts its inputs first, so that any
+    error reaches ``agree`` (which fails every rank, this one with its own error); a rank
+    without a tensor input (a middle stage) learns the length from ``agree`` and cuts then.
+    """
+    args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs = step
+    inputs: StepInputs | None = None
+    documents: StepDocuments | None = None
+    presplit: Presplit | None = None
+    local, error = fixed_len or 0, None
+    try:
+        presplit = split_step_inputs(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs,
+                                     cutter.n_samples)  # fmt: skip
+        carried = cutter.seq_len(args, kwargs, target, presplit)
+        if fixed_len is not None and carried and carried != fixed_len:
+            raise ValueError(
+                f"inputs have sequence length {carried} but the schedule was built with "
+                f"seq_len={fixed_len}: pass matching inputs or rebuild it"
+            )
+        local = fixed_len or carried
+        if document_ids is not None:
+            documents = cutter.documents(document_ids, local)
+        if local:
+            inputs = _cut(cutter, local, (args, kwargs, target, presplit), documents,
+                          lengths_of, cp)  # fmt: skip
+    except ValueError as exc:
+        error = exc
+    agreed = agree(local, error, document_ids is not None)
+    if inputs is None:  # a rank without inputs learns the length from the others
+        inputs = _cut(cutter, agreed, (args, kwargs, target, presplit), documents, lengths_of, cp)
+    elif sum(inputs.lengths[0]) != agreed:
+        raise ValueError(
+            f"this rank's inputs have sequence length {sum(inputs.lengths[0])} but another "
+            f"rank's have {agreed}: pass the same sequence length on every rank"
+        )
+    return inputs
+
+
+def _cut(
+    cutter: UnitCutter,
+    seq_len: int,
+    step: tuple[tuple, dict, Any, Presplit | None],
+    documents: StepDocuments | None,
+    lengths_of: LengthsOf,
+    cp: ContextParallel | None,
+) -> StepInputs:
+    """The units for ``seq_len`` tokens, each sample cut for its own documents."""
+    ids = None if documents is None else documents.ids
+    lengths = [tuple(sample) for sample in lengths_of(seq_len, ids)]
+    runs = None if documents is None else documents.runs
+    inputs = cutter.cut(lengths, *step, cp, runs)
+    inputs.documents = runs
+    return inputs

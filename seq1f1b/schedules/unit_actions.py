@@ -108,6 +108,8 @@ class UnitActions:
             rt.allow_compiled_variants(sum(counts.values()), 4)
 
     def begin_step(self, lengths: list[list[int]], documents: list | None) -> None:
+        """A step's segment lengths (each sample's) and documents: receives sized, guards set."""
+        self.receives.size_units([n for sample in lengths for n in sample])
         seq_len = sum(lengths[0])
         self.checking = (
             self.outputs is not None and self.seq_chunks > 1 and (seq_len != self._checked_len)
