@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from ._runtime.ir import FORWARD, Action, stand_in_stages
+from ._runtime.ir import FORWARD, Action, schedule_compute_order, stand_in_stages
 from ._runtime.ir import StandInStage as _Stage
 from .bitpipe import ScheduleBitPipe
 from .schedules.schedule import (
@@ -23,6 +23,9 @@ from .schedules.schedule import (
     ScheduleZBSeq1F1B,
     ScheduleZBVSeq1F1B,
 )
+
+if TYPE_CHECKING:
+    from .orders.order import OrderSpec
 
 __all__ = ["BASELINE_NAME", "REGISTRY", "ScheduleEntry", "is_baseline", "lookup", "schedule_names"]
 
@@ -93,6 +96,18 @@ class ScheduleEntry:
         """Stages one copy of the model is cut into (BitPipe: 2*pp per replica)."""
         return pp * (stages_per_rank or self.stages_per_rank) // self.replicas
 
+    def order_spec(
+        self, pp: int, n_microbatches: int, seq_chunks: int, stages_per_rank: int | None = None
+    ) -> OrderSpec:
+        """The Seq1F1B-family order :meth:`compute_orders` builds (sequence-chunked entries)."""
+        from .orders.order import OrderSpec
+
+        if not self.seq_chunked:
+            raise ValueError(f"{self.name} is not sequence-chunked: its order has no OrderSpec")
+        v = stages_per_rank or self.stages_per_rank
+        placement = "v" if self.placement == "v" else "looped"
+        return OrderSpec(pp, v, n_microbatches, seq_chunks, self.split_backward, placement)
+
     def compute_orders(
         self, pp: int, n_microbatches: int, seq_chunks: int = 1, stages_per_rank: int | None = None
     ) -> Order:
@@ -100,11 +115,10 @@ class ScheduleEntry:
         v = stages_per_rank or self.stages_per_rank
         self.check_stages_per_rank(v)
         if self.seq_chunked:
-            from .orders.order import OrderSpec, build_orders
+            from .orders.order import build_orders
             from .orders.order_v import build_v_orders
 
-            spec = OrderSpec(pp, v, n_microbatches, seq_chunks, self.split_backward,
-                             "v" if self.placement == "v" else "looped")  # fmt: skip
+            spec = self.order_spec(pp, n_microbatches, seq_chunks, v)
             return dict(build_v_orders(spec) if spec.placement == "v" else build_orders(spec))
         if self.placement == "bitpipe":
             from .bitpipe import build_bitpipe_orders
@@ -115,9 +129,10 @@ class ScheduleEntry:
             stages: list[_Stage] = [_Stage(0, n, pp, 0), _Stage(n - 1, n, pp, 0)]
         else:
             stages = stand_in_stages(pp, v)
-        cls: Callable[..., Any] = self.schedule_class()
-        schedule = cls(stages[0] if self.single_stage else stages, n_microbatches)
-        return _shift_last_rank_forwards(dict(schedule.pipeline_order or {}), n_microbatches)
+        order = schedule_compute_order(
+            self.schedule_class(), stages[0] if self.single_stage else stages, n_microbatches
+        )
+        return _shift_last_rank_forwards(order, n_microbatches)
 
 
 def _chain_bubble(units: Callable[[int, int, int], int]) -> Callable[[int, int, int, int], float]:

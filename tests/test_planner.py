@@ -14,13 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from seq1f1b.planning import planner
 from seq1f1b.planning.costmodel import FP32_SLOWDOWN, PRESETS, Hardware, MemoryModel
 from seq1f1b.planning.planner import (
     PRECISIONS,
     Candidate,
     Setting,
+    build_parser,
     main,
     price,
+    problem_from_args,
     runs_in_bf16,
     search,
 )
@@ -489,3 +492,47 @@ def test_windowed_layers_cache_one_window_of_each_segment() -> None:
         no_ac = [MemoryModel(s, 1, 1, False).unit_bytes(tokens, 36, False, True)
                  for s in (windowed, full)]  # fmt: skip
         assert no_ac[0] == no_ac[1]
+
+
+#: the paper-7B plan's first rows (``--model paper-7b --seq-len 65536 --gpus 32 --gpu
+#: a100-80gb``): what every setting's floats decide, ties and their order included
+PAPER_7B_TOP = [
+    "pp4 tp2 fsdp4 M=16 Seq1F1B K=16 compute, no AC",
+    "pp4 tp2 fsdp4 M=16 Seq1F1B K=8 compute, no AC",
+    "pp4 tp2 fsdp4 M=16 ZBSeq1F1B K=8 compute, no AC",
+    "pp8 tp1 fsdp4 M=16 Seq1F1B K=16 compute, no AC",
+    "pp4 tp2 fsdp4 M=16 InterleavedSeq1F1B v=2 K=4 uniform, no AC",
+    "pp4 tp2 fsdp4 M=16 InterleavedSeq1F1B v=2 K=4 compute, no AC",
+    "pp1 tp4 fsdp8 M=8 no PP, no AC",
+    "pp2 tp4 fsdp4 M=16 InterleavedSeq1F1B v=2 K=4 uniform, no AC",
+    "pp2 tp4 fsdp4 M=16 Seq1F1B K=8 compute, no AC",
+    "pp4 tp2 fsdp4 M=16 InterleavedSeq1F1B v=2 K=8 uniform, no AC",
+    "pp2 tp4 fsdp4 M=16 InterleavedSeq1F1B v=2 K=4 compute, no AC",
+    "pp4 tp2 fsdp4 M=16 ZBSeq1F1B K=16 compute, no AC",
+]
+
+
+def test_paper_7b_plan_keeps_its_ranking() -> None:
+    """The full paper-7B search (1848 settings, every schedule's order replayed in one batch,
+    seq1f1b/planning/batch_simulate.py) ranks as the per-setting simulator does: the same
+    first rows, the same settings fitting; its speed is benchmarks/planner_speed.py's."""
+    argv = "--model paper-7b --seq-len 65536 --gpus 32 --gpu a100-80gb".split()
+    _, plan = problem_from_args(build_parser().parse_args(argv))
+    assert [c.setting.label() for c in plan.candidates[:12]] == PAPER_7B_TOP
+    assert (len(plan.candidates), sum(c.fits for c in plan.candidates)) == (1848, 1431)
+    assert f"{plan.candidates[0].step_seconds:.2f}" == "69.39"
+
+
+def test_batched_replay_prices_as_the_simulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every setting priced by the batched replay equals the one priced through
+    ``simulate``, which the search falls back to for a replay it does not take: same
+    candidates, same order, same floats."""
+    kw = dict(pp=[2, 4], tp=[1, 2], chunks=(1, 2, 4), precision="torchtitan-0.3")
+    batched = search(LLAMA8B, 32768, Hardware(8, 80.0), 16, **kw, selective=True)
+    monkeypatch.setattr(planner, "simulate_graphs", lambda jobs: [None] * len(jobs))
+    one_by_one = search(LLAMA8B, 32768, Hardware(8, 80.0), 16, **kw, selective=True)
+    assert len(batched.candidates) > 100
+    assert [dataclasses.asdict(c) for c in batched.candidates] == [
+        dataclasses.asdict(c) for c in one_by_one.candidates
+    ]
+    assert batched.skipped == one_by_one.skipped

@@ -25,6 +25,7 @@ from seq1f1b.planning.planner import (
     Candidate,
     Plan,
     build_parser,
+    collection_paused,
     describe,
     format_plan,
     problem_from_args,
@@ -227,7 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --gpus-per-node {a.gpus_per_node} must be >= 1", file=sys.stderr)
         return 2
     try:
-        preset, plan = problem_from_args(a)
+        with collection_paused():
+            preset, plan = problem_from_args(a)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -40,8 +40,11 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 | schedules._defer_recv_ops                     | defer_pp_recv=True (torch's own per-rank pass)   |
 | runtime methods _prepare_schedule_with_comms, | fast per-rank lowering, per-unit losses,         |
 |   _maybe_compute_loss, _maybe_get_loss,       |   per-unit receive shapes, forward-only eval     |
-|   _update_losses, _initialize_stages,         |   orders (overridden in UnitRuntime only)        |
-|   _step_microbatches, _load_csv, _compute_loss|                                                  |
+|   _update_losses, _initialize_stages,         |   orders (overridden in UnitRuntime; the first   |
+|   _step_microbatches, _load_csv, _compute_loss|   also in schedule_compute_order: torch's        |
+|                                               |   classes' orders read without their lowering)   |
+| PipelineScheduleMulti                         | schedule_compute_order: the lowering's first     |
+|   ._validate_and_set_stage_mapping            |   step, the order's checks and stage mapping     |
 | runtime method _warmup_p2p                    | 2.13/2.14: P2P warm-up once per stage chain      |
 | runtime methods _get_microbatch_inputs        | where patch 6 is absent: ``_split_target`` added,|
 |   (2.14.1+), _split_inputs, _merge_outputs,   |   the split calls it (2.13: a copy of torch's    |
@@ -107,7 +110,7 @@ dict, ``loss_kwarg_mbs``, ``register_recv_meta_fn`` on its stages, ``_split_targ
 package's Seq1F1B schedules are layers over that class, so they run on the same emulation.
 
 Touch points (distinct private torch names, overridden private methods and private attributes
-reached in ir.py + unit.py, counted from their syntax trees): 45; the comparison-only passes
+reached in ir.py + unit.py, counted from their syntax trees): 46; the comparison-only passes
 are in reference.py (test-only). The per-step stage wrapping is one
 composable per-action context (``UnitRuntime.register_action_context``; it wraps the public
 ``forward_one_chunk``/``backward_one_chunk``/``backward_weight_one_chunk``, whatever they are,
@@ -179,6 +182,7 @@ from .ir import (
     recv_infos,
     recv_shape,
     release_recv_meta_fns,
+    schedule_compute_order,
     set_pg_timeout,
     split_tensor,
     stand_in_stages,
@@ -255,6 +259,7 @@ __all__ = [
     "recv_infos",
     "recv_shape",
     "release_recv_meta_fns",
+    "schedule_compute_order",
     "set_pg_timeout",
     "small_buffers_kept",
     "split_tensor",

@@ -502,3 +502,27 @@ def received_tensors(stage: PipelineStageBase, unit: int) -> list[tuple[int, Any
         if not getattr(info, "is_root_arg", False) and isinstance(buf, torch.Tensor):
             out.append((slot, info, buf))
     return out
+
+
+_STAGE_MAPPING = getattr(_schedules.PipelineScheduleMulti, "_validate_and_set_stage_mapping", None)
+
+
+def schedule_compute_order(
+    schedule_class: type, stages: Any, n_microbatches: int
+) -> dict[int, list[Action | None]]:
+    """The compute-only ``pipeline_order`` torch's ``schedule_class`` builds on ``stages``.
+
+    Why: a multi-stage schedule's constructor ends by lowering every rank's order to
+    send/receive actions (``_prepare_schedule_with_comms``, seconds at pp=32), which a reader of
+    the compute order does not use; here that step only validates the order and maps stages to
+    ranks (its first step), so the order is the constructor's own.
+    """
+    cls = schedule_class
+    if issubclass(cls, ScheduleRuntime) and _STAGE_MAPPING is not None:
+
+        def validate_only(self: Any, actions: Any, format: str = "compute_only") -> None:
+            _STAGE_MAPPING(self, actions)
+
+        cls = type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": validate_only})
+    schedule = cls(stages, n_microbatches)
+    return dict(schedule.pipeline_order or {})

@@ -22,16 +22,20 @@ same arguments and writes the complete TOML of the top plan.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import itertools
 import json
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from .._runtime import ir as rt
 from .._runtime.ir import Action
+from ..orders.order import OrderSpec, build_orders
 from ..registry import REGISTRY, ScheduleEntry, is_baseline, lookup
 from ..schedules.partition import ModelShape, resolve_split, segment_multiple
+from .batch_simulate import OrderGraph, simulate_graphs
 from .calibration import load_action_costs, load_calibration
 from .costmodel import (
     FP32_SLOWDOWN,
@@ -61,6 +65,7 @@ __all__ = [
     "Plan",
     "Setting",
     "build_parser",
+    "collection_paused",
     "kv_prefix_deltas",
     "main",
     "price",
@@ -310,6 +315,22 @@ def schedule_points(
     return points, why
 
 
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside (restored after), for the command line
+    only (a library call leaves the process's collector alone): :func:`search` builds millions
+    of actions, tuples the collector tracks (they hold an enum), and a full collection, due
+    every ~10^5 new ones, walks every live object of torch's import (two fifths of the
+    paper-7B search's time). The search makes no cycles to free."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def search(
     shape: ModelShape,
     seq_len: int,
@@ -374,10 +395,10 @@ def search(
     allowed_tp = set(tp) if tp is not None else None
     allowed_cp = set(cp) if cp is not None else None
     names = list(schedules) if schedules is not None else None
-    cands: list[Candidate] = []
+    cands: list[Candidate | None] = []  # None: a slot _Batch.finish fills
     skipped: list[str] = []
     sac_on_ring = False  # selective AC asked for K > 1 with cp > 1 (not priced)
-    orders: dict[tuple[str, int, int, int, int], Order | str] = {}
+    batch = _Batch(compile=not blocking_p2p)
     for p in _divisors(hardware.gpus):
         if allowed_pp is not None and p not in allowed_pp:
             continue
@@ -430,47 +451,170 @@ def search(
                                 if shape.latent_kv and k > 1 and t == c == 1
                                 else (False,)
                             )
+                            batch.group += 1
                             for (rc, sel), lat in itertools.product(modes, caches):
                                 setting = Setting(
                                     p, t, fsdp, k, m, split, rc, bf16, name, v, c, sel, lat
                                 )
-                                order = _order(setting, orders)
+                                order, graph = batch.order(setting)
                                 if isinstance(order, str):
                                     skipped.append(f"{setting.label()}: {order}")
                                     break
                                 try:
-                                    cand = _price(
-                                        setting, lengths, shape, hardware, order,
-                                        dtype_bytes, state_bytes_per_param,
-                                        global_batch * seq_len, precision == "torchtitan-0.3",
-                                        actions, blocking_p2p=blocking_p2p,
+                                    model = _SettingModel.build(
+                                        setting, lengths, shape, hardware, dtype_bytes,
+                                        state_bytes_per_param, global_batch * seq_len,
+                                        precision == "torchtitan-0.3", actions,
+                                        blocking_p2p=blocking_p2p, cost_tables=batch.seconds,
                                     )  # fmt: skip
+                                    if graph is None:
+                                        cands.append(model.candidate(*model.simulate(order)))
+                                    else:  # simulated with the others after the loop
+                                        batch.add(model, graph, len(cands), len(skipped))
+                                        cands.append(None)
                                 except ValueError as exc:  # blocking P2P: F and B orders only
                                     skipped.append(f"{setting.label()}: {exc}")
                                     break
-                                cands.append(cand)
     if sac_on_ring:
         skipped.append(
             "selective AC with K > 1 and cp > 1: not priced (the ring attention runs eager "
             "kernels per hop, whose outputs torchtitan's policy keeps; not modelled)"
         )
-    cands.sort(
+    priced = batch.finish(cands, skipped)
+    priced.sort(
         key=lambda c: (not c.fits, -c.tokens_per_second_per_gpu, c.setting.seq_chunks, c.max_bytes)
     )
     err = error or (Plan.error, Plan.error_source)
-    fitting = [c for g in tie_groups([c for c in cands if c.fits], err[0]) for c in g]
+    fitting = [c for g in tie_groups([c for c in priced if c.fits], err[0]) for c in g]
     return Plan(
         shape,
         seq_len,
         hardware,
         global_batch,
-        fitting + [c for c in cands if not c.fits],
+        fitting + [c for c in priced if not c.fits],
         skipped,
         error=err[0],
         error_source=err[1],
         precision=precision,
         time_model="hardware" if actions is None else actions.source,
     )
+
+
+class _Batch:
+    """The settings of one :func:`search` whose orders :func:`simulate_graphs` replays together
+    after the loop, and their orders, each built once (:func:`_order`) and compiled to an
+    :class:`OrderGraph` shared by the settings using it.
+
+    A compiled order's Action lists are not kept (a search's orders hold millions of actions);
+    a setting whose graph the replay does not take gets its order built again
+    (:meth:`finish`). ``compile``: False prices every setting through
+    :meth:`_SettingModel.simulate` (blocking sends, which OrderGraph does not model).
+
+    ``group`` numbers the loop's groups of settings (one split of one K): as the loop stops a
+    group at its first setting that cannot be priced, :meth:`finish` drops the group's later
+    settings after a failure.
+    """
+
+    def __init__(self, compile: bool) -> None:
+        self.compile = compile
+        self.group = 0
+        self.orders: dict[tuple[str, int, int, int, int], Order | str] = {}
+        self.graphs: dict[tuple[str, int, int, int, int], OrderGraph | None] = {}
+        self.plain: dict[OrderSpec, OrderGraph | None] = {}  # by _chunked_graph
+        self.seconds: dict[tuple, Callable[[Action], float]] = {}  # _SettingModel's cost_tables
+        self.jobs: list[tuple[OrderGraph, list[float], list[float]]] = []
+        # per job: its model, its group, its slot in cands and its place in skipped
+        self.pending: list[tuple[_SettingModel, int, int, int]] = []
+
+    def order(self, setting: Setting) -> tuple[Order | str | None, OrderGraph | None]:
+        """The setting's order (None without a pipeline, or once compiled) and its graph
+        (None: price it through simulate), or why it has no order."""
+        entry, s = setting.entry, setting
+        if entry is None:
+            return None, None
+        key = (entry.name, s.pp, s.stages_per_rank, s.microbatches, s.seq_chunks)
+        graph = self.graphs.get(key)
+        if graph is None and self.compile and key not in self.graphs:
+            graph = self._chunked_graph(setting)
+        if graph is not None:
+            self.graphs[key] = graph
+            return None, graph
+        order = _order(setting, self.orders)
+        if isinstance(order, str) or not self.compile or key in self.graphs:
+            return order, None
+        graph = OrderGraph.build(order, replicas=entry.replicas, **_classes(setting))
+        self.graphs[key] = graph
+        if graph is not None:
+            del self.orders[key]
+        return order, graph
+
+    def _chunked_graph(self, setting: Setting) -> OrderGraph | None:
+        """The graph of a looped sequence-chunked entry's order from the order without split
+        backwards, built once for Seq1F1B (or InterleavedSeq1F1B) and ZBSeq1F1B, whose order is
+        that one with its backwards split (:func:`seq1f1b.orders.order.rank_order`). None
+        where that does not apply or fails: :func:`_order` builds it then, or says why not."""
+        entry, s = setting.entry, setting
+        if entry is None or not entry.seq_chunked or entry.placement != "looped":
+            return None
+        try:
+            entry.check_stages_per_rank(s.stages_per_rank)
+            spec = entry.order_spec(s.pp, s.microbatches, s.seq_chunks, s.stages_per_rank)
+        except ValueError:
+            return None
+        plain = replace(spec, split_backward=False)
+        if plain not in self.plain:
+            try:
+                order = build_orders(plain)
+            except (ValueError, AssertionError, RuntimeError):
+                self.plain[plain] = None
+            else:
+                self.plain[plain] = OrderGraph.build(order, **_classes(setting))
+        graph = self.plain[plain]
+        if graph is None or not spec.split_backward:
+            return graph
+        return graph.split_backward()
+
+    def add(self, model: _SettingModel, graph: OrderGraph, slot: int, at: int) -> None:
+        self.jobs.append(model.graph_job(graph))
+        self.pending.append((model, self.group, slot, at))
+
+    def finish(self, cands: list[Candidate | None], skipped: list[str]) -> list[Candidate]:
+        """Replay the jobs, fill their slots in ``cands``; a job the replay does not take runs
+        through simulate, and if that raises, its text goes into ``skipped`` where the loop
+        would have put it. Returns the candidates in loop order."""
+        timings = simulate_graphs(self.jobs)
+        failed: list[tuple[int, str]] = []
+        broken: set[int] = set()
+        for (model, group, slot, at), timing in zip(self.pending, timings, strict=True):
+            if group in broken:
+                continue
+            if timing is not None:
+                cands[slot] = model.candidate(
+                    timing.makespan, timing.bubble_ratio, timing.peak_activation_rank,
+                    timing.stage_to_rank,
+                )  # fmt: skip
+                continue
+            try:
+                order = _order(model.setting, {})
+                assert not isinstance(order, str)  # it was built before
+                cands[slot] = model.candidate(*model.simulate(order))
+            except ValueError as exc:
+                failed.append((at, f"{model.setting.label()}: {exc}"))
+                broken.add(group)
+        for at, text in reversed(failed):
+            skipped.insert(at, text)
+        return [c for c in cands if c is not None]
+
+
+def _classes(setting: Setting) -> dict[str, object]:
+    """OrderGraph's action classes for the setting's callbacks: its actions' seconds and
+    bytes depend on the stage's position (first, last chunk of the model), the computation and
+    the segment (unit % K)."""
+    entry, s = setting.entry, setting
+    assert entry is not None
+    n = entry.model_stages(s.pp, s.stages_per_rank)
+    position = [(g % n == 0) + 2 * (g % n == n - 1) for g in range(s.pp * s.stages_per_rank)]
+    return {"period": s.seq_chunks, "stage_class": position}
 
 
 def _order(setting: Setting, cache: dict) -> Order | str | None:
@@ -552,6 +696,181 @@ def kv_prefix_deltas(lengths: Sequence[int]) -> tuple[list[int], list[int]]:
     return added, after
 
 
+@dataclass(frozen=True)
+class _SettingModel:
+    """One setting's time and memory models and its per-action callbacks: what :func:`_price`
+    builds before it simulates the order, and turns the simulation into a Candidate after."""
+
+    setting: Setting
+    lengths: list[int]
+    shape: ModelShape
+    hardware: Hardware
+    tokens_per_step: int
+    time: TimeModel
+    memory: MemoryModel
+    layers: int
+    model_stages: int
+    seconds: Callable[[Action], float]
+    saved: Callable[[Action], float]
+    after_backward: Callable[[Action], float]
+    blocking_p2p: bool
+    kv_prefix_copy: bool
+
+    @classmethod
+    def build(
+        cls,
+        setting: Setting,
+        lengths: list[int],
+        shape: ModelShape,
+        hardware: Hardware,
+        dtype_bytes: int,
+        state_bytes_per_param: float,
+        tokens_per_step: int,
+        fsdp_at_degree_1: bool,
+        actions: ActionCosts | None = None,
+        extra_layer_bytes: float = 0.0,
+        blocking_p2p: bool = False,
+        kv_prefix_copy: bool = False,
+        cost_tables: dict[tuple, Callable[[Action], float]] | None = None,
+    ) -> _SettingModel:
+        """The models of ``setting``; ``cost_tables``: the seconds callbacks built so far, by
+        what they depend on (settings of a search share them: the schedules with as many model
+        stages, for one)."""
+        p, k, c = setting.pp, setting.seq_chunks, setting.cp
+        entry = setting.entry
+        n = entry.model_stages(p, setting.stages_per_rank) if entry is not None else 1
+        layers = shape.n_layers // n
+        dtype_bytes = dtype_bytes if setting.bf16 else 4  # fp32 activations and TP collectives
+        if actions is not None and not setting.bf16 and actions.precision == "bf16":
+            # bf16 kernels' constants (a GPU profile's): fp32 runs on the fp32 units
+            actions = replace(actions.scaled(FP32_SLOWDOWN), precision="fp32")
+        # pp is the mesh's outermost dimension: the pipeline crosses nodes once the world does
+        link = hardware.link_gbps(hardware.gpus) if p > 1 else None
+        p2p = None if link is None else link * hardware.p2p_efficiency
+        time = TimeModel(
+            hardware, shape, setting.tp, setting.recompute, layers, dtype_bytes, setting.bf16,
+            actions, c, p2p, selective=setting.selective, fused_qkv=fsdp_at_degree_1,
+            latent_kv=setting.latent_kv,
+        )  # fmt: skip
+        memory = MemoryModel(
+            shape,
+            setting.tp,
+            setting.fsdp * c,  # torchtitan's FSDP shards over the data-parallel and CP ranks
+            setting.recompute,
+            dtype_bytes,
+            state_bytes_per_param,
+            pipelined=p > 1,
+            fsdp_wrapped=fsdp_at_degree_1,
+            # torchtitan 0.3's configs chunk the loss (ChunkedLossWrapper, 8 chunks a sequence),
+            # and under the Seq1F1B schedules the trainer keeps it chunked per segment; on 0.2.2
+            # the emitted [seq1f1b] loss_chunks = 8 does the same under the Seq1F1B schedules
+            loss_chunk_tokens=(
+                -(-sum(lengths) // TITAN_LOSS_CHUNKS) if fsdp_at_degree_1 or k > 1 else None
+            ),
+            extra_layer_bytes=extra_layer_bytes,
+            selective=setting.selective,
+            fused_qkv=fsdp_at_degree_1,  # torchtitan 0.3 (its Llama fuses wq, wk, wv)
+            latent_kv=setting.latent_kv,
+        )
+        table_key = (time, tuple(lengths), n, k, not blocking_p2p)
+        seconds = None if cost_tables is None else cost_tables.get(table_key)
+        if seconds is None:
+            seconds = time.cost(lengths, n, seq_chunks=k, sends=not blocking_p2p)
+            if cost_tables is not None:
+                cost_tables[table_key] = seconds
+        segmented = k > 1
+
+        # K/V bytes per token of one stage's layers (what a K/V prefix copy costs)
+        kv_bytes = layers * 2 * dtype_bytes * shape.n_kv_heads * shape.head_dim / (setting.tp * c)
+        kv_added, kv_after = kv_prefix_deltas(lengths) if kv_prefix_copy else ([0] * k, [0] * k)
+
+        def saved(a: Action) -> float:
+            last = a.stage_index % n == n - 1
+            j = (a.microbatch_index or 0) % k
+            tokens = lengths[j] / c
+            return memory.unit_bytes(tokens, layers, last, segmented) + kv_added[j] * kv_bytes
+
+        def after_backward(a: Action) -> float:
+            return kv_after[(a.microbatch_index or 0) % k] * kv_bytes
+
+        return cls(
+            setting, lengths, shape, hardware, tokens_per_step, time, memory, layers, n,
+            seconds, saved, after_backward, blocking_p2p, kv_prefix_copy,
+        )  # fmt: skip
+
+    def simulate(
+        self, order: Order | None
+    ) -> tuple[float, float, dict[int, float], dict[int, int]]:
+        """(makespan, bubble, peak activation bytes per rank, stage -> rank) of ``order``."""
+        setting, entry, seconds, saved = self.setting, self.setting.entry, self.seconds, self.saved
+        if self.blocking_p2p and entry is not None and entry.replicas > 1:
+            raise ValueError("blocking communication is modelled for one pipeline only")
+        if order is None:  # gradient accumulation over M sequences, no pipeline
+            one = Action(0, rt.FORWARD, 0)
+            back = Action(0, rt.FULL_BACKWARD, 0)
+            return (
+                setting.microbatches * (seconds(one) + seconds(back)),
+                0.0,
+                {0: saved(one)},
+                {0: 0},
+            )
+        after = self.after_backward if self.kv_prefix_copy else None
+        if self.blocking_p2p:
+            k, lengths, time = setting.seq_chunks, self.lengths, self.time
+            pair = setting.stages_per_rank > 1  # Megatron's interleaved steady phase
+            res = simulate_blocking(
+                order, seconds, activation=saved, pair_steady=pair,
+                transfer=lambda a: time.p2p_seconds(lengths[(a.microbatch_index or 0) % k]),
+                after_backward=after,
+            )  # fmt: skip
+        else:
+            replicas = entry.replicas if entry else 1
+            res = simulate(
+                order, seconds, activation=saved, replicas=replicas, after_backward=after
+            )
+        return res.makespan, res.bubble_ratio, res.peak_activation_rank, res.stage_to_rank
+
+    def graph_job(self, graph: OrderGraph) -> tuple[OrderGraph, list[float], list[float]]:
+        """``graph`` with this setting's seconds and activation bytes per action class, for
+        :func:`~seq1f1b.planning.batch_simulate.simulate_graphs`."""
+        reps = graph.representatives
+        costs = [float(self.seconds(a)) for a in reps]
+        sizes = [float(self.saved(a)) if a.computation_type == rt.FORWARD else 0.0 for a in reps]
+        return graph, costs, sizes
+
+    def candidate(
+        self,
+        makespan: float,
+        bubble: float,
+        peak_act: Mapping[int, float],
+        stage_to_rank: Mapping[int, int],
+    ) -> Candidate:
+        """The Candidate of a simulated order: FSDP's exposed time, memory per rank."""
+        setting, memory, layers, n = self.setting, self.memory, self.layers, self.model_stages
+        lengths, c = self.lengths, setting.cp
+        makespan += _fsdp_seconds(setting, self.shape, self.hardware, layers, n, self.seconds)
+        peaks = []
+        unit = max(lengths) / c
+        for r in range(setting.pp):
+            mine = [g for g, rank in stage_to_rank.items() if rank == r]
+            state = sum(memory.state_bytes(layers, g % n == 0, g % n == n - 1) for g in mine)
+            transient = max((memory.transient_bytes(unit, g % n == n - 1) for g in mine), default=0)
+            peaks.append(state + peak_act.get(r, 0.0) + transient)
+        seq_len = sum(lengths)
+        flops = action_work(self.shape, self.shape.n_layers, True, seq_len, seq_len)
+        comm_share = self.time.tp_comm_share(flops.linear + flops.attention, seq_len)
+        return Candidate(
+            setting,
+            list(lengths),
+            bubble,
+            makespan,
+            self.tokens_per_step / (makespan * self.hardware.gpus),
+            peaks,
+            self.hardware.budget_bytes,
+            comm_share,
+        )
+
+
 def _price(
     setting: Setting,
     lengths: list[int],
@@ -567,102 +886,11 @@ def _price(
     blocking_p2p: bool = False,
     kv_prefix_copy: bool = False,
 ) -> Candidate:
-    p, k, c = setting.pp, setting.seq_chunks, setting.cp
-    entry = setting.entry
-    n = entry.model_stages(p, setting.stages_per_rank) if entry is not None else 1
-    layers = shape.n_layers // n
-    dtype_bytes = dtype_bytes if setting.bf16 else 4  # fp32 activations and TP collectives
-    if actions is not None and not setting.bf16 and actions.precision == "bf16":
-        # bf16 kernels' constants (a GPU profile's): fp32 runs on the fp32 units
-        actions = replace(actions.scaled(FP32_SLOWDOWN), precision="fp32")
-    # pp is the mesh's outermost dimension: the pipeline crosses nodes once the world does
-    link = hardware.link_gbps(hardware.gpus) if p > 1 else None
-    p2p = None if link is None else link * hardware.p2p_efficiency
-    time = TimeModel(
-        hardware, shape, setting.tp, setting.recompute, layers, dtype_bytes, setting.bf16,
-        actions, c, p2p, selective=setting.selective, fused_qkv=fsdp_at_degree_1,
-        latent_kv=setting.latent_kv,
+    model = _SettingModel.build(
+        setting, lengths, shape, hardware, dtype_bytes, state_bytes_per_param, tokens_per_step,
+        fsdp_at_degree_1, actions, extra_layer_bytes, blocking_p2p, kv_prefix_copy,
     )  # fmt: skip
-    memory = MemoryModel(
-        shape,
-        setting.tp,
-        setting.fsdp * c,  # torchtitan's FSDP shards over the data-parallel and CP ranks
-        setting.recompute,
-        dtype_bytes,
-        state_bytes_per_param,
-        pipelined=p > 1,
-        fsdp_wrapped=fsdp_at_degree_1,
-        # torchtitan 0.3's configs chunk the loss (ChunkedLossWrapper, 8 chunks a sequence),
-        # and under the Seq1F1B schedules the trainer keeps it chunked per segment; on 0.2.2
-        # the emitted [seq1f1b] loss_chunks = 8 does the same under the Seq1F1B schedules
-        loss_chunk_tokens=(
-            -(-sum(lengths) // TITAN_LOSS_CHUNKS) if fsdp_at_degree_1 or k > 1 else None
-        ),
-        extra_layer_bytes=extra_layer_bytes,
-        selective=setting.selective,
-        fused_qkv=fsdp_at_degree_1,  # torchtitan 0.3 (its Llama fuses wq, wk, wv)
-        latent_kv=setting.latent_kv,
-    )
-    seconds = time.cost(lengths, n, seq_chunks=k, sends=not blocking_p2p)
-    segmented = k > 1
-
-    # K/V bytes per token of one stage's layers (what a K/V prefix copy costs)
-    kv_bytes = layers * 2 * dtype_bytes * shape.n_kv_heads * shape.head_dim / (setting.tp * c)
-    kv_added, kv_after = kv_prefix_deltas(lengths) if kv_prefix_copy else ([0] * k, [0] * k)
-
-    def saved(a: Action) -> float:
-        last = a.stage_index % n == n - 1
-        j = (a.microbatch_index or 0) % k
-        tokens = lengths[j] / c
-        return memory.unit_bytes(tokens, layers, last, segmented) + kv_added[j] * kv_bytes
-
-    def after_backward(a: Action) -> float:
-        return kv_after[(a.microbatch_index or 0) % k] * kv_bytes
-
-    if blocking_p2p and entry is not None and entry.replicas > 1:
-        raise ValueError("blocking communication is modelled for one pipeline only")
-    if order is None:  # gradient accumulation over M sequences, no pipeline
-        one = Action(0, rt.FORWARD, 0)
-        back = Action(0, rt.FULL_BACKWARD, 0)
-        makespan, bubble = setting.microbatches * (seconds(one) + seconds(back)), 0.0
-        peak_act, stage_to_rank = {0: saved(one)}, {0: 0}
-    else:
-        if blocking_p2p:
-            pair = setting.stages_per_rank > 1  # Megatron's interleaved steady phase
-            res = simulate_blocking(
-                order, seconds, activation=saved, pair_steady=pair,
-                transfer=lambda a: time.p2p_seconds(lengths[(a.microbatch_index or 0) % k]),
-                after_backward=after_backward if kv_prefix_copy else None,
-            )  # fmt: skip
-        else:
-            replicas = entry.replicas if entry else 1
-            res = simulate(
-                order, seconds, activation=saved, replicas=replicas,
-                after_backward=after_backward if kv_prefix_copy else None,
-            )  # fmt: skip
-        makespan, bubble = res.makespan, res.bubble_ratio
-        peak_act, stage_to_rank = res.peak_activation_rank, res.stage_to_rank
-    makespan += _fsdp_seconds(setting, shape, hardware, layers, n, seconds)
-    peaks = []
-    unit = max(lengths) / c
-    for r in range(p):
-        mine = [g for g, rank in stage_to_rank.items() if rank == r]
-        state = sum(memory.state_bytes(layers, g % n == 0, g % n == n - 1) for g in mine)
-        transient = max((memory.transient_bytes(unit, g % n == n - 1) for g in mine), default=0)
-        peaks.append(state + peak_act.get(r, 0.0) + transient)
-    seq_len = sum(lengths)
-    flops = action_work(shape, shape.n_layers, True, seq_len, seq_len)
-    comm_share = time.tp_comm_share(flops.linear + flops.attention, seq_len)
-    return Candidate(
-        setting,
-        list(lengths),
-        bubble,
-        makespan,
-        tokens_per_step / (makespan * hardware.gpus),
-        peaks,
-        hardware.budget_bytes,
-        comm_share,
-    )
+    return model.candidate(*model.simulate(order))
 
 
 def _fsdp_seconds(
@@ -1061,7 +1289,8 @@ def describe(preset: str | None, plan: Plan) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
-        preset, plan = problem_from_args(a)
+        with collection_paused():
+            preset, plan = problem_from_args(a)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
