@@ -10,6 +10,27 @@ import einops
 import pytest
 import torch
 
+from benchmarks.planner_models.published import (
+    FIT_CELLS,
+    PUBLISHED_TFLOPS,
+    SCHEDULES,
+    claim_30b_rows,
+    fit,
+    fits_rows,
+    megatron_layer_items,
+    memory_rows,
+    paper_candidate,
+    tflops_rows,
+)
+from benchmarks.planner_models.published_titan import (
+    CELLS,
+    FIT,
+    HELD_OUT,
+    SLACK_CELL,
+    allocator_slack,
+    fit_h100,
+    titan_rows,
+)
 from seq1f1b._runtime import ir as rt
 from seq1f1b._runtime.ir import Action
 from seq1f1b.planning import planner as planner_module
@@ -47,27 +68,6 @@ from seq1f1b.planning.profiles import (
     calibrated_profile,
     machine_spec,
     profile,
-)
-from seq1f1b.planning.published import (
-    FIT_CELLS,
-    PUBLISHED_TFLOPS,
-    SCHEDULES,
-    claim_30b_rows,
-    fit,
-    fits_rows,
-    megatron_layer_items,
-    memory_rows,
-    paper_candidate,
-    tflops_rows,
-)
-from seq1f1b.planning.published_titan import (
-    CELLS,
-    FIT,
-    HELD_OUT,
-    SLACK_CELL,
-    allocator_slack,
-    fit_h100,
-    titan_rows,
 )
 from seq1f1b.planning.simulate import simulate, simulate_blocking
 from seq1f1b.schedules.partition import ModelShape

@@ -7,7 +7,7 @@ planner's prediction on the GPU profile and its error, marking the cells the pro
 efficiencies were fitted on; then which settings fit in memory (the published OOM cells), and
 the 64k memory row. ``--refit`` fits the efficiencies again on the same cells first (about
 half a minute) and prints them. The tables, the fit and the comparison live in
-:mod:`seq1f1b.planning.published`; this only prints them.
+:mod:`benchmarks.planner_models.published`; this only prints them.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from seq1f1b.planning.profiles import PROFILES, GpuProfile, profile
-from seq1f1b.planning.published import (
+from benchmarks.planner_models.published import (
     FIT_CELLS,
     claim_30b_rows,
     fit,
@@ -25,12 +24,13 @@ from seq1f1b.planning.published import (
     memory_vs_published,
     tflops_rows,
 )
-from seq1f1b.planning.published_titan import (
+from benchmarks.planner_models.published_titan import (
     SLACK_CELL,
     allocator_slack,
     fit_h100,
     titan_rows,
 )
+from seq1f1b.planning.profiles import PROFILES, GpuProfile, profile
 
 __all__ = ["main", "memory_vs_published"]
 

@@ -462,7 +462,7 @@ class MemoryModel:
     loss_chunk_tokens: int | None = None
     #: bytes per token per layer a trainer saves beyond the formula above (before the TP
     #: split), e.g. the 1-byte masks of two dropouts (``2*H``, Korthikanti et al. 2022, eq. 1)
-    #: or RoPE's saved cos/sin factors (Megatron-LM: seq1f1b.planning.published)
+    #: or RoPE's saved cos/sin factors (Megatron-LM: benchmarks.planner_models.published)
     extra_layer_bytes: float = 0.0
     #: torchtitan's op-level selective activation checkpointing (:func:`selective_ac_layer`);
     #: exclusive with ``recompute`` (full)

@@ -2,8 +2,8 @@
 
 Why: a profile's specifications come from datasheets, its efficiencies (what fraction of the
 peak its kernels and links reach, a fixed cost per action) from measurements. The GPU profiles
-are fitted to published TFLOPS cells (:func:`seq1f1b.planning.published.fit`), the CPU profile
-to the actions measured on this machine (:func:`cpu_profile`); both go through
+are fitted to published TFLOPS cells (:func:`benchmarks.planner_models.published.fit`), the
+CPU profile to the actions measured on this machine (:func:`cpu_profile`); both go through
 :func:`fit_efficiency`, so both are priced by the same model
 (:meth:`~seq1f1b.planning.profiles.GpuProfile.action_costs`) and fitted the same way.
 """

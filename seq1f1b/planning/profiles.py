@@ -5,10 +5,10 @@ the figures that come from a public specification (peak dense bf16 FLOP/s, memor
 inter-node bandwidth) apart from the few that no specification gives (what fraction of the
 peak the matmuls and the attention kernel reach, a fixed cost per pipeline action, what
 fraction of a link's peak the collectives reach), which are fitted to published measurements
-(:mod:`seq1f1b.planning.published`). Each constant carries its source.
+(:mod:`benchmarks.planner_models.published`). Each constant carries its source.
 
 The A100 profile is checked against the Seq1F1B paper's 7B table (all on A100s), the H100
-profile against torchtitan's published H100 runs (:mod:`seq1f1b.planning.published_titan`:
+profile against torchtitan's published H100 runs (:mod:`benchmarks.planner_models.published_titan`:
 fitted on two, predicting two it never saw). H200 reuses the H100's fractions on its own
 specifications, an assumption stated in :attr:`GpuProfile.checked`. A machine
 measured here becomes a profile too (:func:`machine_spec`): its efficiencies fitted by the same
@@ -134,8 +134,8 @@ class GpuProfile:
 
 
 #: Fitted by ``python -m benchmarks.planner_models.vs_published --refit``
-#: (seq1f1b.planning.published.fit) on the cells named in
-#: seq1f1b.planning.published.FIT_CELLS; the other cells are predicted.
+#: (benchmarks.planner_models.published.fit) on the cells named in
+#: benchmarks.planner_models.published.FIT_CELLS; the other cells are predicted.
 A100_FIT = Efficiency(
     linear=0.902,
     attention=0.637,
@@ -143,7 +143,7 @@ A100_FIT = Efficiency(
     collectives=0.313,
     p2p=0.164,
     source="fitted on 5 cells of the Seq1F1B paper's 7B table on A100s "
-    "(seq1f1b.planning.published.FIT_CELLS)",
+    "(benchmarks.planner_models.published.FIT_CELLS)",
     error=0.03,
     error_source="the largest error of a held-out schedule-to-1F1B TFLOPS ratio of the "
     "Seq1F1B paper's 7B table, 2.7% (Seq1F1B-I at 64k; "
@@ -151,8 +151,8 @@ A100_FIT = Efficiency(
 )
 
 #: Fitted by ``python -m benchmarks.planner_models.vs_published --titan --refit``
-#: (seq1f1b.planning.published_titan.fit_h100) on torchtitan's two compiled FSDP cells (8B on
-#: 8 and on 128 H100s): the A100's kernel fractions times one scale (0.459), and the
+#: (benchmarks.planner_models.published_titan.fit_h100) on torchtitan's two compiled FSDP
+#: cells (8B on 8 and on 128 H100s): the A100's kernel fractions times one scale (0.459), and the
 #: collectives' fraction of the links; the per-action overhead and the pipeline sends' fraction
 #: stay the A100's (no published H100 run has a pipeline). Grand Teton's H100s ran at 500 W:
 #: a 700 W H100 SXM reaches more of its peak than these fractions say.
@@ -163,7 +163,7 @@ H100_FIT = Efficiency(
     collectives=0.553,
     p2p=A100_FIT.p2p,
     source="fitted on torchtitan's published H100 runs: 8B FSDP 8 and FSDP 128, compiled "
-    "(seq1f1b.planning.published_titan.FIT)",
+    "(benchmarks.planner_models.published_titan.FIT)",
     error=0.03,
     error_source="held out: torchtitan's 8B FSDP 8 x TP 8 run within 1.8% (its ratio to FSDP 8 "
     "within 1.9%), its 70B FSDP 32 x TP 8 run 15% under (python -m "
@@ -185,7 +185,7 @@ PROFILES: dict[str, GpuProfile] = {
         efficiency=A100_FIT,
         source="NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOPS dense BF16, 80 GB HBM2e, NVLink "
         "600 GB/s both directions); DGX A100 datasheet (8 ConnectX-6 HDR 200 Gb/s for 8 GPUs)",
-        checked="the Seq1F1B paper's 7B table on 32 A100s (seq1f1b.planning.published)",
+        checked="the Seq1F1B paper's 7B table on 32 A100s (benchmarks.planner_models.published)",
     ),
     "h100-80gb": GpuProfile(
         "h100-80gb",
@@ -197,7 +197,7 @@ PROFILES: dict[str, GpuProfile] = {
         source="NVIDIA H100 datasheet (SXM5: 989 TFLOPS dense BF16, 80 GB HBM3, NVLink 900 GB/s "
         "both directions); DGX H100 datasheet (8 ConnectX-7 400 Gb/s for 8 GPUs)",
         checked="torchtitan's published Llama 3 runs on 500 W, 96 GB H100s "
-        "(seq1f1b.planning.published_titan)",
+        "(benchmarks.planner_models.published_titan)",
     ),
     "h200": GpuProfile(
         "h200",

@@ -21,21 +21,23 @@ predicts the compiled TP cells, which it never saw (:data:`HELD_OUT`).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from .._runtime import ir as rt
-from .costmodel import (
+from seq1f1b._runtime import ir as rt
+from seq1f1b.planning.costmodel import (
     PRESETS,
     MemoryModel,
     TimeModel,
     action_work,
     fsdp_exposed_seconds,
 )
-from .fitting import Observation, pattern_search, relative_errors
-from .profiles import A100_FIT, Efficiency, GpuProfile
+from seq1f1b.planning.fitting import Observation, pattern_search, relative_errors
+from seq1f1b.planning.profiles import A100_FIT, Efficiency, GpuProfile
 
 __all__ = [
     "CELLS",
@@ -53,8 +55,9 @@ __all__ = [
 
 GIB = 2.0**30
 SEQ_LEN = 8192
-_DEC24 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
-_JUN25 = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
+#: the published tables (the paper's and torchtitan's), as data beside this benchmark
+PUBLISHED: dict[str, Any] = json.loads((Path(__file__).parent / "published.json").read_text())
+_TITAN = PUBLISHED["torchtitan_h100"]
 
 
 @dataclass(frozen=True)
@@ -79,20 +82,10 @@ class TitanCell:
         return self.gpus // self.tp
 
 
-CELLS = (
-    TitanCell("8B FSDP 8, SAC, compiled", "llama3-8b", 8, 1, 2, "selective", True, 6667, 77.0,
-              _DEC24 + ", table 1"),
-    TitanCell("8B FSDP 128, SAC, compiled", "llama3-8b", 128, 1, 2, "selective", True, 6514,
-              62.0, _DEC24 + ", table 3"),
-    TitanCell("8B FSDP 8 x TP 8, SAC, compiled", "llama3-8b", 64, 8, 12, "selective", True,
-              4378, None, _JUN25 + ", vanilla TP, bf16"),
-    TitanCell("70B FSDP 32 x TP 8, full AC, compiled", "llama3-70b", 256, 8, 16, "full", True,
-              597.3, None, _JUN25 + ", vanilla TP, bf16"),
-    TitanCell("8B FSDP 8, SAC, eager", "llama3-8b", 8, 1, 2, "selective", False, 5762, 82.4,
-              _DEC24 + ", table 1"),
-    TitanCell("8B FSDP 128, SAC, eager", "llama3-8b", 128, 1, 2, "selective", False, 5605, 67.0,
-              _DEC24 + ", table 3"),
-)  # fmt: skip
+CELLS = tuple(
+    TitanCell(**{**cell, "source": _TITAN["sources"][cell["source"][0]] + cell["source"][1]})
+    for cell in _TITAN["cells"]
+)
 #: the cells the H100 profile is fitted on: compiled FSDP on one host and on 16 (the
 #: kernels, and FSDP's collectives across hosts)
 FIT = CELLS[:2]

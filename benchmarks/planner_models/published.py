@@ -25,12 +25,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..schedules.partition import ModelShape
-from .costmodel import GB, PRESETS, Hardware, MemoryModel
-from .fitting import Observation, fit_efficiency
-from .planner import Candidate, Setting, price
-from .profiles import Efficiency, GpuProfile
-from .published_titan import allocator_slack
+from seq1f1b.planning.costmodel import GB, PRESETS, Hardware, MemoryModel
+from seq1f1b.planning.fitting import Observation, fit_efficiency
+from seq1f1b.planning.planner import Candidate, Setting, price
+from seq1f1b.planning.profiles import Efficiency, GpuProfile
+from seq1f1b.schedules.partition import ModelShape
+
+from .published_titan import PUBLISHED, allocator_slack
 
 __all__ = [
     "FIT_CELLS",
@@ -51,15 +52,15 @@ __all__ = [
 
 GIB = 2.0**30
 
-#: TFLOPS per GPU, 7B on 32 A100s, 8 microbatches (REFERENCE.md section 1); None: OOM
+_PAPER = PUBLISHED["seq1f1b_paper_7b"]
+#: TFLOPS per GPU, 7B on 32 A100s, 8 microbatches (published.json; REFERENCE.md section 1);
+#: None: OOM
 PUBLISHED_TFLOPS: dict[int, dict[str, float | None]] = {
-    32768: {"1F1B": 99.7, "1F1B-I": 109.6, "Seq1F1B": 110.6, "Seq1F1B-I": 97.7},
-    65536: {"1F1B": 107.5, "1F1B-I": 120.0, "Seq1F1B": 124.6, "Seq1F1B-I": 117.8},
-    131072: {"1F1B": None, "1F1B-I": None, "Seq1F1B": 136.7, "Seq1F1B-I": 135.1},
+    int(seq_len): row for seq_len, row in _PAPER["tflops_per_gpu"].items()
 }
-#: per GPU, 7B on 32 A100s, 64k tokens (REFERENCE.md section 1), in GiB: the fork logs
+#: per GPU, 7B on 32 A100s, 64k tokens (published.json), in GiB: the fork logs
 #: ``torch.cuda.max_memory_reserved() / 1024**3`` (``get_mem`` in megatron/training.py)
-PUBLISHED_MEMORY_64K = {"1F1B": 51.4, "1F1B-I": 62.9, "Seq1F1B": 34.3, "Seq1F1B-I": 28.4}
+PUBLISHED_MEMORY_64K: dict[str, float] = dict(_PAPER["memory_gib_64k"])
 #: paper name -> (registry schedule, stages per rank, K)
 SCHEDULES = {
     "1F1B": ("1F1B", 1, 1),
@@ -317,8 +318,8 @@ def memory_rows(prof: GpuProfile) -> list[dict[str, Any]]:
     (``items``), plus the sequence-parallel gather buffer and the backward's transient
     (:func:`sp_backward_transient_bytes`); and the caching allocator's slack, the fraction of
     the activations read from torchtitan's published H100 cell
-    (:func:`~seq1f1b.planning.published_titan.allocator_slack`), nothing fitted here. What is
-    left is not attributed."""
+    (:func:`~benchmarks.planner_models.published_titan.allocator_slack`), nothing fitted
+    here. What is left is not attributed."""
     rows = []
     layer_items = megatron_layer_items(PAPER_SHAPE, PAPER_TP)
     slack = allocator_slack()
