@@ -2,10 +2,10 @@
 
     python -m benchmarks.planner_speed [--repeat N] [planner arguments]
 
-Default: the paper's 7B at 64k tokens on 32 A100s, ``python -m seq1f1b.planning.planner
---model paper-7b --seq-len 65536 --gpus 32 --gpu a100-80gb``: 1848 settings, each priced by
-replaying its schedule's real order (seq1f1b/planning/batch_simulate.py replays them all in
-one batch). Any planner arguments replace the default problem.
+Default: the paper's 7B at 64k tokens on 32 A100s, as ``scripts/plan.sh --model paper-7b
+--seq-len 65536 --gpus 32 --gpu a100-80gb`` searches it (torchtitan 0.3's trainer): 1848
+settings, each priced by replaying its schedule's real order (seq1f1b/planning/batch_simulate.py
+replays them all in one batch). Any planner arguments replace the default problem.
 
 Why: the search is what a user waits for (the command above adds about 3.5 s of imports);
 this is the number to watch when the search, the orders or the replay change. Prints the
@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 
 from seq1f1b.planning.planner import build_parser, collection_paused, problem_from_args
+from torchtitan_integration.planner import TRAINERS
 
 __all__ = ["DEFAULT", "main", "time_search"]
 
@@ -30,12 +31,12 @@ DEFAULT = ("--model", "paper-7b", "--seq-len", "65536", "--gpus", "32", "--gpu",
 def time_search(argv: Sequence[str], repeat: int = 1) -> tuple[list[float], int]:
     """Seconds of each of ``repeat`` searches for the planner arguments ``argv``, and the
     settings one priced."""
-    args = build_parser().parse_args(list(argv))
+    args = build_parser(trainers=TRAINERS).parse_args(list(argv))
     seconds, settings = [], 0
     for _ in range(repeat):
         start = time.perf_counter()
         with collection_paused():  # as the command runs it
-            _, plan = problem_from_args(args)
+            _, plan = problem_from_args(args, TRAINERS)
         seconds.append(time.perf_counter() - start)
         settings = len(plan.candidates)
     return seconds, settings

@@ -17,19 +17,19 @@ import pytest
 from seq1f1b.planning import planner
 from seq1f1b.planning.costmodel import FP32_SLOWDOWN, PRESETS, Hardware, MemoryModel
 from seq1f1b.planning.planner import (
-    PRECISIONS,
+    BF16,
     Candidate,
     Setting,
+    Trainer,
     build_parser,
     main,
     price,
     problem_from_args,
-    runs_in_bf16,
     search,
 )
 from seq1f1b.registry import REGISTRY
 from seq1f1b.schedules.partition import ModelShape
-from torchtitan_integration.planner import launch_lines
+from torchtitan_integration.planner import TORCHTITAN_022, TORCHTITAN_03, TRAINERS, launch_lines
 from torchtitan_integration.planner import main as toml_main
 
 LLAMA8B = PRESETS["llama3-8b"]
@@ -69,10 +69,10 @@ def test_llama3_8b_on_8_gpus_gets_a_ranked_plan(capsys: pytest.CaptureFixture[st
     schedule of the registry; with a pipeline, Seq1F1B beats 1F1B at 32k."""
     argv = "--model llama3-8b --seq-len 32768 --gpus 8 --gpu-memory-gb 80".split()
     argv += ["--precision", "torchtitan-0.3"]
-    assert main(argv) == 0
+    assert main(argv, TRAINERS) == 0
     out = capsys.readouterr().out
     assert "Recommendation (*):" in out
-    assert main([*argv, "--json", "--top", "2000"]) == 0
+    assert main([*argv, "--json", "--top", "2000"], TRAINERS) == 0
     doc = json.loads(capsys.readouterr().out)
     rows, best = doc["candidates"], doc["recommended"]
     s = best["setting"]
@@ -162,14 +162,16 @@ def test_nothing_fits_says_so(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bf16_only_where_the_trainer_casts() -> None:
     grid = [(pp, tp, f) for pp in (1, 2) for tp in (1, 2) for f in (1, 2)]
     # torchtitan 0.2.2: FSDP's mixed-precision policy, or autocast with nothing parallel
-    assert {g for g in grid if runs_in_bf16(*g, "torchtitan-0.2")} == {
+    assert {g for g in grid if TORCHTITAN_022.runs_in_bf16(*g)} == {
         (1, 1, 1), (1, 1, 2), (1, 2, 2), (2, 1, 2), (2, 2, 2)
     }  # fmt: skip
-    assert all(runs_in_bf16(*g, p) for g in grid for p in ("torchtitan-0.3", "bf16"))
-    with pytest.raises(ValueError, match=r"'fp8': use one of torchtitan-0\.3, torchtitan-0\.2"):
-        runs_in_bf16(1, 1, 1, "fp8")
-    with pytest.raises(ValueError, match="precision 'fp16'"):
-        search(LLAMA8B, 8192, Hardware(2, 80.0), 2, precision="fp16")
+    assert all(t.runs_in_bf16(*g) for g in grid for t in (TORCHTITAN_03, BF16))
+    # the library's command knows no torchtitan: its --precision names only its own trainer
+    assert [t.name for t in TRAINERS] == ["torchtitan-0.3", "torchtitan-0.2", "bf16"]
+    args = "--model llama3-8b --seq-len 8192 --gpus 2 --gpu-memory-gb 80".split()
+    assert build_parser().parse_args(args).precision == "bf16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*args, "--precision", "torchtitan-0.3"])
 
 
 def test_rule_matches_installed_torchtitan_0_2() -> None:
@@ -198,7 +200,7 @@ def test_rule_matches_installed_torchtitan_0_2() -> None:
     rows = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RULE")]
     assert len(rows) == 8
     for pp, tp, f, bf16 in (map(int, r) for r in rows):
-        assert runs_in_bf16(pp, tp, f, "torchtitan-0.2") == bool(bf16), (pp, tp, f)
+        assert TORCHTITAN_022.runs_in_bf16(pp, tp, f) == bool(bf16), (pp, tp, f)
 
 
 def test_fp32_settings_are_priced_in_fp32() -> None:
@@ -208,14 +210,14 @@ def test_fp32_settings_are_priced_in_fp32() -> None:
     assert fp32 == 4 * (16384 + 8192 + 2048 + 57344) + 128
     hw = Hardware(2, 80.0)
 
-    def by_k(precision: str) -> dict[int, Candidate]:
+    def by_k(trainer: Trainer) -> dict[int, Candidate]:
         plan = search(
             LLAMA8B, 8192, hw, 4, pp=[2], chunks=(2,), splits=("compute",), recompute=(True,),
-            precision=precision,
+            trainer=trainer,
         )  # fmt: skip
         return {c.setting.seq_chunks: c for c in plan.candidates}
 
-    tt, bf = by_k("torchtitan-0.2"), by_k("bf16")
+    tt, bf = by_k(TORCHTITAN_022), by_k(BF16)
     for k in (1, 2):
         assert not tt[k].setting.bf16 and bf[k].setting.bf16
         assert tt[k].step_seconds == pytest.approx(FP32_SLOWDOWN * bf[k].step_seconds)
@@ -236,15 +238,15 @@ def test_never_recommends_bf16_that_would_run_in_fp32(
         "--precision torchtitan-0.2 --model llama3-8b --seq-len 32768 --gpus 8 "
         "--gpu-memory-gb 80 --json --top 200"
     )
-    assert main(argv.split()) == 0
+    assert main(argv.split(), TRAINERS) == 0
     doc = json.loads(capsys.readouterr().out)
     s = doc["recommended"]["setting"]
     assert s["bf16"] and (s["fsdp"] > 1 or s["pp"] == s["tp"] == 1)
     for row in doc["candidates"]:
         r = row["setting"]
-        assert r["bf16"] == runs_in_bf16(r["pp"], r["tp"], r["fsdp"], "torchtitan-0.2")
+        assert r["bf16"] == TORCHTITAN_022.runs_in_bf16(r["pp"], r["tp"], r["fsdp"])
     assert any(not row["setting"]["bf16"] for row in doc["candidates"])
-    assert main(argv.split()[:-3]) == 0
+    assert main(argv.split()[:-3], TRAINERS) == 0
     assert "precision: torchtitan 0.2.2: bf16 where FSDP shards" in capsys.readouterr().out
 
 
@@ -269,7 +271,7 @@ def test_fsdp_under_a_pipeline_holds_the_stage_unsharded() -> None:
     )
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", [t.name for t in TRAINERS])
 def test_toml_states_the_priced_precision(precision: str, tmp_path: Path) -> None:
     """``mixed_precision_param`` in the TOML is the precision the plan was priced in."""
     tomllib = pytest.importorskip("tomllib")
@@ -411,7 +413,7 @@ def test_selective_ac_is_priced_between_none_and_full() -> None:
     hw = Hardware(8, 80.0, tflops=400.0, inter_node_gbps=50.0)
     plan = search(
         PRESETS["llama3-8b"], 32768, hw, 16, pp=[1, 2], tp=[1], cp=[1, 2], chunks=[1, 4],
-        splits=("uniform",), selective=True, precision="torchtitan-0.3",
+        splits=("uniform",), selective=True, trainer=TORCHTITAN_03,
         schedules=["1F1B", "Seq1F1B"],
     )  # fmt: skip
     by: dict[tuple, dict[str, Candidate]] = {}
@@ -517,7 +519,8 @@ def test_paper_7b_plan_keeps_its_ranking() -> None:
     seq1f1b/planning/batch_simulate.py) ranks as the per-setting simulator does: the same
     first rows, the same settings fitting; its speed is benchmarks/planner_speed.py's."""
     argv = "--model paper-7b --seq-len 65536 --gpus 32 --gpu a100-80gb".split()
-    _, plan = problem_from_args(build_parser().parse_args(argv))
+    # as scripts/plan.sh searches it: torchtitan 0.3's trainer, the integration's
+    _, plan = problem_from_args(build_parser(trainers=TRAINERS).parse_args(argv), TRAINERS)
     assert [c.setting.label() for c in plan.candidates[:12]] == PAPER_7B_TOP
     assert (len(plan.candidates), sum(c.fits for c in plan.candidates)) == (1848, 1431)
     assert f"{plan.candidates[0].step_seconds:.2f}" == "69.39"
@@ -527,7 +530,7 @@ def test_batched_replay_prices_as_the_simulator(monkeypatch: pytest.MonkeyPatch)
     """Every setting priced by the batched replay equals the one priced through
     ``simulate``, which the search falls back to for a replay it does not take: same
     candidates, same order, same floats."""
-    kw = dict(pp=[2, 4], tp=[1, 2], chunks=(1, 2, 4), precision="torchtitan-0.3")
+    kw = dict(pp=[2, 4], tp=[1, 2], chunks=(1, 2, 4), trainer=TORCHTITAN_03)
     batched = search(LLAMA8B, 32768, Hardware(8, 80.0), 16, **kw, selective=True)
     monkeypatch.setattr(planner, "simulate_graphs", lambda jobs: [None] * len(jobs))
     one_by_one = search(LLAMA8B, 32768, Hardware(8, 80.0), 16, **kw, selective=True)

@@ -59,7 +59,15 @@ from seq1f1b.planning.fitting import (
     largest_error,
     relative_errors,
 )
-from seq1f1b.planning.planner import Setting, kv_prefix_deltas, main, price, search, tie_groups
+from seq1f1b.planning.planner import (
+    BF16,
+    Setting,
+    kv_prefix_deltas,
+    main,
+    price,
+    search,
+    tie_groups,
+)
 from seq1f1b.planning.profiles import (
     CPU_NOMINAL_TFLOPS,
     PROFILES,
@@ -427,7 +435,7 @@ def test_blocking_search_ranks_the_papers_schedules_as_published_at_32k() -> Non
     skipped, not priced wrongly."""
     plan = search(
         PRESETS["paper-7b"], 32768, A100.hardware(32), 8, pp=[4], tp=[8], chunks=[1, 4],
-        splits=("compute",), recompute=(False,), precision="bf16", actions=A100.action_costs(),
+        splits=("compute",), recompute=(False,), trainer=BF16, actions=A100.action_costs(),
         schedules=["1F1B", "Interleaved1F1B", "Seq1F1B", "InterleavedSeq1F1B", "ZBSeq1F1B"],
         blocking_p2p=True,
     )  # fmt: skip

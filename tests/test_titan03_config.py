@@ -270,8 +270,8 @@ def test_planner_toml_is_accepted_on_0_3(argv: str, tmp_path: Path, monkeypatch)
 
     searched = []  # the plan the TOML was written from (one search, not two)
 
-    def search(args):
-        searched.append(problem_from_args(args))
+    def search(args, trainers):
+        searched.append(problem_from_args(args, trainers))
         return searched[-1]
 
     problem_from_args = titan_planner.problem_from_args

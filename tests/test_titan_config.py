@@ -185,11 +185,13 @@ def test_planner_toml_reproduces_the_plan(argv: str, tmp_path: Path) -> None:
     """The planner's TOML goes through torchtitan's real loader and our start-up checks, and
     carries every degree and knob of the recommended setting."""
     from seq1f1b.planning.planner import build_parser, problem_from_args
+    from torchtitan_integration.planner import TRAINERS
     from torchtitan_integration.planner import main as plan_main
 
     out = tmp_path / "plan.toml"
     assert plan_main([*argv.split(), "--output", str(out)]) == 0
-    _, plan = problem_from_args(build_parser().parse_args(argv.split()))
+    args = build_parser(trainers=TRAINERS).parse_args(argv.split())
+    _, plan = problem_from_args(args, TRAINERS)
     best = plan.best
     assert best is not None
     s = best.setting

@@ -21,9 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from seq1f1b.planning.planner import (
-    TITAN_LOSS_CHUNKS,
+    BF16,
+    LOSS_CHUNKS,
     Candidate,
     Plan,
+    Trainer,
     build_parser,
     collection_paused,
     describe,
@@ -31,7 +33,35 @@ from seq1f1b.planning.planner import (
     problem_from_args,
 )
 
-__all__ = ["FLAVORS", "launch_lines", "main", "render_toml"]
+__all__ = [
+    "FLAVORS",
+    "TORCHTITAN_022",
+    "TORCHTITAN_03",
+    "TRAINERS",
+    "launch_lines",
+    "main",
+    "render_toml",
+]
+
+#: torchtitan 0.3: bf16 everywhere; FSDP with its mixed-precision policy wraps the model at
+#: every degree, 1 included; its configs chunk the loss (ChunkedLossWrapper, 8 chunks a
+#: sequence); its Llama fuses wq, wk and wv
+TORCHTITAN_03 = Trainer(
+    "torchtitan-0.3",
+    "torchtitan 0.3: bf16 everywhere, FSDP's unsharded copies at every degree",
+    fsdp_at_every_degree=True,
+)
+#: torchtitan 0.2.2: ``maybe_enable_amp`` turns autocast off under TP or PP, and ``apply_fsdp``
+#: only runs with ``data_parallel_shard_degree > 1`` (or context parallelism): PP or TP without
+#: FSDP train in fp32 (the TOML's ``[seq1f1b] loss_chunks = 8`` chunks the loss under K > 1)
+TORCHTITAN_022 = Trainer(
+    "torchtitan-0.2",
+    "torchtitan 0.2.2: bf16 where FSDP shards or nothing is parallel, fp32 with PP or TP alone "
+    "(--precision torchtitan-0.3 or bf16 for other trainers)",
+    fp32_without_fsdp=True,
+)
+#: the trainers ``--precision`` names, the default first
+TRAINERS = (TORCHTITAN_03, TORCHTITAN_022, BF16)
 
 #: preset -> (torchtitan model name, flavor); presets without one get a placeholder flavor.
 FLAVORS = {
@@ -71,8 +101,7 @@ def launch_lines(gpus: int, gpus_per_node: int = GPUS_PER_NODE) -> list[str]:
 
 
 def _precision_lines(plan: Plan, best: Candidate) -> list[str]:
-    """``mixed_precision_param`` as the plan was priced, with why
-    (seq1f1b.planning.planner.runs_in_bf16)."""
+    """``mixed_precision_param`` as the plan was priced, with why (Trainer.runs_in_bf16)."""
     s = best.setting
     if not s.bf16:
         return [
@@ -108,7 +137,7 @@ def render_toml(
         f"# Plan: {s.label()}",
         f"#   predicted {best.step_seconds:.2f} s per step, {best.tokens_per_second_per_gpu:.0f} "
         f"tokens/s per GPU; {best.why()}",
-        f"#   priced for --precision {plan.precision}",
+        f"#   priced for --precision {plan.trainer.name}",
         *launch_lines(hw.gpus, gpus_per_node),
         "",
         "[job]",
@@ -180,7 +209,7 @@ def render_toml(
             "[seq1f1b]",
             f"seq_chunks = {s.seq_chunks}",
             f'seq_split = "{s.split}"   # lengths {best.segment_lengths}',
-            f"loss_chunks = {TITAN_LOSS_CHUNKS}   # head + loss in chunks (the plan prices it)",
+            f"loss_chunks = {LOSS_CHUNKS}   # head + loss in chunks (the plan prices it)",
             *(['kv_cache = "latent"   # MLA: earlier segments kept as the latent'] if s.latent_kv
               else []),
         ]  # fmt: skip
@@ -209,7 +238,7 @@ def render_toml(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser("python -m torchtitan_integration.planner")
+    ap = build_parser("python -m torchtitan_integration.planner", TRAINERS)
     ap.add_argument("--output", help="write the TOML here (default: print it)")
     ap.add_argument(
         "--hf-assets-path", default="./assets/hf/Llama-3.1-8B", help="tokenizer directory"
@@ -229,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         with collection_paused():
-            preset, plan = problem_from_args(a)
+            preset, plan = problem_from_args(a, TRAINERS)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@ formulas are the part users argue with, so they are stated here in one place.
 
 Precision: a setting computes either in bf16 (``b = 2``; fp32 master weights, gradients and
 Adam moments) or in fp32 (``b = 4``), whichever its trainer will really run; the planner
-decides which (:func:`seq1f1b.planning.planner.runs_in_bf16`), this module prices both.
+decides which (:meth:`seq1f1b.planning.planner.Trainer.runs_in_bf16`), this module prices both.
 
 Memory (bytes per GPU; ``b`` = activation dtype bytes, ``t`` = tensor-parallel degree with
 sequence parallelism, so every activation and weight is split ``t`` ways):

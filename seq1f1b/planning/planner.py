@@ -10,13 +10,12 @@ priced by running its real schedule order through the simulator (:mod:`seq1f1b.p
 with per-unit times and memory from :mod:`seq1f1b.planning.costmodel`, then the settings that fit
 are ranked by predicted tokens per second per GPU.
 
-Each setting is priced in the precision it will run in (``--precision``, :func:`runs_in_bf16`):
-bf16 needs something that casts, and torchtitan 0.2.2 casts only through FSDP's mixed-precision
-policy or, with nothing parallel, autocast; PP or TP without FSDP train in fp32 there, with
-twice the activation bytes and fp32 matmul throughput.
-
-This module knows nothing about torchtitan: ``python -m torchtitan_integration.planner`` takes the
-same arguments and writes the complete TOML of the top plan.
+Each setting is priced as its trainer runs it (:class:`Trainer`: what runs in bf16, whether
+FSDP wraps at degree 1): bf16 needs something that casts, and a trainer that casts only through
+FSDP's mixed-precision policy trains PP or TP without FSDP in fp32, with twice the activation
+bytes and fp32 matmul throughput. This module's command prices for :data:`BF16` (bf16 weights,
+FSDP only at degree > 1); the torchtitan releases' trainers, and the complete TOML of the top
+plan, are the integration's (``python -m torchtitan_integration.planner``, same arguments).
 """
 
 from __future__ import annotations
@@ -60,47 +59,56 @@ from .profiles import (
 from .simulate import simulate, simulate_blocking
 
 __all__ = [
-    "PRECISIONS",
+    "BF16",
     "Candidate",
     "Plan",
     "Setting",
+    "Trainer",
     "build_parser",
     "collection_paused",
     "kv_prefix_deltas",
     "main",
     "price",
     "problem_from_args",
-    "runs_in_bf16",
     "search",
 ]
 
 DEFAULT_CHUNKS = (1, 2, 4, 8, 16, 32)
 Order = dict[int, list[Action | None]]
-#: What a trainer runs in bf16 and wraps in FSDP (:func:`runs_in_bf16`); the CLI's default is
-#: the first, the trainer this repository's TOML is for by default.
-PRECISIONS = ("torchtitan-0.3", "torchtitan-0.2", "bf16")
-#: ChunkedLossWrapper's default chunk count (torchtitan 0.3): the loss's chunk is seq / this
-TITAN_LOSS_CHUNKS = 8
+#: the chunks of a sequence the loss runs in, as priced (under K > 1, the chunked loss of the
+#: Seq1F1B schedules; always, for a trainer that wraps FSDP at every degree)
+LOSS_CHUNKS = 8
 
 
-def runs_in_bf16(pp: int, tp: int, fsdp: int, precision: str) -> bool:
-    """Whether a setting trains in bf16 (else fp32) with the trainer ``precision`` names.
+@dataclass(frozen=True)
+class Trainer:
+    """What the trainer that runs a plan does that its prices depend on.
 
-    * ``"torchtitan-0.2"``: bf16 only where FSDP shards the parameters (its mixed-precision
-      policy casts them) or nothing is parallel (autocast); PP or TP without FSDP run in fp32:
-      ``maybe_enable_amp`` turns autocast off under TP or PP, and ``apply_fsdp`` only runs with
-      ``data_parallel_shard_degree > 1`` (or context parallelism).
-    * ``"torchtitan-0.3"``: bf16 everywhere; FSDP with its mixed-precision policy wraps the
-      model at every degree, 1 included (priced by
-      :class:`~seq1f1b.planning.costmodel.MemoryModel`).
-    * ``"bf16"``: bf16 everywhere, FSDP only at degree > 1 (a trainer that keeps bf16 weights,
-      e.g. Megatron, whose published numbers the benchmarks compare with).
+    Args:
+        name: how ``--precision`` names it.
+        summary: the plan header's line about it.
+        fp32_without_fsdp: bf16 only where FSDP shards the parameters (its mixed-precision
+            policy casts them) or nothing is parallel (autocast); PP or TP without FSDP train
+            in fp32.
+        fsdp_at_every_degree: FSDP with its mixed-precision policy wraps the model at degree 1
+            too (its unsharded copies, priced by :class:`~seq1f1b.planning.costmodel.MemoryModel`),
+            the loss always runs in :data:`LOSS_CHUNKS` chunks, and the attention's Q, K and V
+            projections are one fused matmul.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-    if precision == "torchtitan-0.2":
-        return fsdp > 1 or (pp == 1 and tp == 1)
-    return True
+
+    name: str
+    summary: str
+    fp32_without_fsdp: bool = False
+    fsdp_at_every_degree: bool = False
+
+    def runs_in_bf16(self, pp: int, tp: int, fsdp: int) -> bool:
+        """Whether a setting of these degrees trains in bf16 (else fp32)."""
+        return not self.fp32_without_fsdp or fsdp > 1 or (pp == 1 and tp == 1)
+
+
+#: bf16 everywhere, FSDP only at degree > 1: a trainer that keeps bf16 weights (e.g.
+#: Megatron-LM, whose published numbers the benchmarks compare with)
+BF16 = Trainer("bf16", "bf16 everywhere, FSDP only at degree > 1")
 
 
 @dataclass(frozen=True)
@@ -115,7 +123,7 @@ class Setting:
     microbatches: int  # M per pipeline per step (pp = 1: gradient-accumulation steps)
     split: str
     recompute: bool
-    bf16: bool = True  # False: the trainer runs this setting in fp32 (:func:`runs_in_bf16`)
+    bf16: bool = True  # False: the trainer runs this setting in fp32 (Trainer.runs_in_bf16)
     name: str = ""  # registry schedule; "" = 1F1B, or Seq1F1B when seq_chunks > 1
     stages_per_rank: int = 1
     cp: int = 1  # context-parallel degree: each sequence sharded over cp ranks
@@ -224,7 +232,7 @@ class Plan:
     #: relative error of the time model: predictions closer than this are a tie
     error: float = 0.02
     error_source: str = "assumed (the --tflops constants are not checked against measurements)"
-    precision: str = "bf16"  # the trainer the settings were priced for (:func:`runs_in_bf16`)
+    trainer: Trainer = BF16  # the trainer the settings were priced for
     time_model: str = "hardware"  # where the per-action constants come from
 
     @property
@@ -347,7 +355,7 @@ def search(
     min_segment: int = 4096,
     dtype_bytes: int = 2,
     state_bytes_per_param: float = 16.0,
-    precision: str = "bf16",
+    trainer: Trainer = BF16,
     schedules: Iterable[str] | None = None,
     actions: ActionCosts | None = None,
     error: tuple[float, str] | None = None,
@@ -366,10 +374,9 @@ def search(
     pipeline, and only with segments of at least ``min_segment`` tokens on average: short
     segments cost real kernels more than their FLOPs (a calibrated ``actions`` prices that).
 
-    ``precision`` (:data:`PRECISIONS`) names the trainer: which settings compute in bf16
-    (``dtype_bytes`` activations) and which in fp32 (4-byte activations,
-    ``hardware.fp32_throughput``), and whether FSDP wraps at degree 1. The default prices every
-    setting in bf16; the CLI defaults to torchtitan 0.3. ``actions``: calibrated per-action
+    ``trainer`` (:class:`Trainer`): which settings compute in bf16 (``dtype_bytes``
+    activations) and which in fp32 (4-byte activations, ``hardware.fp32_throughput``), and
+    whether FSDP wraps at degree 1. ``actions``: calibrated per-action
     constants replacing the hardware figures (:mod:`seq1f1b.planning.calibration`, or a GPU
     profile's, :mod:`seq1f1b.planning.profiles`). ``error``: the time model's relative error
     and where it comes from; candidates closer than it are ranked as ties (:func:`tie_groups`).
@@ -390,7 +397,6 @@ def search(
             f"gpu memory {hardware.memory_gb} GB leaves nothing after the {hardware.reserve_gb} "
             "GB reserve: raise --gpu-memory-gb or lower --reserve-gb"
         )
-    runs_in_bf16(1, 1, 1, precision)  # an unknown name fails here, before any pricing
     allowed_pp = set(pp) if pp is not None else None
     allowed_tp = set(tp) if tp is not None else None
     allowed_cp = set(cp) if cp is not None else None
@@ -424,7 +430,7 @@ def search(
                     skipped.append(f"pp={p} tp={t} cp={c}: {problem}")
                     continue
                 m = global_batch // fsdp
-                bf16 = runs_in_bf16(p, t, fsdp * c, precision)
+                bf16 = trainer.runs_in_bf16(p, t, fsdp * c)
                 for entry, v in points:
                     chunked = entry is not None and entry.seq_chunked
                     for k in sorted({1, *chunks}):
@@ -464,7 +470,7 @@ def search(
                                     model = _SettingModel.build(
                                         setting, lengths, shape, hardware, dtype_bytes,
                                         state_bytes_per_param, global_batch * seq_len,
-                                        precision == "torchtitan-0.3", actions,
+                                        trainer.fsdp_at_every_degree, actions,
                                         blocking_p2p=blocking_p2p, cost_tables=batch.seconds,
                                     )  # fmt: skip
                                     if graph is None:
@@ -495,7 +501,7 @@ def search(
         skipped,
         error=err[0],
         error_source=err[1],
-        precision=precision,
+        trainer=trainer,
         time_model="hardware" if actions is None else actions.source,
     )
 
@@ -761,15 +767,14 @@ class _SettingModel:
             state_bytes_per_param,
             pipelined=p > 1,
             fsdp_wrapped=fsdp_at_degree_1,
-            # torchtitan 0.3's configs chunk the loss (ChunkedLossWrapper, 8 chunks a sequence),
-            # and under the Seq1F1B schedules the trainer keeps it chunked per segment; on 0.2.2
-            # the emitted [seq1f1b] loss_chunks = 8 does the same under the Seq1F1B schedules
+            # the loss in chunks: always for a trainer that wraps FSDP at every degree
+            # (Trainer.fsdp_at_every_degree), and under the Seq1F1B schedules (K > 1)
             loss_chunk_tokens=(
-                -(-sum(lengths) // TITAN_LOSS_CHUNKS) if fsdp_at_degree_1 or k > 1 else None
+                -(-sum(lengths) // LOSS_CHUNKS) if fsdp_at_degree_1 or k > 1 else None
             ),
             extra_layer_bytes=extra_layer_bytes,
             selective=setting.selective,
-            fused_qkv=fsdp_at_degree_1,  # torchtitan 0.3 (its Llama fuses wq, wk, wv)
+            fused_qkv=fsdp_at_degree_1,  # Trainer.fsdp_at_every_degree: Q, K, V fused
             latent_kv=setting.latent_kv,
         )
         table_key = (time, tuple(lengths), n, k, not blocking_p2p)
@@ -1005,8 +1010,11 @@ def format_plan(plan: Plan, top: int = 12) -> str:
     return "\n".join(lines)
 
 
-def build_parser(prog: str = "python -m seq1f1b.planning.planner") -> argparse.ArgumentParser:
-    """The planner's arguments (shared with ``python -m torchtitan_integration.planner``)."""
+def build_parser(
+    prog: str = "python -m seq1f1b.planning.planner", trainers: Sequence[Trainer] = (BF16,)
+) -> argparse.ArgumentParser:
+    """The planner's arguments (shared with ``python -m torchtitan_integration.planner``);
+    ``--precision`` names one of ``trainers``, the first by default."""
     ap = argparse.ArgumentParser(
         prog=prog,
         description="Search pipeline / tensor-parallel / FSDP degrees, seq_chunks K, "
@@ -1105,11 +1113,10 @@ def build_parser(prog: str = "python -m seq1f1b.planning.planner") -> argparse.A
     )
     ap.add_argument(
         "--precision",
-        choices=PRECISIONS,
-        default=PRECISIONS[0],
-        help="the trainer, for what runs in bf16: 'torchtitan-0.2' (bf16 only with FSDP or with "
-        "nothing parallel; PP or TP alone run in fp32), 'torchtitan-0.3' (bf16 everywhere, FSDP "
-        "wraps at every degree), 'bf16' (bf16 everywhere, FSDP only at degree > 1)",
+        choices=[t.name for t in trainers],
+        default=trainers[0].name,
+        help="the trainer, for what runs in bf16: "
+        + ", ".join(f"'{t.name}' ({t.summary})" for t in trainers),
     )
     ap.add_argument(
         "--p2p",
@@ -1196,8 +1203,11 @@ def _hardware_from_args(
     return hw, prof.action_costs(), (eff.error, eff.error_source)
 
 
-def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
-    """Run the search the arguments describe; returns (preset name or None, plan)."""
+def problem_from_args(
+    a: argparse.Namespace, trainers: Sequence[Trainer] = (BF16,)
+) -> tuple[str | None, Plan]:
+    """Run the search the arguments describe (``--precision`` one of ``trainers``); returns
+    (preset name or None, plan)."""
     widths = (a.hidden, a.heads, a.layers, a.vocab)
     if a.model:
         if any(w is not None for w in (*widths, a.kv_heads, a.ffn_hidden)):
@@ -1241,7 +1251,7 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
         recompute={"none": (False,), "full": (True,), "selective": ()}.get(a.ac, (False, True)),
         selective=a.ac in ("selective", "all"),
         min_segment=a.min_segment,
-        precision=a.precision,
+        trainer=_trainer_named(a.precision, trainers),
         error=error,
         blocking_p2p=a.p2p == "blocking",
     )
@@ -1252,12 +1262,11 @@ def problem_from_args(a: argparse.Namespace) -> tuple[str | None, Plan]:
     return a.model, plan
 
 
-_PRECISION_TEXT = {
-    "torchtitan-0.2": "torchtitan 0.2.2: bf16 where FSDP shards or nothing is parallel, fp32 "
-    "with PP or TP alone (--precision torchtitan-0.3 or bf16 for other trainers)",
-    "torchtitan-0.3": "torchtitan 0.3: bf16 everywhere, FSDP's unsharded copies at every degree",
-    "bf16": "bf16 everywhere, FSDP only at degree > 1",
-}
+def _trainer_named(name: str, trainers: Sequence[Trainer]) -> Trainer:
+    for trainer in trainers:
+        if trainer.name == name:
+            return trainer
+    raise ValueError(f"--precision {name!r}: use one of {', '.join(t.name for t in trainers)}")
 
 
 def describe(preset: str | None, plan: Plan) -> str:
@@ -1282,15 +1291,16 @@ def describe(preset: str | None, plan: Plan) -> str:
         )
         + "; memory and time formulas: "
         "seq1f1b/planning/costmodel.py\n"
-        f"precision: {_PRECISION_TEXT[plan.precision]}\n"
+        f"precision: {plan.trainer.summary}\n"
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, trainers: Sequence[Trainer] = (BF16,)) -> int:
+    """The command: the ranked table (or ``--json``) for the trainers ``--precision`` names."""
+    a = build_parser(trainers=trainers).parse_args(argv)
     try:
         with collection_paused():
-            preset, plan = problem_from_args(a)
+            preset, plan = problem_from_args(a, trainers)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -1304,10 +1314,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     print(describe(preset, plan))
     print(format_plan(plan, a.top))
-    print(
-        "\nFor a torchtitan TOML of the recommendation: scripts/plan.sh (python -m "
-        "torchtitan_integration.planner) with the same arguments."
-    )
     return 0
 
 

@@ -25,14 +25,14 @@ def warn_if_fp32(job_config: Any, parallel_dims: Any) -> None:
     a config asking for bf16 under PP or TP without FSDP silently trains in fp32. Say so."""
     from torchtitan.tools.logging import logger
 
-    from seq1f1b.planning.planner import runs_in_bf16
+    from ..planner import TORCHTITAN_022
 
     asked = job_config.training.mixed_precision_param
     if asked == "float32":
         return
     pd = parallel_dims
     fsdp = pd.dp_shard * pd.cp if (pd.dp_shard_enabled or pd.cp_enabled) else 1
-    if not runs_in_bf16(pd.pp, pd.tp, fsdp, "torchtitan-0.2"):
+    if not TORCHTITAN_022.runs_in_bf16(pd.pp, pd.tp, fsdp):
         logger.warning(
             "[training] mixed_precision_param = %r is not applied: torchtitan 0.2.2 casts "
             "parameters only through FSDP (data_parallel_shard_degree > 1 or context "
