@@ -22,7 +22,6 @@ from pathlib import Path
 
 from seq1f1b.planning.planner import (
     BF16,
-    LOSS_CHUNKS,
     Candidate,
     Plan,
     Trainer,
@@ -50,6 +49,7 @@ TORCHTITAN_03 = Trainer(
     "torchtitan-0.3",
     "torchtitan 0.3: bf16 everywhere, FSDP's unsharded copies at every degree",
     fsdp_at_every_degree=True,
+    loss_chunks=8,
 )
 #: torchtitan 0.2.2: ``maybe_enable_amp`` turns autocast off under TP or PP, and ``apply_fsdp``
 #: only runs with ``data_parallel_shard_degree > 1`` (or context parallelism): PP or TP without
@@ -59,6 +59,7 @@ TORCHTITAN_022 = Trainer(
     "torchtitan 0.2.2: bf16 where FSDP shards or nothing is parallel, fp32 with PP or TP alone "
     "(--precision torchtitan-0.3 or bf16 for other trainers)",
     fp32_without_fsdp=True,
+    loss_chunks=8,
 )
 #: the trainers ``--precision`` names, the default first
 TRAINERS = (TORCHTITAN_03, TORCHTITAN_022, BF16)
@@ -209,7 +210,8 @@ def render_toml(
             "[seq1f1b]",
             f"seq_chunks = {s.seq_chunks}",
             f'seq_split = "{s.split}"   # lengths {best.segment_lengths}',
-            f"loss_chunks = {LOSS_CHUNKS}   # head + loss in chunks (the plan prices it)",
+            f"loss_chunks = {plan.trainer.loss_chunks}   # head + loss in chunks "
+            "(the plan prices it)",
             *(['kv_cache = "latent"   # MLA: earlier segments kept as the latent'] if s.latent_kv
               else []),
         ]  # fmt: skip

@@ -75,8 +75,7 @@ __all__ = [
 
 DEFAULT_CHUNKS = (1, 2, 4, 8, 16, 32)
 Order = dict[int, list[Action | None]]
-#: the chunks of a sequence the loss runs in, as priced (under K > 1, the chunked loss of the
-#: Seq1F1B schedules; always, for a trainer that wraps FSDP at every degree)
+#: the chunks of a sequence the loss runs in by default (:attr:`Trainer.loss_chunks`)
 LOSS_CHUNKS = 8
 
 
@@ -92,14 +91,17 @@ class Trainer:
             in fp32.
         fsdp_at_every_degree: FSDP with its mixed-precision policy wraps the model at degree 1
             too (its unsharded copies, priced by :class:`~seq1f1b.planning.costmodel.MemoryModel`),
-            the loss always runs in :data:`LOSS_CHUNKS` chunks, and the attention's Q, K and V
-            projections are one fused matmul.
+            the loss always runs in chunks, and the attention's Q, K and V projections are
+            one fused matmul.
+        loss_chunks: the chunks of a sequence the loss runs in (e.g. :class:`seq1f1b.ChunkedLoss`
+            with ``num_chunks``): under K > 1, and always with ``fsdp_at_every_degree``.
     """
 
     name: str
     summary: str
     fp32_without_fsdp: bool = False
     fsdp_at_every_degree: bool = False
+    loss_chunks: int = LOSS_CHUNKS
 
     def runs_in_bf16(self, pp: int, tp: int, fsdp: int) -> bool:
         """Whether a setting of these degrees trains in bf16 (else fp32)."""
@@ -472,6 +474,7 @@ def search(
                                         state_bytes_per_param, global_batch * seq_len,
                                         trainer.fsdp_at_every_degree, actions,
                                         blocking_p2p=blocking_p2p, cost_tables=batch.seconds,
+                                        loss_chunks=trainer.loss_chunks,
                                     )  # fmt: skip
                                     if graph is None:
                                         cands.append(model.candidate(*model.simulate(order)))
@@ -738,6 +741,7 @@ class _SettingModel:
         blocking_p2p: bool = False,
         kv_prefix_copy: bool = False,
         cost_tables: dict[tuple, Callable[[Action], float]] | None = None,
+        loss_chunks: int = LOSS_CHUNKS,
     ) -> _SettingModel:
         """The models of ``setting``; ``cost_tables``: the seconds callbacks built so far, by
         what they depend on (settings of a search share them: the schedules with as many model
@@ -770,7 +774,7 @@ class _SettingModel:
             # the loss in chunks: always for a trainer that wraps FSDP at every degree
             # (Trainer.fsdp_at_every_degree), and under the Seq1F1B schedules (K > 1)
             loss_chunk_tokens=(
-                -(-sum(lengths) // LOSS_CHUNKS) if fsdp_at_degree_1 or k > 1 else None
+                -(-sum(lengths) // loss_chunks) if fsdp_at_degree_1 or k > 1 else None
             ),
             extra_layer_bytes=extra_layer_bytes,
             selective=setting.selective,
