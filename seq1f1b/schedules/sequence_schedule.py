@@ -242,7 +242,7 @@ def _log_split(before: list, inputs: StepInputs, split: SequenceSplit) -> None:
     same = all(ls == lengths[0] for ls in lengths)
     by_document = inputs.documents is not None and split.mode == "compute"
     logger.info("Seq1F1B: segment lengths%s %s (seq_split=%s%s)", "" if same else " per sample",
-                list(lengths[0]) if same else lengths, split.mode,
+                list(lengths[0]) if same else [list(ls) for ls in lengths], split.mode,
                 ", by document" if by_document else "")  # fmt: skip
 
 
