@@ -677,10 +677,11 @@ def price(
     if isinstance(order, str):
         raise ValueError(f"{setting.label()}: {order}")
     batch = global_batch if global_batch is not None else setting.microbatches * setting.fsdp
-    return _price(
-        setting, lengths, shape, hardware, order, dtype_bytes, state_bytes_per_param,
-        batch * seq_len, fsdp_wrapped, actions, extra_layer_bytes, blocking_p2p, kv_prefix_copy,
+    model = _SettingModel.build(
+        setting, lengths, shape, hardware, dtype_bytes, state_bytes_per_param, batch * seq_len,
+        fsdp_wrapped, actions, extra_layer_bytes, blocking_p2p, kv_prefix_copy,
     )  # fmt: skip
+    return model.candidate(*model.simulate(order))
 
 
 def kv_prefix_deltas(lengths: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -707,8 +708,9 @@ def kv_prefix_deltas(lengths: Sequence[int]) -> tuple[list[int], list[int]]:
 
 @dataclass(frozen=True)
 class _SettingModel:
-    """One setting's time and memory models and its per-action callbacks: what :func:`_price`
-    builds before it simulates the order, and turns the simulation into a Candidate after."""
+    """One setting's time and memory models and its per-action callbacks: what :func:`price`
+    and the search build before simulating the order; it turns the simulation into a
+    Candidate after."""
 
     setting: Setting
     lengths: list[int]
@@ -878,28 +880,6 @@ class _SettingModel:
             self.hardware.budget_bytes,
             comm_share,
         )
-
-
-def _price(
-    setting: Setting,
-    lengths: list[int],
-    shape: ModelShape,
-    hardware: Hardware,
-    order: Order | None,
-    dtype_bytes: int,
-    state_bytes_per_param: float,
-    tokens_per_step: int,
-    fsdp_at_degree_1: bool,
-    actions: ActionCosts | None = None,
-    extra_layer_bytes: float = 0.0,
-    blocking_p2p: bool = False,
-    kv_prefix_copy: bool = False,
-) -> Candidate:
-    model = _SettingModel.build(
-        setting, lengths, shape, hardware, dtype_bytes, state_bytes_per_param, tokens_per_step,
-        fsdp_at_degree_1, actions, extra_layer_bytes, blocking_p2p, kv_prefix_copy,
-    )  # fmt: skip
-    return model.candidate(*model.simulate(order))
 
 
 def _fsdp_seconds(
