@@ -536,26 +536,25 @@ class _Batch:
         self.pending: list[tuple[_SettingModel, int, int, int]] = []
 
     def order(self, setting: Setting) -> tuple[Order | str | None, OrderGraph | None]:
-        """The setting's order (None without a pipeline, or once compiled) and its graph
-        (None: price it through simulate), or why it has no order."""
+        """The setting's graph (None: price it through simulate) and, without one, its order
+        (None without a pipeline) or why it has none. Each order is compiled once, from the
+        order without split backwards where that applies (:meth:`_chunked_graph`)."""
         entry, s = setting.entry, setting
         if entry is None:
             return None, None
         key = (entry.name, s.pp, s.stages_per_rank, s.microbatches, s.seq_chunks)
-        graph = self.graphs.get(key)
-        if graph is None and self.compile and key not in self.graphs:
+        if self.compile and key not in self.graphs:
             graph = self._chunked_graph(setting)
-        if graph is not None:
+            if graph is None:
+                order = _order(setting, self.orders)
+                if isinstance(order, str):
+                    return order, None
+                graph = OrderGraph.build(order, replicas=entry.replicas, **_classes(setting))
             self.graphs[key] = graph
-            return None, graph
-        order = _order(setting, self.orders)
-        if isinstance(order, str) or not self.compile or key in self.graphs:
-            return order, None
-        graph = OrderGraph.build(order, replicas=entry.replicas, **_classes(setting))
-        self.graphs[key] = graph
-        if graph is not None:
-            del self.orders[key]
-        return order, graph
+            if graph is not None:
+                self.orders.pop(key, None)  # the graph replaces the Action lists
+        graph = self.graphs.get(key)
+        return (None, graph) if graph is not None else (_order(setting, self.orders), None)
 
     def _chunked_graph(self, setting: Setting) -> OrderGraph | None:
         """The graph of a looped sequence-chunked entry's order from the order without split
