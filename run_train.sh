@@ -53,6 +53,18 @@ fi
 # the settings are checked above, before any set-up: a wrong one fails at once, without pip
 bash "$ROOT/scripts/setup_env.sh" "$VENV"
 PY="$VENV/bin/python"
+for arg in "$@"; do                                  # --help: one process prints it, no torchrun
+  if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then
+    exec "$PY" -m "$TRAIN_FILE" "${JOB_ARGS[@]}" --help
+  fi
+done
+for arg in "$@"; do          # --seq1f1b.dry_run: one process simulates every rank, no torchrun
+  if [ "$arg" = "--seq1f1b.dry_run" ] || [[ "$arg" == --seq1f1b.dry_run=* ]]; then
+    "$PY" -m torchtitan_integration.assets >/dev/null
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+    exec "$PY" -m "$TRAIN_FILE" "${JOB_ARGS[@]}" "$@"
+  fi
+done
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   NGPU="${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}"
   export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"

@@ -84,7 +84,10 @@ def seq1f1b_attention(
     )  # fmt: skip
     if sinks is not None:
         out, lse = out
-        out = out * torch.sigmoid(lse - sinks.view(1, -1, 1).float()).unsqueeze(-1).to(out.dtype)
+        # in the LSE's dtype (fp32, fp64 in an fp64 run): a cast to fp32 would round an fp64
+        # model's sinks, and their gradients, to fp32
+        sink = sinks.view(1, -1, 1).to(lse.dtype)
+        out = out * torch.sigmoid(lse - sink).unsqueeze(-1).to(out.dtype)
     return out.transpose(1, 2).contiguous(), None  # transformers wants (batch, seq, heads, dim)
 
 

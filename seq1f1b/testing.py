@@ -86,10 +86,12 @@ class Block(nn.Module):
     def _attention(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = h.shape
         hd = self.cfg.dim // self.cfg.n_heads
-        q = self.wq(h).view(b, s, self.cfg.n_heads, hd).transpose(1, 2)
-        k = self.wk(h).view(b, s, self.cfg.n_kv_heads, hd).transpose(1, 2)
-        v = self.wv(h).view(b, s, self.cfg.n_kv_heads, hd).transpose(1, 2)
-        pos = rope_positions(x)
+        # -1 heads: this rank's under tensor parallelism (ColwiseParallel's local outputs);
+        # positions of ``h``, the whole sequence under sequence parallelism (``x``: a shard)
+        q = self.wq(h).view(b, s, -1, hd).transpose(1, 2)
+        k = self.wk(h).view(b, s, -1, hd).transpose(1, 2)
+        v = self.wv(h).view(b, s, -1, hd).transpose(1, 2)
+        pos = rope_positions(h)
         q, k = _rope(q, pos, self.cfg.rope_theta), _rope(k, pos, self.cfg.rope_theta)
         return self.wo(self.attn(q, k, v).transpose(1, 2).reshape(b, s, -1))
 

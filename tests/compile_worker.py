@@ -8,7 +8,6 @@ import functools
 import torch
 from equivalence import Case, data, documents, loss_fn, reference, rel_err
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.pipelining import PipelineStage
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -32,12 +31,11 @@ def compiled_schedule_steps(
     """Several stages on one rank, every block compiled; each step's loss and every gradient
     equal the eager reference at 1e-5, and the compilations stay bounded (per block kind:
     ``hybrid`` stacks Gated DeltaNet blocks, whose state the compiled op carries)."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
+    counters = rt.dynamo_counters()
+    torch.compiler.reset()
     counters.clear()
     # on: zero-bubble orders run compiled backwards whole, so a donated buffer is used once
-    torch._functorch.config.donated_buffer = True
+    rt.set_donated_buffers(True)
     num_stages = 2
     first = Case(2, 3, 2, seq_len=24, batch=4, checkpointing=checkpointing, docs=docs,
                  hybrid=hybrid)  # fmt: skip
@@ -46,7 +44,7 @@ def compiled_schedule_steps(
         for i, block in enumerate(mod.layers):
             if hybrid and checkpointing:  # torchtitan's order: the checkpoint inside the graph
                 mod.checkpointing = False  # (a compiled graph may reuse an op's input buffer)
-                mod.layers[i] = torch.compile(checkpoint_wrapper(block), fullgraph=True)
+                mod.layers[i] = torch.compile(rt.checkpoint_wrapper(block), fullgraph=True)
             else:
                 block.compile(fullgraph=True)
     mine = lookup(schedule).stages_of(1, 0, num_stages)
@@ -117,7 +115,7 @@ def attention_ops_in_backward(
     """Calls of the compiled attention's forward and backward ops during the backward of a
     compiled, op-level selectively checkpointed block that saves ``save`` (torchtitan's kind
     of policy), and x's gradient."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
     def policy(ctx, func, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
@@ -162,7 +160,6 @@ def fsdp_wider_grads_through_a_recompile(rank: int, world: int, result: str) -> 
     context; raises if it fails inside the context or the hidden gradients come back changed."""
     import json
 
-    from torch._dynamo.exc import Unsupported
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     del rank, world
@@ -185,7 +182,7 @@ def fsdp_wider_grads_through_a_recompile(rank: int, world: int, result: str) -> 
         return
     try:
         block(torch.randn(2, 5, 8))
-    except Unsupported as error:
+    except rt.dynamo_unsupported() as error:
         outcome["failed_without"] = "dtype mismatch between tensor and its gradient" in str(error)
     kept = {p: g.clone() for p, g in wider.items()}
     with rt.wider_grads_hidden_while_tracing([block]):

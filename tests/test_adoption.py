@@ -13,6 +13,7 @@ from dist_utils import run_ranks
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+import seq1f1b._runtime as rt
 from seq1f1b import ScheduleInterleavedSeq1F1B, ScheduleSeq1F1B, verify_model
 from seq1f1b.attention.mixing_probe import PositionMixingError
 from seq1f1b.schedules.output_check import OutputMismatchError
@@ -291,7 +292,7 @@ def _compiled_first_step(rank: int, world: int) -> None:
     checked units only, eagerly, so a correct model compiles no graph that the unchecked run
     does not (the guard's mode would make a variant of every block), and a segment-relative
     RoPE is still named."""
-    from torch._dynamo.utils import counters
+    counters = rt.dynamo_counters()
 
     def compiled(mods: list[nn.Module], **kw) -> list[nn.Module]:
         for block in mods[rank].layers:
@@ -308,17 +309,17 @@ def _compiled_first_step(rank: int, world: int) -> None:
     graphs = []
     try:
         for check in (True, False):
-            torch._dynamo.reset()
+            torch.compiler.reset()
             counters.clear()
             torch.manual_seed(0)
             steps(compiled(_two_stages(), fullgraph=True), 2, check_attention=check)
             graphs.append(counters["stats"]["unique_graphs"])
         assert graphs[0] == graphs[1] > 0, graphs
-        torch._dynamo.reset()
+        torch.compiler.reset()
         with pytest.raises(OutputMismatchError, match="stage 1's outputs differ in segment 1"):
             steps(compiled(_two_stages(SegmentRope)))
     finally:
-        torch._dynamo.reset()
+        torch.compiler.reset()
 
 
 class ColumnShard(nn.Module):

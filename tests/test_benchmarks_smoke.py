@@ -173,23 +173,32 @@ def test_meter_releases_saved_outputs_of_a_retained_graph() -> None:
     assert meter.live_total == 0 and meter.live[0] == 0
 
 
-def test_gap_measures_and_tabulates() -> None:
+def test_gap_measures_and_tabulates(monkeypatch: pytest.MonkeyPatch) -> None:
     """``benchmarks.step_time.gap`` on tiny sizes: ratios vs 1F1B for each schedule, 1F1B's own
     1.0, the simulated ratio below 1 for Seq1F1B (the FLOPs model's bubble saving), and a table
-    row per tree and schedule."""
+    row per tree and schedule. The replayed ratio is checked against an independent replay of
+    the measured actions (:mod:`replay_check`, kept by spying on the harness), the wall
+    times against the actions' own clocks."""
+
+    from replay_check import check_step, keeping_traces
+
+    import benchmarks.harness.measured as measured
     from benchmarks.step_time.gap import _table, measure_gap
 
+    kept = keeping_traces(measured, monkeypatch)
     res = measure_gap([2], steps=1, seq_len=128)
     runs = res["runs"]
     assert list(runs) == ["1F1B", "Seq1F1B K=2 compute"]
     base, seq = runs["1F1B"], runs["Seq1F1B K=2 compute"]
     assert 0 < seq["simulated_vs_1f1b"] < 1
-    # the ratios are the measured times' (wall and replayed), each measured time a real one
     for kind in ("step_time_s", "replay_step_time_s"):
         assert 0 < base[kind] < 60 and 0 < seq[kind] < 60
-    assert seq["wall_vs_1f1b"] == pytest.approx(seq["step_time_s"] / base["step_time_s"])
+    replays = {r["label"]: check_step(r) for r in kept}
     assert seq["replay_vs_1f1b"] == pytest.approx(
-        seq["replay_step_time_s"] / base["replay_step_time_s"]
+        replays["Seq1F1B K=2 compute"] / replays["1F1B"], rel=1e-9
     )
+    # wall: each schedule's step at least its ranks' actions, the ratio from those steps
+    assert [r["step_time_s"] for r in kept] == [base["step_time_s"], seq["step_time_s"]]
+    assert base["wall_vs_1f1b"] == 1.0 and seq["wall_vs_1f1b"] > 0
     table = _table({"old": [res], "new": [res, res]})
     assert table.count("| Seq1F1B K=2 compute |") == 2 and "load average" in table

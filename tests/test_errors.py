@@ -9,16 +9,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_ranks
-from equivalence import CFG, data, loss_fn
+from equivalence import CFG, data, loss_fn, rel_err
 from mockstages import MockStage, mock_stages
 from torch.distributed.pipelining import PipelineStage
 
 from seq1f1b import (
     ContextParallelConfig,
     ModelShape,
+    ScheduleBitPipe,
     ScheduleInterleavedSeq1F1B,
     ScheduleSeq1F1B,
     SequenceSplit,
+    build_bitpipe_stages,
 )
 from seq1f1b.attention.kv import StageKVState
 from seq1f1b.testing import build_stages
@@ -237,3 +239,117 @@ def test_ranks_that_built_different_schedules_fail_together_before_traffic() -> 
     naming the setting and both values, not a shape error on one rank and a closed
     connection on the others."""
     run_ranks(_disagreeing_ranks, 2)
+
+
+class _PlainSDPAStage(torch.nn.Module):
+    """A first stage that calls plain SDPA (not chunk-aware), and a head for the last."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16) if first else None
+        self.out = torch.nn.Linear(16, 16 if first else 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.emb is None:
+            return self.out(x)
+        h = self.emb(x).unsqueeze(1)
+        return self.out(F.scaled_dot_product_attention(h, h, h, is_causal=True).squeeze(1))
+
+
+def _raised(fn, *args, **kwargs) -> tuple[BaseException, str]:
+    """The error ``fn`` raises and its whole text (message, notes, chained causes)."""
+    import traceback
+
+    with pytest.raises(Exception) as info:  # each caller checks the text
+        fn(*args, **kwargs)
+    return info.value, "".join(traceback.format_exception(info.value))
+
+
+def _failures_named_on_every_rank(rank: int, world: int) -> None:
+    """Each mistake of the trial (issue 60) raises on both ranks, naming the failing rank and
+    its cause; each case runs on a fresh pipeline group (a failed step leaves it unusable)."""
+    import torch.distributed as dist
+
+    cpu = torch.device("cpu")
+    last = rank == world - 1
+    x, y = data_case()
+
+    def stage_of(mods: list, group: object) -> PipelineStage:
+        return PipelineStage(mods[rank], rank, world, cpu, group=group)
+
+    # 1. a direct F.scaled_dot_product_attention in the model: found in rank 0's forward
+    group = dist.new_group(list(range(world)))
+    stage = stage_of([_PlainSDPAStage(True), _PlainSDPAStage(False)], group)
+    sched = ScheduleSeq1F1B([stage], 2, 2, loss_fn)
+    exc, text = _raised(sched.step, *((x,) if rank == 0 else ()), target=y if last else None)
+    assert "scaled_dot_product_attention" in text and "pipeline rank 0 of 2" in text, text
+    if rank:  # the peer: the failing rank's report, not gloo's closed connection alone
+        assert isinstance(exc, RuntimeError) and "failed in ScheduleSeq1F1B.step()" in str(exc)
+        assert "scaled_dot_product_attention" in str(exc)
+
+    # 2. a loss_fn with the wrong signature: refused at construction, on every rank
+    mods = build_stages(CFG, world)
+    stage = stage_of(mods, dist.new_group(list(range(world))))
+    with pytest.raises(TypeError, match=r"cannot be called as loss_fn\(output, target\)"):
+        ScheduleSeq1F1B([stage], 2, 2, lambda logits: logits.sum())
+    # ... or, with a parameter only step(loss_kwargs=...) could give, before any traffic
+    sched = ScheduleSeq1F1B([stage], 2, 2, lambda out, tgt, *, scale: loss_fn(out, tgt) * scale)
+    exc, text = _raised(sched.step, *((x,) if rank == 0 else ()), target=y if last else None)
+    assert "pipeline rank 1" in text and "missing a required argument: 'scale'" in text, text
+
+    # 3. the targets on rank 0 instead of the last rank: before any traffic, on both ranks
+    sched = ScheduleSeq1F1B([stage], 2, 2, loss_fn)
+    exc, text = _raised(sched.step, *((x,) if rank == 0 else ()), target=y if rank == 0 else None)
+    assert "pipeline rank 1" in text and "loss_fn and target required for last stage" in text
+    assert "Pipeline rank 0 got a target= but holds no last stage" in text, text
+    # (the pre-flight's errors leave the schedule usable)
+    sched.step(*((x,) if rank == 0 else ()), target=y if last else None)
+
+    # 4. a sum loss under the default mean scaling: refused at the first step, on both ranks
+    def summed(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), tgt.flatten(), reduction="sum")
+
+    stage = stage_of(build_stages(CFG, world), dist.new_group(list(range(world))))
+    sched = ScheduleSeq1F1B([stage], 2, 2, summed)
+    exc, text = _raised(sched.step, *((x,) if rank == 0 else ()), target=y if last else None)
+    assert "pipeline rank 1" in text and "loss_fn sums over tokens" in text, text
+    assert "loss_reduction='sum'" in text, text
+    with pytest.raises(ValueError, match="loss_fn sums over tokens"):  # said, so at once
+        ScheduleSeq1F1B([stage], 2, 2, torch.nn.CrossEntropyLoss(reduction="sum"))
+
+    # 5. loss_reduction="sum": the gradients of the sum over the step's tokens, exactly
+    mods = build_stages(CFG, world)
+    stage = stage_of(mods, dist.new_group(list(range(world))))
+    sched = ScheduleSeq1F1B([stage], 2, 4, summed, seq_split=[9, 7, 5, 3], loss_reduction="sum")
+    losses: list = []
+    sched.step(*((x,) if rank == 0 else ()), target=y if last else None, losses=losses)
+    ref = build_stages(CFG, world)
+    full = x
+    for mod in ref:
+        full = mod(full)
+    ref_loss = summed(full, y)
+    ref_loss.backward()
+    for (name, p), q in zip(mods[rank].named_parameters(), ref[rank].parameters(), strict=True):
+        assert rel_err(p.grad, q.grad) <= 1e-5, name
+    if last:
+        assert abs(sum(v.item() for v in losses) - ref_loss.item()) <= 1e-5 * ref_loss.item()
+
+    # 6. BitPipe: a loss that fails on rank 0 only names rank 0 on rank 1 too
+    def fails_on_rank0(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        if rank == 0:
+            raise RuntimeError("the loss failed on purpose")
+        return loss_fn(out, tgt)
+
+    group = dist.new_group(list(range(world)))
+    stages, pair = build_bitpipe_stages(build_stages(CFG, 2 * world), cpu, group)
+    bitpipe = ScheduleBitPipe(stages, 2, fails_on_rank0, pair_group=pair)
+    exc, text = _raised(bitpipe.step, x[:2], target=y[:2])
+    assert "pipeline rank 0 of 2" in text and "the loss failed on purpose" in text, text
+    assert "ScheduleBitPipe.step()" in text, text
+
+
+def test_failures_name_the_failing_rank_on_every_rank() -> None:
+    """A direct SDPA call, a loss_fn of the wrong signature, the target on the wrong rank and a
+    sum loss under mean scaling each fail both ranks, naming the failing rank and the cause;
+    loss_reduction='sum' gives the gradients of the summed loss (issue 60)."""
+    run_ranks(_failures_named_on_every_rank, 2)

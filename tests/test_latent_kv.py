@@ -79,8 +79,9 @@ def test_latent_cache_holds_the_latent_bytes_only() -> None:
     expanded, want = _peak_and_grads(False, lengths)
     latent, got = _peak_and_grads(True, lengths)
     assert latent * W.heads * (W.nope + W.rope + W.v) == expanded * (W.rank + W.rope)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got, want, strict=True):  # the same sums, in another order (fp32): an
+        # element near zero can differ by a few ulps of the largest, so the norm is compared
+        assert float((g - w).norm() / w.norm()) <= 1e-6
 
 
 def test_latent_tensors_must_be_three_dimensional() -> None:

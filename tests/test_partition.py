@@ -6,6 +6,7 @@ import itertools
 import math
 import random
 from dataclasses import replace
+from fractions import Fraction
 
 import pytest
 
@@ -49,8 +50,42 @@ def _assert_valid(lengths: list[int], seq_len: int, k: int, m: int) -> None:
     assert all(isinstance(x, int) and x >= m and x % m == 0 for x in lengths), lengths
 
 
+#: the 7B example (H 4096, 32 heads, 32 layers, vocab 50304, FFN 4H) of the Seq1F1B paper's
+#: computation-wise split, 32k tokens in 4 segments: arXiv 2406.03488 and its public code
+#: (MayDomine/Seq1F1B), as the project's reference notes give it with the FLOPs formula
+#: (REFERENCE.md section 1, "Computation-wise split"); recomputed below from that formula
+#: alone, in exact arithmetic, so the number does not rest on the notes
+PAPER_7B_32K_K4 = [11021, 8421, 7087, 6239]
+
+
+def _formula_split(seq_len: int, k: int, shape: ModelShape) -> list[int]:
+    """The split from the reference's formula, independently of the implementation: FLOPs(s, P)
+    = 4sHV + L[(sP - s^2/2)(4d+3)h + 8sHhd + 4sHF] in exact rationals; from the end, each
+    segment is the longest integer s with FLOPs(s, P) <= total/k (the smaller root, floored,
+    found by bisection: FLOPs grows with s up to P), the first takes the rest."""
+    h_, heads, d, ffn = shape.hidden, shape.n_heads, shape.head_dim, shape.ffn_hidden
+
+    def flops(s: int, end: int) -> Fraction:
+        attention = (s * end - Fraction(s * s, 2)) * (4 * d + 3) * heads
+        return 4 * s * h_ * shape.vocab + shape.n_layers * (
+            attention + 8 * s * h_ * heads * d + 4 * s * h_ * ffn
+        )
+
+    target = flops(seq_len, seq_len) / k
+    lengths, end = [], seq_len
+    for _ in range(k - 1):
+        lo, hi = 0, end  # flops(0, end) = 0 <= target < flops(end, end), the whole rest
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if flops(mid, end) <= target else (lo, mid)
+        lengths.append(lo)
+        end -= lo
+    return [end, *lengths[::-1]]  # first segment first
+
+
 def test_published_7b_example_exact() -> None:
-    assert compute_balanced_split(32768, 4, SHAPE_7B) == [11021, 8421, 7087, 6239]
+    assert compute_balanced_split(32768, 4, SHAPE_7B) == PAPER_7B_32K_K4
+    assert _formula_split(32768, 4, SHAPE_7B) == PAPER_7B_32K_K4
 
 
 def test_model_shape_defaults_resolved() -> None:

@@ -19,9 +19,11 @@ from seq1f1b.planning.costmodel import FP32_SLOWDOWN, PRESETS, Hardware, MemoryM
 from seq1f1b.planning.planner import (
     BF16,
     Candidate,
+    Filters,
     Setting,
     Trainer,
     build_parser,
+    format_plan,
     main,
     price,
     problem_from_args,
@@ -157,6 +159,29 @@ def test_nothing_fits_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "No setting fits. The lowest is" in out
     assert search(LLAMA8B, 8192, Hardware(2, 80.0), 2).best is not None
+
+
+def test_a_comparison_the_filters_ruled_out_says_so() -> None:
+    """``--pp 2 --schedules Seq1F1B`` prices no plain 1F1B and nothing without pipelining: the
+    plan says the filters excluded them, not that none fits (both fit without the filters);
+    a comparison priced but not fitting still says "none fits", naming the filters it was
+    priced within."""
+    hw, split = Hardware(2, 80.0), {"chunks": [2, 4], "min_segment": 1024}
+    text = format_plan(search(LLAMA8B, 8192, hw, 4, pp=[2], schedules=["seq1f1b"], **split))
+    assert "the best plain 1F1B: excluded by your filters (--schedules Seq1F1B)" in text
+    assert "the best without pipelining: excluded by your filters (--pp 2)" in text
+    assert "the best without recomputation: none fits within your filters (--pp 2 " in text
+    free = search(LLAMA8B, 8192, hw, 4, **split)
+    assert free.best_where(lambda s: s.pp == 1) and free.best_where(planner._is_baseline)
+    assert "the best plain 1F1B (pp2 tp1 fsdp1 M=4 1F1B" in format_plan(free)
+    assert free.filters == Filters() and free.filters.given() == []
+    # --pp listing every divisor of the GPUs filters nothing; --ac full rules out "no AC"
+    full_ac = search(LLAMA8B, 8192, hw, 4, pp=[1, 2], recompute=(True,), **split)
+    assert full_ac.filters.given() == ["--ac full"]
+    assert "the best without recomputation: excluded by your filters (--ac full)" in (
+        format_plan(full_ac)
+    )
+    assert Filters(recompute=frozenset()).excluding("no-ac") == ["--ac selective"]
 
 
 def test_bf16_only_where_the_trainer_casts() -> None:

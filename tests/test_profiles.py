@@ -469,14 +469,11 @@ def test_megatron_items_torch_behaviour() -> None:
 
     mask = torch.native_dropout(torch.randn(4, 8), 0.0, True)[1]
     assert mask.dtype == torch.bool and mask.shape == (4, 8)
-    torch._C._debug_set_autodiff_subgraph_inlining(False)
-    try:
+    with rt.jit_autodiff_subgraphs_kept():
         fn = torch.jit.script(_scripted_bias_dropout_add)
         for _ in range(3):  # profiling runs, then the optimized graph
             fn(torch.randn(64, 32, requires_grad=True), torch.randn(64, 32), 0.0)
         graph = str(torch.jit.last_executed_optimized_graph())
-    finally:
-        torch._C._debug_set_autodiff_subgraph_inlining(True)  # torch's default
     assert "aten::native_dropout" in graph and "prim::DifferentiableGraph" in graph
 
 

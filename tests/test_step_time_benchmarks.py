@@ -60,17 +60,23 @@ def test_unit_overhead_reports_and_records(tmp_path: Path) -> None:
     assert sum(line.startswith(f"| {runs[0]['commit']} |") for line in table) == 4  # 2 x K
 
 
-def test_pp4_rows_are_ratios_of_one_run(tmp_path: Path) -> None:
-    _run("benchmarks.step_time.pp4", "--preset", "smoke", "--steps", "1", "--seq-len", "128",
-         "--out", str(tmp_path))  # fmt: skip
+def test_pp4_rows_are_ratios_of_one_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pp4's rows (run here, its ranks spawned as the command spawns them) against an
+    independent replay of the measured actions (:mod:`replay_check`; the harness is spied on
+    to keep each schedule's traces) and the actions' own clocks."""
+
+    from replay_check import check_step, keeping_traces
+
+    kept = keeping_traces(pp4, monkeypatch)
+    assert pp4.main(["--preset", "smoke", "--steps", "1", "--seq-len", "128",
+                     "--out", str(tmp_path)]) == 0  # fmt: skip
     rows = json.loads((tmp_path / "pp4.json").read_text())["rows"]
-    assert [r["label"] for r in rows] == [s.label for s in pp4.SPECS]
+    assert [r["label"] for r in rows] == [s.label for s in pp4.SPECS] == [r["label"] for r in kept]
     base = rows[0]
     assert base["replayed_vs_1f1b"] == 1.0 and base["wall_vs_1f1b"] == 1.0
-    for r in rows:
+    replays = [check_step(run) for run in kept]
+    for r, replay in zip(rows, replays, strict=True):
         # the same model, data and seed under every schedule: the same loss
         assert r["loss"] == pytest.approx(base["loss"], rel=1e-5)
-        assert r["replayed_vs_1f1b"] == pytest.approx(
-            r["replay_step_time_s"] / base["replay_step_time_s"]
-        )
+        assert r["replayed_vs_1f1b"] == pytest.approx(replay / replays[0], rel=1e-9)
         assert r["replay_step_time_s"] > 0 and r["wall_over_cpu"] > 0

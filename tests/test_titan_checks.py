@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from seq1f1b import ModelShape
 from torchtitan_integration.pipeline import check_world_size, warn_short_segments
 
 pytestmark = pytest.mark.fast  # the fast tier: the whole file runs in seconds
@@ -55,6 +56,18 @@ def test_short_segments_warn(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         warn_short_segments([128] * 4, SimpleNamespace(seq_chunks=4))
     assert not caplog.text
+    # a debug-sized model (the shipped debug configs: 58-72 tokens at hidden 256) is told at
+    # info level why its short segments are fine; a real-sized one is warned
+    debug = ModelShape(hidden=256, n_heads=16, n_layers=6, vocab=2048)
+    with caplog.at_level(logging.INFO):
+        warn_short_segments([72, 68, 58, 58], SimpleNamespace(seq_chunks=4), debug)
+    assert "fine for this debug-sized model" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    caplog.clear()
+    real = ModelShape(hidden=4096, n_heads=32, n_layers=32, vocab=128256)
+    with caplog.at_level(logging.WARNING):
+        warn_short_segments([58] * 4, SimpleNamespace(seq_chunks=4), real)
+    assert "segments as short as 58 tokens" in caplog.text
 
 
 def _init_group(tmp_path) -> None:

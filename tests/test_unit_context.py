@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from seq1f1b._runtime import AutogradContextVar
+from seq1f1b._runtime import AutogradContextVar, as_backward_worker, backward_launch_context
 from seq1f1b.attention import kv
 
 pytestmark = pytest.mark.fast
@@ -42,11 +42,8 @@ def test_a_fresh_thread_sees_nothing_and_a_backward_launchers_snapshot_is_seen()
         def as_engine_worker() -> str:
             # what the engine does on a device worker thread: the launcher's snapshot is in
             # the thread-local state torch's backward launcher stashed and the task restored
-            torch._C._stash_obj_in_tls("context", snapshot)
-            try:
+            with as_backward_worker(snapshot):
                 return var.get()
-            finally:
-                torch._C._remove_obj_from_tls("context")
 
         assert _in_thread(as_engine_worker) == "unit"
     assert var.get() == "default"
@@ -65,7 +62,8 @@ def test_torchs_backward_launcher_carries_the_callers_context() -> None:
 
         @staticmethod
         def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            launched = torch._C._get_obj_in_tls("context")
+            launched = backward_launch_context()
+            assert launched is not None  # inside a backward: the launcher's snapshot
             seen.append(launched.get(var._var, None))
             return g * 2
 

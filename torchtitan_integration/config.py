@@ -5,6 +5,10 @@ torchtitan merges this module's ``JobConfig`` into its own when a TOML sets
 missing), so ``--seq1f1b.seq_chunks 8`` works on the command line as well.
 """
 
+import ast
+import dataclasses
+import inspect
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,7 +83,57 @@ class Seq1F1B:
     """Stages per rank for InterleavedSeq1F1B (ignored when
     parallelism.pipeline_parallel_layers_per_stage is set)."""
 
+    dry_run: bool = False
+    """Train nothing: one step of each distinct pipeline rank at the configuration's real size
+    and world size, in one CPU process under fake tensors and the fake process group (NGPU
+    sets the world when the degrees leave it open); prints each rank's peak memory by kind
+    against dry_run_gpu and its estimated device time (torchtitan 0.3 and torch 2.15;
+    docs/dry_run.md)."""
+
+    dry_run_gpu: str = "h100-80gb"
+    """The GPU the dry run measures against, as the planner names them (a100-80gb,
+    h100-80gb, h200)."""
+
+    dry_run_picture: str = ""
+    """A PNG of each dry-run rank's memory along its order ('' = none)."""
+
 
 @dataclass
 class JobConfig:
     seq1f1b: Seq1F1B = field(default_factory=Seq1F1B)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's attribute docstring (the string literal under it), read from the source:
+    the text ``--help`` shows, kept in one place with the field."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in zip(body, [*body[1:], None], strict=True):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def seq1f1b_help() -> str:
+    """The ``[seq1f1b]`` keys, their defaults and what they do (``--help``, both torchtitans)."""
+    docs = field_docs(Seq1F1B)
+    lines = [
+        "[seq1f1b] keys (in the TOML's [seq1f1b] section, or --seq1f1b.<key> <value>):",
+    ]
+    for f in dataclasses.fields(Seq1F1B):
+        kind = getattr(f.type, "__name__", str(f.type))
+        lines.append(f"  --seq1f1b.{f.name} {kind} (default: {f.default!r})")
+        lines += textwrap.wrap(docs.get(f.name, ""), 92, initial_indent=" " * 6,
+                               subsequent_indent=" " * 6)  # fmt: skip
+    return "\n".join(lines)
+
+
+USAGE = """usage: python -m torchtitan_integration.train --job.config_file X.toml [--sec.key v ...]
+       CONFIG_FILE=X.toml NGPU=<processes> ./run_train.sh [--sec.key v ...]
+       (torchtitan 0.3 also: --module torchtitan_integration --config <function> [...])
+
+Trains with a Seq1F1B schedule when the TOML sets [parallelism]
+pipeline_parallel_schedule = "Seq1F1B" (or ZBSeq1F1B, ZBVSeq1F1B, InterleavedSeq1F1B), with
+its [seq1f1b] section below; every other key is torchtitan's own, listed after it."""

@@ -34,7 +34,17 @@ class Target:
 
     def get(self) -> Any:
         """The attribute's current value (imports the module)."""
-        return getattr(importlib.import_module(self.module), self.attr)
+        owner, attr = _owner(importlib.import_module(self.module), self.attr)
+        return getattr(owner, attr)
+
+
+def _owner(module: Any, attr: str) -> tuple[Any, str]:
+    """The object holding ``attr`` (``"Class.method"``: the class in ``module``) and its
+    last name."""
+    *path, last = attr.split(".")
+    for name in path:
+        module = getattr(module, name)
+    return module, last
 
 
 @dataclass(frozen=True)
@@ -88,8 +98,8 @@ def install(patches: Iterable[Patch], *args: Any) -> Installed:
             owner = sys.modules.get(name.module) if patch.optional else None
             if patch.optional and (owner is None or not hasattr(owner, name.attr)):
                 continue
-            owner = owner or importlib.import_module(name.module)
-            done.set(owner, name.attr, patch.make(getattr(owner, name.attr, None), *args))
+            owner, attr = _owner(owner or importlib.import_module(name.module), name.attr)
+            done.set(owner, attr, patch.make(getattr(owner, attr, None), *args))
     except BaseException:
         done.uninstall()
         raise

@@ -88,21 +88,39 @@ def split_style_schedule(entry: ScheduleEntry, v: int) -> str:
 
 #: below this many tokens a segment's GEMMs are too small to keep a device busy
 MIN_SEGMENT_TOKENS = 64
+#: a model narrower than this is a debug shape (the debug flavors are 256 wide): each of its
+#: GEMMs is launch-bound at any segment length, so short segments cost it nothing to fix
+DEBUG_HIDDEN = 1024
 
 
-def warn_short_segments(lengths: list[int], cfg: Any) -> None:
+def warn_short_segments(lengths: list[int], cfg: Any, shape: ModelShape | None = None) -> None:
     """Segments of a few tokens pass every check yet run many times slower (kernel launches
-    and per-unit overhead dominate): say so, as the planner's ``--min-segment`` does."""
-    if min(lengths) < MIN_SEGMENT_TOKENS:
-        logger.warning(
-            "[seq1f1b] seq_chunks = %d gives segments as short as %d tokens (%s): below %d "
-            "tokens per segment the per-segment overhead dominates and steps get much slower; "
-            "lower seq_chunks",
-            cfg.seq_chunks,
+    and per-unit overhead dominate): say so, as the planner's ``--min-segment`` does. On a
+    debug-sized model (``shape.hidden < DEBUG_HIDDEN``: the shipped debug configs) the same
+    is logged at info level, saying why: there the segments are short by design."""
+    if min(lengths) >= MIN_SEGMENT_TOKENS:
+        return
+    if shape is not None and shape.hidden < DEBUG_HIDDEN:
+        logger.info(
+            "[seq1f1b] segments as short as %d tokens (%s): fine for this debug-sized model "
+            "(hidden %d < %d, launch-bound at any length); at real sizes keep segments of %d "
+            "tokens or more",
             min(lengths),
             lengths,
+            shape.hidden,
+            DEBUG_HIDDEN,
             MIN_SEGMENT_TOKENS,
         )
+        return
+    logger.warning(
+        "[seq1f1b] seq_chunks = %d gives segments as short as %d tokens (%s): below %d "
+        "tokens per segment the per-segment overhead dominates and steps get much slower; "
+        "lower seq_chunks",
+        cfg.seq_chunks,
+        min(lengths),
+        lengths,
+        MIN_SEGMENT_TOKENS,
+    )
 
 
 def check_world_size(parallelism: Any, world_size: int) -> None:
@@ -205,7 +223,7 @@ def check_config(
             + f": {exc}"
         ) from None
     if warn:
-        warn_short_segments(lengths, cfg)
+        warn_short_segments(lengths, cfg, shape)
     return lengths
 
 

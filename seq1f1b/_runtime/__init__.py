@@ -14,7 +14,8 @@ The schedules build compute-only orders in torch's action IR and let torch's
 through this module only, so a new torch release is checked in one place. Features are
 detected (``hasattr``/signatures), never inferred from version numbers.
 
-Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
+Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted; on 2.11.0 the package
+imports, its schedules refuse: ``PIPELINING_RUNTIME``):
 
 | torch internal                                | why                                              |
 |-----------------------------------------------|--------------------------------------------------|
@@ -28,6 +29,9 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 |   schedules._TARGET_CHUNK_SPEC                |   and schedules/upstream.py, patch 6 verbatim)   |
 | utils._pytree._broadcast_to_and_flatten       | a sequence dim per input leaf (patch 6's         |
 |                                               |   ``_split_into_segments``, verbatim)            |
+| utils._pytree.tree_flatten, tree_unflatten,   | patch 6's cutting and merging of a sample's      |
+|   _prims_common.make_contiguous_strides_for   |   leaves, its contiguous receive sizes (verbatim;|
+|                                               |   schedules/upstream.py's header binds them)     |
 | reference.py: schedules._add_send_recv,       | tests/benchmarks compare with torch's passes     |
 |   _simulate_comms_compute,                    |   only through reference.py: lowering and        |
 |   _add_unshard_reshard,                       |   deadlock replay ours must equal, the FSDP pass |
@@ -57,7 +61,8 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 |                                               |   schedules/upstream.py, patch 6's code verbatim)|
 | stage._RecvInfo .buffer (2.13/2.14) or        | per-unit receive shape (segments differ in       |
 |   .tensor_meta (2.15)                         |   length)                                        |
-| torch._utils._flatten_dense_tensors           | BitPipe pair gradient buckets                    |
+| torch._utils._flatten_dense_tensors,          | BitPipe pair gradient buckets                    |
+|   _unflatten_dense_tensors                    |                                                  |
 | torch._dynamo.config.recompile_limit          | room for a compiled block's variants (a static   |
 |                                               |   first length, then dynamic lengths) per block  |
 |                                               |   structure, which share one code object         |
@@ -71,9 +76,12 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 |   ("context")                                 |   launcher stashes for its worker threads        |
 |                                               |   (AutogradContextVar: the unit context seen in  |
 |                                               |   recomputation on CUDA; pytorch#191777)         |
-| aten._scaled_dot_product_flash_attention_*    | flash kernels that return the LSE (attention.py) |
+| aten._scaled_dot_product_flash_attention*     | flash kernels that return the LSE (attention.py) |
+| ops.flash_attn._flash_attn_forward            | flash-attn's op (``flash_attn_forward_op``): on  |
+|                                               |   selective AC's save list where it is installed |
 | torch._C._ForceDispatchKeyGuard,              | autograd inside a custom op's implementation     |
-|   _dispatch_tls_local_include/exclude_set,    |   (``autograd_inside_custom_op``: the compiled   |
+|   _dispatch_tls_local_include_set,            |   (``autograd_inside_custom_op``: the compiled   |
+|   _dispatch_tls_local_exclude_set,            |                                                  |
 |   DispatchKey(Set)                            |   Gated DeltaNet's backward differentiates it)   |
 | distributed_c10d._get_default_group,          | BitPipe pair check; torchtitan on gloo (CPU)     |
 |   _set_pg_timeout                             |                                                  |
@@ -86,6 +94,17 @@ Internals used (all checked on 2.13.0, 2.14.1 and 2.15.0 unless noted):
 | FSDPModule._get_fsdp_state()                  | ChunkedLoss restores the head's gradient-sync    |
 |   ._fsdp_param_groups[].reduce_grads,         |   and reshard settings (FSDP2 has setters, no    |
 |   .reshard_after_backward                     |   getters)                                       |
+| schedules._resolve_unshard_lookahead          | 2.15's runtime options detected by it            |
+|                                               |   (``RUNTIME_OPTIONS``)                          |
+| _functorch.config.donated_buffer              | read (the chunk-aware op keys graphs by it) and, |
+|                                               |   in tests, set (``set_donated_buffers``)        |
+| tests only: torch._C._stash_obj_in_tls,       | a device worker thread's snapshot without a GPU  |
+|   _remove_obj_from_tls                        |   (``as_backward_worker``); dynamo's graph count |
+|   _dynamo.utils.counters, _dynamo.exc         |   and untraceable error (``dynamo_counters``,    |
+|   .Unsupported,                               |   ``dynamo_unsupported``); Megatron's TorchScript|
+|   _C._debug_set_autodiff_subgraph_inlining,   |   setting (``jit_autodiff_subgraphs_kept``);     |
+|   _checkpoint.checkpoint_wrapper              |   full AC as torchtitan wraps a block            |
+|   .checkpoint_wrapper                         |   (``checkpoint_wrapper``)                       |
 
 Hooks of the upstream series (``upstream/``), found by feature (``TORCH_HOOKS``); on a torch
 that has one, the workaround it retires is not used:
@@ -110,15 +129,37 @@ dict, ``loss_kwarg_mbs``, ``register_recv_meta_fn`` on its stages, ``_split_targ
 package's Seq1F1B schedules are layers over that class, so they run on the same emulation.
 
 Touch points (distinct private torch names, overridden private methods and private attributes
-reached in ir.py + unit.py, counted from their syntax trees): 46; the comparison-only passes
-are in reference.py (test-only). The per-step stage wrapping is one
+reached in ir.py + unit.py, counted from their syntax trees): 46, plus the 5 that issue 60
+moved here from the package and its tests (``_prims_common``, ``_stash_obj_in_tls``,
+``_remove_obj_from_tls``, ``_debug_set_autodiff_subgraph_inlining``, flash-attn's
+``_flash_attn_forward``): 51. ``tests/test_runtime_seam.py`` finds every private torch name
+by parsing, outside the seam (none allowed) and inside (each in this table); the
+comparison-only passes are in reference.py (test-only). The per-step stage wrapping is one
 composable per-action context (``UnitRuntime.register_action_context``; it wraps the public
 ``forward_one_chunk``/``backward_one_chunk``/``backward_weight_one_chunk``, whatever they are,
 and restores them), the shape of the hook torch would offer.
 
+The dry run's fake execution (fake tensors, the fake process group, MemTracker, a dispatch
+mode) is reached through :mod:`.fake`, whose own table lists what it uses.
+A failed step's report to every rank (the default c10d store) goes through
+:mod:`.failures`, whose own table lists what it uses.
+
 Each workaround names the upstream hook that would remove it in ``docs/upstream_hooks.md``.
 """
 
+from .failures import StepFailures
+from .fake import (
+    FakeTensorMode,
+    PipelineMemTracker,
+    TorchDispatchMode,
+    fake_world,
+    gathered_parameters,
+    is_fake,
+    is_subclass_dispatch,
+    outside_fake_mode,
+    schedule_stages,
+    set_static_metadata,
+)
 from .ir import (
     ACTION_CONTEXT_HOOK,
     BACKWARD_INPUT,
@@ -131,6 +172,7 @@ from .ir import (
     LOSSES_BY_INDEX,
     MICROBATCH_INPUTS_HOOK,
     OVERLAP_F_B,
+    PIPELINING_RUNTIME,
     RECV_B,
     RECV_BUFFER_PER_RECEIVE,
     RECV_F,
@@ -161,13 +203,19 @@ from .ir import (
     add_reduce_grad,
     add_wait_send,
     allow_compiled_variants,
+    as_backward_worker,
     autograd_inside_custom_op,
+    backward_launch_context,
     broadcast_to_and_flatten,
+    checkpoint_wrapper,
     compiled_modules,
     default_process_group,
     defer_recv_ops,
     device_type_probe,
     donated_buffers_enabled,
+    dynamo_counters,
+    dynamo_unsupported,
+    flash_attn_forward_op,
     flash_cpu_backward,
     flash_cpu_forward,
     flash_cuda_backward,
@@ -178,14 +226,19 @@ from .ir import (
     get_warmup_ops,
     has_checkpointed_module,
     has_compiled_module,
+    jit_autodiff_subgraphs_kept,
+    make_contiguous_strides_for,
     received_tensors,
     recv_infos,
     recv_shape,
     release_recv_meta_fns,
     schedule_compute_order,
+    set_donated_buffers,
     set_pg_timeout,
     split_tensor,
     stand_in_stages,
+    tree_flatten,
+    tree_unflatten,
     unflatten_dense_tensors,
     validate_schedule,
     validate_send_waits,
@@ -205,6 +258,7 @@ __all__ = [
     "LOSSES_BY_INDEX",
     "MICROBATCH_INPUTS_HOOK",
     "OVERLAP_F_B",
+    "PIPELINING_RUNTIME",
     "RECV_B",
     "RECV_BUFFER_PER_RECEIVE",
     "RECV_F",
@@ -229,22 +283,33 @@ __all__ = [
     "AutogradContextVar",
     "ComputationType",
     "DTensorMeta",
+    "FakeTensorMode",
     "PipelineContext",
+    "PipelineMemTracker",
     "PipelineStageBase",
     "StandInStage",
+    "StepFailures",
     "TensorMeta",
+    "TorchDispatchMode",
     "UnitRuntime",
     "action_contexts_installed",
     "add_reduce_grad",
     "add_wait_send",
     "allow_compiled_variants",
+    "as_backward_worker",
     "autograd_inside_custom_op",
+    "backward_launch_context",
     "broadcast_to_and_flatten",
+    "checkpoint_wrapper",
     "compiled_modules",
     "default_process_group",
     "defer_recv_ops",
     "device_type_probe",
     "donated_buffers_enabled",
+    "dynamo_counters",
+    "dynamo_unsupported",
+    "fake_world",
+    "flash_attn_forward_op",
     "flash_cpu_backward",
     "flash_cpu_forward",
     "flash_cuda_backward",
@@ -252,18 +317,29 @@ __all__ = [
     "flatten_dense_tensors",
     "fsdp_held_unsharded",
     "fsdp_replicate",
+    "gathered_parameters",
     "get_warmup_ops",
     "has_checkpointed_module",
     "has_compiled_module",
+    "is_fake",
+    "is_subclass_dispatch",
+    "jit_autodiff_subgraphs_kept",
+    "make_contiguous_strides_for",
+    "outside_fake_mode",
     "received_tensors",
     "recv_infos",
     "recv_shape",
     "release_recv_meta_fns",
     "schedule_compute_order",
+    "schedule_stages",
+    "set_donated_buffers",
     "set_pg_timeout",
+    "set_static_metadata",
     "small_buffers_kept",
     "split_tensor",
     "stand_in_stages",
+    "tree_flatten",
+    "tree_unflatten",
     "unflatten_dense_tensors",
     "validate_schedule",
     "validate_send_waits",
@@ -292,6 +368,7 @@ VOCABULARY = (
     "WAIT_REDUCE_GRAD",
     "HAS_SEND_WAITS",
     "HAS_WARMUP_P2P",
+    "PIPELINING_RUNTIME",
     "RECV_META_HOOK",
     "TORCH_HOOKS",
     "ACTION_CONTEXT_HOOK",

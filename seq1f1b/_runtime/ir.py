@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
+import torch._prims_common as _prims_common
 import torch.utils._pytree as _pytree
 from torch.distributed.pipelining import _utils as _pp_utils
 from torch.distributed.pipelining import microbatch as _microbatch
@@ -28,9 +29,10 @@ ComputationType = _schedules._ComputationType
 PipelineContext = _schedules._PipelineContext
 ScheduleRuntime = _schedules._PipelineScheduleRuntime
 PipelineStageBase = _stage._PipelineStageBase
-#: a receive's metadata (2.15 sizes receives from it; patch 5's hook rewrites it per unit)
-TensorMeta = _pp_utils.TensorMeta
-DTensorMeta = _pp_utils._DTensorMeta
+#: a receive's metadata (2.15 sizes receives from it; patch 5's hook rewrites it per unit).
+#: None on a torch older than the runtime this seam drives (see ``PIPELINING_RUNTIME``).
+TensorMeta = getattr(_pp_utils, "TensorMeta", None)
+DTensorMeta = getattr(_pp_utils, "_DTensorMeta", None)
 
 
 def tensor_meta_of(tensor: torch.Tensor) -> Any:
@@ -62,10 +64,16 @@ get_warmup_ops = _schedules._get_warmup_ops  # the interleaved warm-up the Seq1F
 add_reduce_grad = _schedules._add_reduce_grad
 #: torch's batch split of a target (``step()`` cuts the target with it along dim 0)
 split_tensor = _microbatch._split_tensor
-TARGET_CHUNK_SPEC = _schedules._TARGET_CHUNK_SPEC
+TARGET_CHUNK_SPEC = getattr(_schedules, "_TARGET_CHUNK_SPEC", None)  # None: see PIPELINING_RUNTIME
 #: a per-leaf argument broadcast over a pytree (``vmap``'s ``in_dims`` rule): patch 6 cuts each
 #: leaf at its own sequence dim
 broadcast_to_and_flatten = _pytree._broadcast_to_and_flatten
+#: torch's pytree flatten / unflatten (``torch.utils._pytree``, as torch's pipelining uses it:
+#: patch 6 cuts and merges each leaf of a sample with them)
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+#: row-major strides of a shape (``torch._prims_common``): patch 6 sizes a contiguous receive
+make_contiguous_strides_for = _prims_common.make_contiguous_strides_for
 
 flatten_dense_tensors = torch._utils._flatten_dense_tensors
 unflatten_dense_tensors = torch._utils._unflatten_dense_tensors
@@ -118,6 +126,24 @@ class AutogradContextVar(Generic[_T]):
             self._var.reset(token)
 
 
+def backward_launch_context() -> contextvars.Context | None:
+    """The snapshot :class:`AutogradContextVar` reads on a worker thread (None outside a
+    backward): tests check that torch's backward launcher still stashes it."""
+    return _backward_launch_context()
+
+
+@contextlib.contextmanager
+def as_backward_worker(snapshot: contextvars.Context) -> Iterator[None]:
+    """This thread as the autograd engine makes a device worker thread for a task: the
+    launcher's ``snapshot`` in the thread-local state (``torch._C._stash_obj_in_tls``) for the
+    block, removed after. For tests of :class:`AutogradContextVar` without a GPU."""
+    torch._C._stash_obj_in_tls("context", snapshot)
+    try:
+        yield
+    finally:
+        torch._C._remove_obj_from_tls("context")
+
+
 # ---------------------------------------------------------------------------- other internals
 def default_process_group() -> Any:
     return torch.distributed.distributed_c10d._get_default_group()
@@ -166,6 +192,64 @@ def allow_compiled_variants(compiled: int, variants: int) -> int:
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, compiled * variants)
     return config.recompile_limit
+
+
+def dynamo_counters() -> Any:
+    """dynamo's process-wide event counters (``torch._dynamo.utils.counters``; e.g.
+    ``["stats"]["unique_graphs"]``): tests bound how many graphs a compiled stage makes, which
+    no public API reports. Cleared by ``.clear()``."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def dynamo_unsupported() -> type[Exception]:
+    """The error dynamo raises for what it cannot trace (``torch._dynamo.exc.Unsupported``)."""
+    from torch._dynamo.exc import Unsupported
+
+    return Unsupported
+
+
+def set_donated_buffers(enabled: bool) -> bool:
+    """Turn AOTAutograd's donated buffers on or off (``torch._functorch.config.donated_buffer``,
+    process-wide); returns the previous setting. Zero-bubble orders run compiled backwards
+    whole, so a donated buffer is used once (tests run them with it on)."""
+    import torch._functorch.config as functorch_config
+
+    before = bool(getattr(functorch_config, "donated_buffer", False))
+    functorch_config.donated_buffer = enabled
+    return before
+
+
+@contextlib.contextmanager
+def jit_autodiff_subgraphs_kept() -> Iterator[None]:
+    """TorchScript's differentiable subgraphs kept (not inlined) inside the block, torch's
+    default after (``torch._C._debug_set_autodiff_subgraph_inlining``): as Megatron-LM's
+    ``initialize.py`` sets it, so a test sees the graph that trainer's fused kernels run."""
+    torch._C._debug_set_autodiff_subgraph_inlining(False)
+    try:
+        yield
+    finally:
+        torch._C._debug_set_autodiff_subgraph_inlining(True)
+
+
+def checkpoint_wrapper(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+    """``module`` wrapped for activation checkpointing as torchtitan's full AC wraps a block
+    (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``, ``CheckpointWrapper``)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper as wrap,
+    )
+
+    return wrap(module, **kwargs)
+
+
+def flash_attn_forward_op() -> Any | None:
+    """flash-attn's forward as the op it registers with torch
+    (``torch.ops.flash_attn._flash_attn_forward.default``), None where it registers none."""
+    try:
+        return torch.ops.flash_attn._flash_attn_forward.default
+    except (AttributeError, RuntimeError):  # not installed, or a release without the op
+        return None
 
 
 def has_checkpointed_module(module: torch.nn.Module | None) -> bool:
@@ -322,6 +406,17 @@ HAS_SEND_WAITS = hasattr(_schedules, "_add_wait_send")
 RECV_BUFFER_PER_RECEIVE = hasattr(_stage._RecvInfo, "allocate_buffer")
 #: 2.13/2.14 warm up P2P through ``_warmup_p2p`` (BitPipe runs it once per replica chain).
 HAS_WARMUP_P2P = hasattr(ScheduleRuntime, "_warmup_p2p")
+#: 2.13+: the pipelining runtime this seam drives: receive metadata (``_TensorMeta``), the
+#: target's chunk spec, loss kwargs through the runtime. torch 2.11 and 2.12 lack all three,
+#: and their runtime also differs where a one-rank step first runs (``defer_pp_recv`` unknown,
+#: a P2P warm-up sent to the rank itself, each microbatch's input strides checked against the
+#: first's): there ``import seq1f1b`` works (attention, masks, kernels, recurrent layers) and
+#: the schedules refuse to be built (``UnitRuntime``), naming the torch they need.
+PIPELINING_RUNTIME = (
+    hasattr(_pp_utils, "_TensorMeta")
+    and TARGET_CHUNK_SPEC is not None
+    and "loss_kwargs" in inspect.signature(ScheduleRuntime._step_microbatches).parameters
+)
 #: 2.14.1+: ``step(arg_mbs=, kwarg_mbs=, target_mbs=)``; 2.15: ``finalize_gradients``.
 _STEP_PARAMS = inspect.signature(_schedules.PipelineScheduleMulti.step).parameters
 STEP_TAKES_FINALIZE = "finalize_gradients" in _STEP_PARAMS

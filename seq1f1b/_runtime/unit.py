@@ -27,6 +27,7 @@ from .ir import (
     FULL_BACKWARD,
     LOSSES_BY_INDEX,
     MICROBATCH_INPUTS_HOOK,
+    PIPELINING_RUNTIME,
     RECV_BUFFER_PER_RECEIVE,
     RECV_META_HOOK,
     RUNTIME_OPTIONS,
@@ -178,6 +179,12 @@ class UnitRuntime(ScheduleRuntime):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not PIPELINING_RUNTIME:
+            raise RuntimeError(
+                f"seq1f1b's schedules need torch >= 2.13 (this is torch {torch.__version__}, "
+                "whose pipelining runtime lacks receive metadata and loss kwargs): upgrade "
+                "torch; the model side (chunk-aware attention, masks, kernels) runs on it"
+            )
         for name in [k for k in _NEWER_OPTIONS if k in kwargs and k not in RUNTIME_OPTIONS]:
             if kwargs[name] == _NEWER_DEFAULTS[name]:
                 del kwargs[name]  # torch's default: what an older torch does anyway

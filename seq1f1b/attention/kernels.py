@@ -124,7 +124,5 @@ def library_kernel_ops() -> set[Any]:
     own flash kernels are on every selective-checkpointing policy's save list already."""
     if _fa is None:
         return set()
-    try:  # pragma: no cover - flash-attn is CUDA only
-        return {torch.ops.flash_attn._flash_attn_forward.default}
-    except (AttributeError, RuntimeError):  # pragma: no cover - a release without the op
-        return set()
+    op = rt.flash_attn_forward_op()  # pragma: no cover - flash-attn is CUDA only
+    return set() if op is None else {op}  # pragma: no cover

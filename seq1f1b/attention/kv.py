@@ -24,7 +24,7 @@ import torch
 from torch.distributed import all_reduce
 from torch.distributed.tensor import DTensor
 
-from .._runtime import AutogradContextVar
+from .._runtime import AutogradContextVar, outside_fake_mode
 from .masks import MaskSpec, RowGroups, Runs, document_runs, first_seen, visible_blocks
 
 __all__ = [
@@ -500,7 +500,10 @@ def attend_cache(
             raise RuntimeError(
                 f"Seq1F1B: attention layer {layer!r} of stage {state.stage_index} has cached "
                 f"{len(entries)} segments of sample {info.microbatch} but runs segment {seg}; "
-                "each attention layer must run exactly once per unit forward"
+                "each attention layer must run exactly once per unit forward. The usual "
+                "cause: one attention module (or one layer id) shared by several layers; give "
+                "every layer its own ChunkAwareAttention instance (or its own layer id), e.g. "
+                "build it inside each block's __init__, not once outside the loop"
             )
         entries.append(cache_entry(k, v, info, groups, spec, ctx.keep_kv, skip, compiled))
     elif len(entries) <= seg:  # recomputation inside a backward (checkpointing)
@@ -627,7 +630,9 @@ def packed_documents(document_ids: torch.Tensor) -> Iterator[None]:
     activation checkpointing, keep the block around ``backward()`` too: recomputation attends
     again.
     """
-    with _DOCUMENTS.bound((*_DOCUMENTS.get(), document_runs(document_ids))):
+    with outside_fake_mode():  # host data, read as such (real ids in a dry run too)
+        runs = document_runs(document_ids)
+    with _DOCUMENTS.bound((*_DOCUMENTS.get(), runs)):
         yield
 
 

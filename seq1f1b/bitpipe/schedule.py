@@ -38,6 +38,7 @@ from .. import _runtime as rt
 from .._runtime import Action, PipelineContext, PipelineStageBase
 from .._runtime.topology import StageTopology
 from ..attention.kv import metadata_inference, packed_documents
+from ..schedules.loss_checks import LossChecks
 from .checks import (
     check_microbatches,
     check_order,
@@ -56,12 +57,27 @@ def _reduce_grad_action(action: Action, ctx: PipelineContext) -> None:
     """REDUCE_GRAD hook (a plain function: the runtime already hands us the schedule)."""
     schedule = ctx.schedule_ref
     assert isinstance(schedule, ScheduleBitPipe)
-    schedule._reduce_grad(action.stage_index)
+    _reduce_stage_grad(schedule, action.stage_index)
 
 
 def _wait_reduce_grad_action(action: Action, ctx: PipelineContext) -> None:
     """2.15's WAIT_REDUCE_GRAD: our REDUCE_GRAD already finished FSDP's reduction."""
     del action, ctx
+
+
+def _reduce_stage_grad(schedule: ScheduleBitPipe, stage_index: int) -> None:
+    """One stage's REDUCE_GRAD: FSDP's post-backward, then the pair all-reduce starts."""
+    if not schedule.has_backward:  # eval(): nothing to reduce
+        return
+    stage = next(s for s in schedule.local_stages if s.stage_index == stage_index)
+    stage.perform_reduce_grad(1)  # FSDP post-backward; scaling is ours (once per param)
+    for module in stage.submod.modules():  # (torch's RESHARD follows; reshard is idempotent)
+        if isinstance(module, FSDPModule):  # the sharded parameters hold the reduced grads
+            module.reshard()  # (an unsharded group registers its unsharded ones)
+    sync = schedule._grad_sync
+    assert sync is not None
+    sync.owned[stage_index] = owned_parameters(schedule.local_stages, sync.order)[stage_index]
+    sync.start(stage_index, schedule.n_units if schedule.scale_grads else 1)
 
 
 class ScheduleBitPipe(rt.UnitRuntime):
@@ -98,6 +114,7 @@ class ScheduleBitPipe(rt.UnitRuntime):
     ) -> None:
         stage_list, layout = check_stages(stages)
         check_microbatches(n_microbatches, layout.pp)
+        self.loss_checks = LossChecks(loss_fn, n_microbatches, "scale_grads=False", scale_grads)
         check_pair_group(pair_group, stage_list[0], layout)
         super().__init__(stages=stage_list, n_microbatches=n_microbatches, loss_fn=loss_fn,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
@@ -107,6 +124,7 @@ class ScheduleBitPipe(rt.UnitRuntime):
         self._twins_checked = False
         self._grad_sync: PairGradSync | None = None
         self._documents: list[torch.Tensor] | None = None  # this step's, per microbatch
+        self.failures = rt.StepFailures(stage_list[0].group, "ScheduleBitPipe.step()")
         self._install_order(dict(build_bitpipe_orders(layout.pp, n_microbatches)))
         self.register_action_context(self._documents_of_action)
         self.register_custom_function(rt.REDUCE_GRAD, _reduce_grad_action)
@@ -125,9 +143,20 @@ class ScheduleBitPipe(rt.UnitRuntime):
         are (with pre-split inputs, a list of M tensors); pass it on every rank."""
         self._documents = split_documents(document_ids, self.n_units, kwargs)
         try:
-            return super().step(*args, **kwargs)
+            with self.failures.scope():  # a failure on one rank raises on all, named
+                error, _ = self.loss_checks.before_step(self, kwargs.get("target"),
+                                                        kwargs.get("target_mbs"), None, False)
+                if error is not None:
+                    raise error
+                return super().step(*args, **kwargs)
         finally:
             self._documents = None
+
+    def unit_loss(self, stage, output, target, mb_index, loss_kwargs):  # type: ignore[override]
+        """torch's loss; the first step tests that a loss meant as a mean is not a sum."""
+        loss = super().unit_loss(stage, output, target, mb_index, loss_kwargs)
+        self.loss_checks.after_unit(output, target, loss, loss_kwargs, None)
+        return loss
 
     def _documents_of_action(
         self, stage: PipelineStageBase, action: Action
@@ -163,19 +192,6 @@ class ScheduleBitPipe(rt.UnitRuntime):
 
     def stage_chain(self, stage: PipelineStageBase) -> int:
         return self.layout.replica(stage.stage_index)
-
-    def _reduce_grad(self, stage_index: int) -> None:
-        if not self.has_backward:  # eval(): nothing to reduce
-            return
-        stage = next(s for s in self.local_stages if s.stage_index == stage_index)
-        stage.perform_reduce_grad(1)  # FSDP post-backward; scaling is ours (once per param)
-        for module in stage.submod.modules():  # (torch's RESHARD follows; reshard is idempotent)
-            if isinstance(module, FSDPModule):  # the sharded parameters hold the reduced grads
-                module.reshard()  # (an unsharded group registers its unsharded ones)
-        sync = self._grad_sync
-        assert sync is not None
-        sync.owned[stage_index] = owned_parameters(self.local_stages, sync.order)[stage_index]
-        sync.start(stage_index, self.n_units if self.scale_grads else 1)
 
     def unit_scope(self) -> Any:
         """Per step: re-read the parameters and check the twins once before any traffic."""

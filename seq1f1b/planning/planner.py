@@ -61,6 +61,7 @@ from .simulate import simulate, simulate_blocking
 __all__ = [
     "BF16",
     "Candidate",
+    "Filters",
     "Plan",
     "Setting",
     "Trainer",
@@ -222,6 +223,51 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Filters:
+    """What the caller restricted :func:`search` to (None: every value), kept with the plan so
+    that its comparisons tell "excluded by your filters" from "none fits": with
+    ``--pp 2 --schedules Seq1F1B`` no plain 1F1B and no setting without pipelining is priced,
+    which says nothing about whether one would fit."""
+
+    pp: frozenset[int] | None = None
+    tp: frozenset[int] | None = None
+    cp: frozenset[int] | None = frozenset({1})  # search's default: no context parallelism
+    schedules: frozenset[str] | None = None  # registry names
+    recompute: frozenset[bool] = frozenset({False, True})  # full AC off / on
+
+    def flag(self, name: str) -> str:
+        """The command-line flag and value that set filter ``name`` (search's keyword names
+        them the same, ``recompute`` as ``--ac``)."""
+        if name == "recompute":  # --ac selective prices neither off nor on (selective only)
+            ac = {frozenset({True}): "full", frozenset({False}): "none"}
+            return "--ac " + ac.get(self.recompute, "selective")
+        values = getattr(self, name)
+        return f"--{name} " + ",".join(str(v) for v in sorted(values))
+
+    def given(self) -> list[str]:
+        """The filters that narrow the search beyond its defaults, as flags."""
+        default = Filters()
+        names = ("pp", "tp", "cp", "schedules", "recompute")
+        narrowed = [n for n in names if getattr(self, n) not in (None, getattr(default, n))]
+        return [self.flag(n) for n in narrowed]
+
+    def excluding(self, kind: str) -> list[str]:
+        """The filters (as flags) that leave no setting of ``kind`` to price: "plain-pp" (plain
+        1F1B, pp > 1), "no-pp" (pp = 1) or "no-ac" (no activation checkpointing)."""
+        out = []
+        if kind == "plain-pp":
+            if self.pp is not None and all(p == 1 for p in self.pp):
+                out.append(self.flag("pp"))
+            if self.schedules is not None and not any(is_baseline(n) for n in self.schedules):
+                out.append(self.flag("schedules"))
+        elif kind == "no-pp" and self.pp is not None and 1 not in self.pp:
+            out.append(self.flag("pp"))
+        elif kind == "no-ac" and False not in self.recompute:
+            out.append(self.flag("recompute"))
+        return out
+
+
+@dataclass(frozen=True)
 class Plan:
     """Every setting searched, best first (fitting ones before the rest)."""
 
@@ -236,6 +282,7 @@ class Plan:
     error_source: str = "assumed (the --tflops constants are not checked against measurements)"
     trainer: Trainer = BF16  # the trainer the settings were priced for
     time_model: str = "hardware"  # where the per-action constants come from
+    filters: Filters = Filters()  # what the search was restricted to
 
     @property
     def groups(self) -> list[list[Candidate]]:
@@ -506,7 +553,21 @@ def search(
         error_source=err[1],
         trainer=trainer,
         time_model="hardware" if actions is None else actions.source,
+        filters=Filters(
+            _narrowing(allowed_pp, hardware.gpus),
+            _narrowing(allowed_tp, hardware.gpus),
+            _narrowing(allowed_cp, hardware.gpus),
+            None if names is None else frozenset(lookup(n).name for n in names),
+            frozenset(recompute),
+        ),
     )
+
+
+def _narrowing(allowed: set[int] | None, gpus: int) -> frozenset[int] | None:
+    """``allowed`` degrees as a filter, None where they leave out no divisor of ``gpus``."""
+    if allowed is None or set(_divisors(gpus)) <= allowed:
+        return None
+    return frozenset(allowed)
 
 
 class _Batch:
@@ -917,6 +978,19 @@ def _is_baseline(s: Setting) -> bool:
     return s.pp > 1 and is_baseline(s.schedule)
 
 
+def _none_because(plan: Plan, kind: str, pred: Callable[[Setting], bool]) -> str:
+    """Why no setting of a comparison's ``kind`` is shown: the filters left none to price
+    (which says nothing about whether one fits), none was priced for another reason (the
+    search's skipped list), or the priced ones do not fit (within the filters, if any)."""
+    excluding = plan.filters.excluding(kind)
+    if excluding:
+        return f"excluded by your filters ({' '.join(excluding)}), not priced"
+    if not any(pred(c.setting) for c in plan.candidates):
+        return "none priced (every such setting was skipped: see the plan's skipped list)"
+    given = plan.filters.given()
+    return "none fits" + (f" within your filters ({' '.join(given)})" if given else "")
+
+
 def format_plan(plan: Plan, top: int = 12) -> str:
     """Ranked table (fitting settings first), the recommendation and what it beats."""
     hw = plan.hardware
@@ -974,16 +1048,16 @@ def format_plan(plan: Plan, top: int = 12) -> str:
     if best.setting.seq_chunks > 1:
         lines.append(f"  segment lengths {best.segment_lengths}")
     b = best.setting
-    for name, pred, applies in (
-        ("the best plain 1F1B", _is_baseline, b.pp > 1 and not _is_baseline(b)),
-        ("the best without pipelining", lambda s: s.pp == 1, b.pp > 1),
-        ("the best without recomputation", lambda s: s.ac == "none", b.ac != "none"),
+    for name, kind, pred, applies in (
+        ("the best plain 1F1B", "plain-pp", _is_baseline, b.pp > 1 and not _is_baseline(b)),
+        ("the best without pipelining", "no-pp", lambda s: s.pp == 1, b.pp > 1),
+        ("the best without recomputation", "no-ac", lambda s: s.ac == "none", b.ac != "none"),
     ):
         if not applies:
             continue
         other = plan.best_where(pred)
         if other is None:
-            lines.append(f"  {name}: none fits")
+            lines.append(f"  {name}: {_none_because(plan, kind, pred)}")
         elif other is not best:
             speed = best.tokens_per_second_per_gpu / other.tokens_per_second_per_gpu
             lines.append(

@@ -17,6 +17,7 @@ from torch.distributed.pipelining.microbatch import (
     split_args_kwargs_into_chunks,
 )
 
+from .._runtime import is_fake
 from ..attention.masks import Runs
 from .upstream import _merge_segments, _split_into_segments
 
@@ -191,8 +192,9 @@ def split_target(
 
 
 def count_tokens(target: torch.Tensor, ignore_index: int | None) -> int:
-    """Tokens that count towards a mean loss: integer targets not equal to ``ignore_index``."""
-    if ignore_index is not None and not target.is_floating_point():
+    """Tokens that count towards a mean loss: integer targets not equal to ``ignore_index``
+    (every token of a dry run's fake target, which holds no values)."""
+    if ignore_index is not None and not target.is_floating_point() and not is_fake(target):
         return int((target != ignore_index).sum().item())
     return target.numel()
 

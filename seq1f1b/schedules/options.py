@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _runtime as rt
 from ..attention.context_parallel import CP_PREFIX_MODES
 from ..attention.kv import ContextParallel
 from ..orders.order import OrderSpec
@@ -126,7 +127,8 @@ class SequenceSplit:
         if documents is None:  # windows alone: one document per sample
             documents = torch.zeros(1, seq_len, dtype=torch.int64)
         multiple = segment_multiple(self.multiple_of, cp_size)
-        balanced = self._mask_cache.lengths(documents, seq_chunks, shape, multiple_of=multiple)
+        with rt.outside_fake_mode():  # host data, read as such (real ids in a dry run too)
+            balanced = self._mask_cache.lengths(documents, seq_chunks, shape, multiple_of=multiple)
         return balanced if sum(balanced) == seq_len else plain
 
     def sample_lengths(

@@ -63,6 +63,18 @@ class ScheduleSeq1F1B(SequencePipelineSchedule):
         skip_invisible: with packed documents / sliding windows, skip (query, key) blocks that
             share no visible pair and cache only what later segments see; False computes every
             block under the mask and caches every segment (the mask-alone baseline).
+        loss_reduction: "mean" (default): ``loss_fn`` averages over its tokens; each unit is
+            weighted by its token share and the gradients are those of the batch's mean.
+            "sum": ``loss_fn`` sums over its tokens; units are not weighted nor the gradients
+            scaled, so they are those of the sum over the step's tokens (not with
+            ``context_parallel``). A sum loss under "mean" (``reduction="sum"`` declared, or
+            found at the first step: its value on a unit is the sum of its halves') is refused
+            on every rank, never trained with gradients M*K times too small.
+
+    ``loss_fn`` must take ``(output, target)`` (checked at construction); the rank that holds
+    the last stage must get the target (checked before any traffic, on every rank). A failure
+    during a step raises on every rank, naming the failing rank and its error
+    (:class:`seq1f1b._runtime.StepFailures`; the pipeline group is unusable afterwards).
 
     Each step may have its own sequence length (and its own split). A tiny all-reduce per
     step (pp > 1) lets middle stages, which get no input, learn the length and makes bad

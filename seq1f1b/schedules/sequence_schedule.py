@@ -39,6 +39,7 @@ from .._runtime import Action, PipelineStageBase
 from ..attention.kv import metadata_inference
 from ..orders.order import OrderSpec
 from ..orders.order_rules import check_order_rules
+from .loss_checks import LossChecks
 from .microbatch import merge_unit_outputs
 from .options import ContextParallelConfig, SequenceSplit, check_counts
 from .preflight import agree_on_step, fingerprint
@@ -118,8 +119,12 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
         kwargs_seq_dims: Mapping[str, int | None] | None = None,
         check_attention: bool = True,
         skip_invisible: bool = True,
+        loss_reduction: Literal["mean", "sum"] = "mean",
     ) -> None:
         stage_list = _check_stages(stages, self._placement)
+        self.loss_reduction = loss_reduction  # "sum": scale_grads off, each unit's sum as is
+        self.loss_checks, scale_grads = LossChecks.of_reduction(
+            loss_fn, n_microbatches * seq_chunks, loss_reduction, scale_grads, context_parallel)
         rt.release_recv_meta_fns(stage_list)  # this schedule takes over their receive sizing
         m, k = check_counts(n_microbatches, seq_chunks, seq_dim)
         self.sequence_split = SequenceSplit.of("uniform" if seq_split is None else seq_split)
@@ -134,10 +139,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
                          max_outstanding_sends=max_outstanding_sends)  # fmt: skip
         self.cutter = UnitCutter(m, k, seq_dim, dict(kwargs_seq_dims or {}), ignore_index,
                                  scale_grads, *self.chunk_specs[:2])  # fmt: skip
-        settings = fingerprint(type(self).__name__, m, k, self.sequence_split, len(stage_list),
-                               loss_fn is not None)  # fmt: skip
-        self._agree = functools.partial(agree_on_step, stage_list[0], self.pp_group_size,
-            settings=settings, whole_backward=self._whole_backward)  # fmt: skip
+        self.failures, self._agree = _agreement(self, stage_list, loss_fn is not None)
         receives = ReceiveCheck.of(seq_dim, self._stages, self._recv_metas)
         self.unit_actions = UnitActions(stage_list, k, receives, self._cp, skip_invisible,
                                         check_attention)  # fmt: skip
@@ -151,8 +153,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
 
     @functools.cached_property
     def order_spec(self) -> OrderSpec:
-        """The order's shape, from what the base sets before it builds the order (its hooks
-        need nothing this class sets first): pp, stages per rank, M, K, split, placement."""
+        """The order's shape (pp, stages per rank, M, K, split, placement), from the base's."""
         return OrderSpec(self.pp_group_size, self.n_local_stages, self.n_samples,
                          self.seq_chunks, self._split_backward, self._placement)  # fmt: skip
 
@@ -184,23 +185,23 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
              arg_mbs: list | None = None, kwarg_mbs: list | None = None,
              target_mbs: list | None = None, finalize_gradients: bool = True,
              document_ids: DocumentIds | None = None, **kwargs: Any) -> Any:  # fmt: skip
-        """torch's step on the batch or M pre-split samples; ``document_ids`` (batch, seq_len):
-        packed documents (every rank); ``losses``: M*K unit losses (docs/direct_api.md)."""
+        """torch's step (the batch, or M pre-split samples) with packed ``document_ids``: a
+        failure on any rank raises on every rank, naming it (docs/direct_api.md)."""
+        checks = self.loss_checks.before_step(self, target, target_mbs, loss_kwargs)
         units = self._get_microbatch_inputs(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs,
-                                            document_ids)  # fmt: skip
-        self.begin_step(finalize_gradients)
-        self.run_microbatches(*units, losses, return_outputs, loss_kwargs=loss_kwargs)
-        if self._cp is not None and self.context_parallel.reduce_grads and self.has_backward:
-            self._cp.average_grads(p for s in self.local_stages for p in s.submod.parameters())
-        last = [s for s in self.local_stages if s.is_last]
-        return self._merge_outputs(last[0].output_chunks) if last and return_outputs else None
+                                            document_ids, checks=checks)  # fmt: skip
+        with self.failures.scope():
+            self.begin_step(finalize_gradients)
+            self.run_microbatches(*units, losses, return_outputs, loss_kwargs=loss_kwargs)
+            return _end_step(self, return_outputs)
 
     def _get_microbatch_inputs(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs,  # type: ignore[override]
-                               document_ids=None):  # fmt: skip
-        """The step's units, after a pre-flight that fails every rank on any rank's bad input."""
+                               document_ids=None, checks=(None, None)):  # fmt: skip
+        """The units, after a pre-flight that fails every rank on any rank's bad input."""
+        agree = functools.partial(_agree_checked, self._agree, *checks)
         inputs = prepare_step(self.cutter, (args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs),
                               document_ids, self.sequence_split.seq_len, self.sample_lengths,
-                              self._cp, self._agree)  # fmt: skip
+                              self._cp, agree)  # fmt: skip
         _log_split(self.segment_lengths, inputs, self.sequence_split)
         self._inputs, self.segment_lengths = inputs, inputs.lengths
         self.unit_actions.begin_step(inputs.lengths, inputs.documents)
@@ -220,7 +221,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
         if getattr(self.loss_fn, "takes_unit_weight", False):
             return self.loss_fn(output, target, weight=weight, **(loss_kwargs or {}))
         loss = super().unit_loss(stage, output, target, mb_index, loss_kwargs)
-        return torch.where(loss.isnan(), torch.zeros_like(loss), loss) if weight == 0.0 else loss
+        return self.loss_checks.after_unit(output, target, loss, loss_kwargs, self.seq_dim, weight)
 
     def _merge_outputs(self, output_chunks: list[Any]) -> Any:
         return merge_unit_outputs(output_chunks, self.n_samples, self.seq_dim, self.chunk_specs[2])
@@ -232,6 +233,35 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
 
     def stage_init_scope(self) -> contextlib.AbstractContextManager[None]:
         return metadata_inference()
+
+
+def _agreement(schedule: Any, stages: list, has_loss: bool) -> tuple[rt.StepFailures, Any]:
+    """A schedule's failure reports and its pre-flight agreement: every rank must have built
+    the same schedule (:func:`~.preflight.fingerprint`), and a failure names its rank."""
+    name = type(schedule).__name__
+    settings = fingerprint(name, schedule.n_samples, schedule.seq_chunks,
+                           schedule.sequence_split, len(stages), has_loss)  # fmt: skip
+    failures = rt.StepFailures(stages[0].group, f"{name}.step()")
+    agree = functools.partial(agree_on_step, stages[0], schedule.pp_group_size,
+                              settings=settings, whole_backward=schedule._whole_backward,
+                              failures=failures)  # fmt: skip
+    return failures, agree
+
+
+def _agree_checked(agree: Any, before: Exception | None, note: str | None, local: int,
+                   error: Exception | None, has_documents: bool) -> int:  # fmt: skip
+    """The pre-flight agreement with this rank's step checks (``before``) as its error."""
+    return agree(local, error or before, has_documents, note=note)
+
+
+def _end_step(schedule: Any, return_outputs: bool) -> Any:
+    """After a step's actions: gradients averaged over a context-parallel group (where the
+    schedule reduces them), and the last stage's merged outputs (or None)."""
+    cp = schedule._cp
+    if cp is not None and schedule.context_parallel.reduce_grads and schedule.has_backward:
+        cp.average_grads(p for s in schedule.local_stages for p in s.submod.parameters())
+    last = [s for s in schedule.local_stages if s.is_last]
+    return schedule._merge_outputs(last[0].output_chunks) if last and return_outputs else None
 
 
 def _log_split(before: list, inputs: StepInputs, split: SequenceSplit) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .. import _runtime as rt
 from ..attention.kv import ContextParallel
 from ..attention.masks import document_runs
 from .microbatch import (
@@ -39,7 +40,7 @@ __all__ = [
 Presplit = tuple[list, list, list | None]
 #: (this rank's sequence length or 0, its error or None, whether it has documents) -> the
 #: length every rank agrees on; raises on every rank if any rank failed
-Agree = Callable[[int, "ValueError | None", bool], int]
+Agree = Callable[[int, "Exception | None", bool], int]
 #: (sequence length, per-sample document ids or None) -> each sample's segment lengths
 LengthsOf = Callable[[int, "list[torch.Tensor] | None"], list[list[int]]]
 
@@ -230,7 +231,9 @@ class UnitCutter:
                     f"document_ids cover {ids.shape[-1]} positions but the inputs have "
                     f"seq_len={seq_len}: pass one id per token"
                 )
-        return StepDocuments(samples, [document_runs(ids) for ids in samples])
+        with rt.outside_fake_mode():  # host data, read as such (real ids in a dry run too)
+            runs = [document_runs(ids) for ids in samples]
+        return StepDocuments(samples, runs)
 
 
 def prepare_step(
@@ -269,7 +272,7 @@ def prepare_step(
         if local:
             inputs = _cut(cutter, local, (args, kwargs, target, presplit), documents,
                           lengths_of, cp)  # fmt: skip
-    except ValueError as exc:
+    except Exception as exc:  # any error of this rank's inputs fails every rank, named
         error = exc
     agreed = agree(local, error, document_ids is not None)
     if inputs is None:  # a rank without inputs learns the length from the others

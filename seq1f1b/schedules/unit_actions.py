@@ -107,6 +107,12 @@ class UnitActions:
         if self._compiled:
             rt.allow_compiled_variants(sum(counts.values()), 4)
 
+    def as_checked(self, seq_len: int) -> None:
+        """Mark the first-step checks done for ``seq_len`` tokens, as after a first step: the
+        dry run measures a steady-state step, in which they do not run."""
+        self._guard_units = self._guard_documents = False
+        self._checked_len = seq_len
+
     def begin_step(self, lengths: list[list[int]], documents: list | None) -> None:
         """A step's segment lengths (each sample's) and documents: receives sized, guards set."""
         self.receives.size_units([n for sample in lengths for n in sample])

@@ -27,18 +27,16 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.pipelining.microbatch import (
     TensorChunkSpec,
     split_args_kwargs_into_chunks,
 )
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._runtime.ir import TARGET_CHUNK_SPEC as _TARGET_CHUNK_SPEC
 from .._runtime.ir import Action as _Action
 from .._runtime.ir import DTensorMeta as _DTensorMeta
 from .._runtime.ir import PipelineStageBase as _PipelineStageBase
-from .._runtime.ir import TensorMeta
+from .._runtime.ir import TensorMeta, make_contiguous_strides_for, tree_flatten, tree_unflatten
 from .._runtime.ir import broadcast_to_and_flatten as _broadcast_to_and_flatten
 from .._runtime.ir import split_tensor as _split_tensor
 from .._runtime.unit import UnitRuntime as _PipelineScheduleRuntime

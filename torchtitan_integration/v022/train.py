@@ -36,6 +36,17 @@ def with_config_module(argv: list[str]) -> list[str]:
     return [*argv, "--job.custom_config_module", CONFIG_MODULE]
 
 
+def print_help(argv: list[str]) -> None:
+    """``--help``: usage and the [seq1f1b] keys, then torchtitan 0.2.2's own help (tyro, with
+    our config module merged, so its [seq1f1b] section is listed there too); exits."""
+    from torchtitan.config import ConfigManager
+
+    from ..config import USAGE, seq1f1b_help
+
+    print(f"{USAGE}\n\n{seq1f1b_help()}\n\ntorchtitan 0.2.2 options:", flush=True)
+    ConfigManager().parse_args(with_config_module(argv))  # tyro prints the help and exits
+
+
 def run() -> None:
     """Train with the command line's config; the only place that installs the CPU patches."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -43,6 +54,9 @@ def run() -> None:
     argv = sys.argv
     cpu = patches.install_cpu()  # before torchtitan is imported
     try:
+        if any(a in ("-h", "--help") for a in argv[1:]):
+            print_help(argv[1:])  # (torchtitan's tyro help exits)
+            return
         from torchtitan.train import main
 
         from .trainer import Seq1F1BTrainer

@@ -33,6 +33,9 @@ Names below are under ``torchtitan.`` unless they say otherwise.
 |                                    | not visible' warning    |       | rank the PP loss          |
 | hf_datasets.text_datasets.DATASETS | offline pycode datasets | 0.3.0 | a dataset registration    |
 |                                    | (entries added)         |       | function                  |
+| protocols.module.Module            | patch 8: a dry run's    | 0.3.0 | an init switch (meta-only |
+| ._init_param                       | fake weights are not    |       | or skip) in the trainer   |
+|                                    | initialised             |       |                           |
 | distributed.pipeline_parallel.     | Seq1F1B's and BitPipe's | 0.3.0 | a public stage-split API  |
 | _generate_llm_fqn_per_model_part,  | stages cut as           |       |                           |
 | _pipeline_module_split,            | torchtitan cuts         |       |                           |
@@ -74,3 +77,5 @@ FQNS_PER_PART = Target(_PIPELINE, "_generate_llm_fqn_per_model_part")
 MODULE_SPLIT = Target(_PIPELINE, "_pipeline_module_split")
 SPLIT_MODULE = Target(_PIPELINE, "_split_module")
 MESH_CALLBACK = Target(_PIPELINE, "_build_get_mesh_callback")
+#: patch 8 (the dry run): each module's parameter initialiser
+INIT_PARAM = Target("torchtitan.protocols.module", "Module._init_param")

@@ -24,7 +24,9 @@ On any device:
 6. :data:`BITPIPE_STEP`, for one BitPipe train step: ``clip_grad_norm_`` takes the norm over
    each layer chunk once, since BitPipe holds every chunk twice;
 7. :data:`TRAINER_INIT`, for the trainer's ``__init__``: one TensorBoard folder per run, and
-   no "PP loss not visible" warning (the trainer gives rank 0 the loss).
+   no "PP loss not visible" warning (the trainer gives rank 0 the loss);
+8. :data:`DRY_RUN`, for a dry run's trainer ``__init__`` (:mod:`.dry_run`): parameters are
+   not initialised (fake tensors hold no values, and the truncated normal reads them).
 
 Checked against torchtitan 0.3.0.
 """
@@ -64,6 +66,19 @@ TRAINER_INIT = (
     Patch.to(_titan.METRICS_DATETIME, RunStamp),
     Patch.to(_titan.PP_LOSS_WARNING, no_pp_loss_warning),
 )
+
+
+
+
+def _no_init(_original: object) -> object:
+    def skip(self: object, name: str, param: object) -> None:
+        """A dry run's fake weights hold no values: nothing to initialise."""
+
+    return skip
+
+
+#: patch 8, for a dry run's trainer __init__
+DRY_RUN = (Patch(_titan.INIT_PARAM, _no_init),)
 
 
 def install_cpu() -> Installed | None:

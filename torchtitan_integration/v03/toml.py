@@ -161,8 +161,8 @@ def _no_home(key: str, path: str | None = None) -> str:
     return (
         f"{where} has no equivalent in torchtitan 0.3's config"
         + (f" (no field {path})" if path and path != key else "")
-        + ": remove it, or see `python -m torchtitan.train --module torchtitan_integration "
-        "--config seq1f1b_model --help` for 0.3's fields"
+        + ": remove it, or see `python -m torchtitan_integration.train --help` for the keys "
+        "this launcher takes on 0.3"
     )
 
 
@@ -238,3 +238,40 @@ def build_config(toml_path: str | Path | None, argv: Iterable[str] = ()) -> Any:
         _set(config, MOVED.get(key, key), value, key)
     config.__post_init__()  # 0.3's own cross-field checks, as after tyro
     return config
+
+
+#: config subtrees ``--help`` leaves out: the model's internals (``[model] name`` and
+#: ``flavor`` pick them) and the [seq1f1b] section (listed on its own)
+_NOT_LISTED = {"model_spec", "seq1f1b"}
+
+
+def options_help(config: Any) -> str:
+    """Every ``--section.key`` this launcher accepts on torchtitan 0.3 (the config's fields,
+    with their defaults), and the 0.2.2 keys that moved or have no home (``--help``)."""
+    lines = ["torchtitan 0.3 options (TOML [section] key = value, or --section.key value):"]
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            if f.name.startswith("_") or f"{prefix}{f.name}" in _NOT_LISTED:
+                continue
+            value = getattr(obj, f.name)
+            if callable(value) and not dataclasses.is_dataclass(value):
+                continue  # functions and classes a config function sets, not a TOML key
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                walk(value, f"{prefix}{f.name}.")
+            else:
+                shown = repr(value)
+                shown = shown if len(shown) <= 60 else shown[:57] + "..."
+                lines.append(f"  --{prefix}{f.name} (default: {shown})")
+
+    walk(config, "")
+    lines.append("0.2.2 keys read in their 0.3 place:")
+    lines += [f"  --{old} -> --{new}" for old, new in MOVED.items()]
+    lines += [f"  --{key}: {why}" for key, why in ACCEPTED.items()]
+    lines.append("0.2.2 keys without a 0.3 equivalent (refused, naming what to use):")
+    lines += [f"  --{key}: {hint}" for key, hint in NO_HOME.items()]
+    lines.append(
+        "activation_checkpoint.mode = 'none' | 'selective' | 'full'; [optimizer] name, "
+        + ", ".join(_OPTIMIZER_KWARGS)
+    )
+    return "\n".join(lines)

@@ -48,11 +48,41 @@ def parse(argv: list[str]) -> Any:
     return build_config(path, rest)
 
 
+def print_help(argv: list[str]) -> None:
+    """``--help`` of the TOML command line: usage, the [seq1f1b] keys and every torchtitan
+    0.3 option this launcher maps (for the TOML's model, or the debug Llama3)."""
+    from ..config import USAGE, seq1f1b_help
+    from .configs import seq1f1b_model
+    from .toml import options_help
+
+    path, _ = _toml_path([a for a in argv if a not in ("-h", "--help")])
+    values: dict[str, Any] = {}
+    if path is not None and os.path.exists(path):
+        from ..config import load_toml
+
+        values = load_toml(path).get("model", {})
+    config = seq1f1b_model(
+        str(values.get("name", "llama3")), str(values.get("flavor", "debugmodel"))
+    )
+    print(f"{USAGE}\n\n{seq1f1b_help()}\n\n{options_help(config)}")
+
+
 def run(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    native = any(a == "--module" or a.startswith("--module=") for a in args)
+    if not native and any(a in ("-h", "--help") for a in args):  # tyro's help on --module
+        print_help(args)
+        return
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
-    config = parse(sys.argv[1:] if argv is None else argv)
+    config = parse(args)
+    if getattr(getattr(config, "seq1f1b", None), "dry_run", False):  # nothing trains: the
+        # fake world, one process per rank shown
+        from .dry_run import dry_run
+
+        dry_run(args)
+        return
     with process_groups_destroyed():  # also when training fails
         _train(config, logger)
 

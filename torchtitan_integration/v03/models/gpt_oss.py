@@ -6,8 +6,11 @@ it the log-sum-exp merged over every segment's keys, so the sinks apply once to 
 softmax (never per tile or per segment) and their gradient, and the LSE's, are exact. Even
 layers attend within a sliding window of 128 keys, odd ones to everything: each layer's
 chunk-aware attention gets its window from the model config, and an earlier segment's K/V is
-kept only as far as a later query still sees it, so a windowed layer caches at most the
-window whatever K. torchtitan 0.3's ``GptOssGroupedExperts`` returns its bf16 GEMM result
+kept only from the first position a later query still sees: at most its last window - 1 (127)
+positions, each held until that segment's backward, so a windowed layer caches up to
+(K - 1) x (window - 1) positions of a sample (``seq1f1b.attention.masks.first_seen``,
+``seq1f1b.attention.kv.cache_entry``; docs/masks.md), against K - 1 whole segments for a full
+layer. torchtitan 0.3's ``GptOssGroupedExperts`` returns its bf16 GEMM result
 uncast (``GroupedExperts`` casts it back with ``.type_as(x)``), which breaks the experts'
 combine in an fp32 run: a forward hook casts it back (upstream fix: the same ``type_as`` in
 ``GptOssGroupedExperts.forward``). ``debugmodel_cpu`` is Seq1F1B's own: torchtitan's

@@ -1,0 +1,166 @@
+"""Fake execution for the dry run: torch's fake tensors, fake process group and memory
+tracker, reached here only (the seam), so a torch release that moves them is checked in one
+place.
+
+| torch internal                                   | why                                        |
+|--------------------------------------------------|--------------------------------------------|
+| _subclasses.fake_tensor.FakeTensorMode           | tensors with shapes and no storage         |
+| _subclasses.fake_tensor.unset_fake_temporarily   | real tensors where set-up reads values (a  |
+|                                                  |   device mesh's rank layout)               |
+| testing._internal.distributed.fake_pg.FakeStore  | the "fake" backend: any rank of any world  |
+|                                                  |   in one process, collectives return at    |
+|                                                  |   once (importing it registers the backend)|
+| utils._python_dispatch.TorchDispatchMode         | the dry run's per-op device-time estimate  |
+| _subclasses.fake_tensor.unset_fake_temporarily   | a device mesh built inside the fake mode   |
+|                                                  |   (its rank table must hold real values)   |
+| distributed._tools.mem_tracker.MemTracker        | peak memory by kind (parameters, gradients,|
+|                                                  |   optimizer state, activations, temps)     |
+| schedules: PipelineScheduleSingle._stage,       | a schedule's stages (``schedule_stages``)  |
+|   PipelineScheduleMulti._stages                  |                                            |
+| stage._user_meta, ._mesh_cache                   | static metadata given to a built stage     |
+|                                                  |   (``set_static_metadata``; upstream: a    |
+|                                                  |   ``PipelineStage.set_metadata`` method)   |
+| FSDPModule._get_fsdp_state()._fsdp_param_groups, | FSDP2's gathered parameters, made before  |
+|   FSDPParam.all_gather_outputs, ._unsharded_param|   a step (a forward that sized a stage):   |
+|                                                  |   MemTracker follows their storage resizes |
+|                                                  |   only if it knows them (``gathered_``     |
+|                                                  |   ``parameters``)                          |
+| MemTracker._pre_fw_hook, .memory_tracking,       | a pipeline runs each stage's module once   |
+|   ._mod_tracker (ModTracker.get_known_fqn,       |   per unit: MemTracker refuses a root      |
+|   .parents, .is_bw)                              |   module's second forward (its per-module  |
+|                                                  |   stats), so that module's stats restart   |
+
+Checked on 2.13.0, 2.14.1 and 2.15.0; the dry run itself needs 2.15 (``HAS_WARMUP_P2P``
+false): 2.13/2.14's stages vote on a P2P warm-up whose result a fake tensor does not hold.
+Upstream hook that would retire this table: a public
+``torch.distributed.tools`` (MemTracker, fake process group) and a public fake-tensor mode.
+The FLOP counts come from the public :mod:`torch.utils.flop_counter`.
+
+Why not torch's ``RuntimeEstimator``: its roofline asserts ``torch.accelerator.is_available()``
+(it reads the device's peak), so it cannot run here, on a machine without a GPU; the dry run
+prices each op from its FLOPs and bytes with the planner's GPU profiles instead
+(:mod:`seq1f1b.dryrun.estimate`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "FakeTensorMode",
+    "PipelineMemTracker",
+    "TorchDispatchMode",
+    "fake_world",
+    "gathered_parameters",
+    "is_fake",
+    "is_subclass_dispatch",
+    "outside_fake_mode",
+    "schedule_stages",
+    "set_static_metadata",
+]
+
+
+_DEVICE = torch.ops.prim.device.default
+
+
+class PipelineMemTracker(MemTracker):
+    """torch's MemTracker for a pipeline step, whose stage modules run once per unit: a root
+    module's next forward restarts its per-module statistics (the memory totals, by kind, are
+    MemTracker's own and unaffected). Upstream hook that would remove this: MemTracker
+    accepting repeated root calls (it asks to call ``reset_mod_stats`` between iterations,
+    which would drop every module's stats in the middle of the step)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is _DEVICE:  # ``t.device`` under a mode: no tensor made, nothing to track
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+        tracker = self._mod_tracker
+        name = tracker.get_known_fqn(module)
+        if module in self.memory_tracking and not tracker.is_bw:
+            if set(tracker.parents) - {name} == {"Global"}:
+                del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """The default process group as rank ``rank`` of ``world_size`` on the fake backend
+    (no traffic: sends, receives and collectives return at once), destroyed on exit."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "the dry run makes its own (fake) process group, but one is initialized already: "
+            "run it in a process without torch.distributed.init_process_group"
+        )
+    # importing it registers the backend (at the first dry run, not at ``import seq1f1b``)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:
+    """Real tensors for a while inside a :class:`FakeTensorMode`: what must hold values,
+    such as ``init_device_mesh``'s rank table (a fake one cannot be read)."""
+    return unset_fake_temporarily()
+
+
+def is_fake(t: object) -> bool:
+    """Whether ``t`` is a fake tensor (or a DTensor over one)."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return isinstance(local, FakeTensor)
+
+
+def is_subclass_dispatch(types: tuple[type, ...]) -> bool:
+    """Whether a dispatch-mode call sees a DTensor: count its local ops only, as MemTracker
+    does (return NotImplemented, and the local ops come back)."""
+    return any(isinstance(t, type) and issubclass(t, DTensor) for t in types)
+
+
+def schedule_stages(schedule: Any) -> list[Any]:
+    """This rank's stages of a schedule: torch's single-stage classes hold one, the
+    multi-stage ones (ours among them) a list."""
+    stages = getattr(schedule, "_stages", None)
+    return list(stages) if stages is not None else [schedule._stage]
+
+
+def set_static_metadata(stage: Any, inputs: tuple, outputs: tuple) -> None:
+    """Give a built ``PipelineStage`` the static metadata its constructor takes as
+    ``input_args`` / ``output_args`` (a trainer builds its stages without them): a stage
+    made with them lends its own."""
+    from torch.distributed.pipelining import PipelineStage
+
+    twin = PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device,
+                         input_args=inputs, output_args=outputs, group=stage.group)  # fmt: skip
+    stage._user_meta = twin._user_meta
+    stage._mesh_cache = twin._mesh_cache
+
+
+def gathered_parameters(modules: Any) -> list[Any]:
+    """The tensors FSDP2 gathers ``modules``' parameters into (empty storage while
+    resharded), so that a tracker made after them sees each step's gather (a storage resize
+    MemTracker follows for storages it knows): on a GPU these are the unsharded weights."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: list[Any] = []
+    for root in modules:
+        for module in root.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    out += list(getattr(param, "all_gather_outputs", None) or ())
+    return out

@@ -1,0 +1,138 @@
+"""The dry run (seq1f1b.planning.dryrun) against the same step run for real.
+
+Each pipeline rank's dry-run step (fake tensors, fake process group) is compared with the
+same rank's real second step on two gloo ranks, both measured by torch's MemTracker: the peaks
+must agree within 5%, under Seq1F1B and torch's 1F1B, so the dry run sees what a real step
+holds (receive buffers, K/V cache, gradients, optimizer state), not a model of it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_ranks
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from seq1f1b import ScheduleSeq1F1B, ScheduleZBSeq1F1B
+from seq1f1b._runtime import HAS_WARMUP_P2P, PipelineMemTracker
+from seq1f1b.planning.dryrun import RankStep, dry_run_rank, static_stage
+from seq1f1b.planning.dryrun.tables import format_reports
+from seq1f1b.testing import TinyConfig, build_stages
+
+needs_215 = pytest.mark.skipif(HAS_WARMUP_P2P, reason="the dry run needs torch >= 2.15")
+CFG = TinyConfig(vocab=512, dim=128, n_heads=4, n_kv_heads=2, n_layers=4, ffn=256)
+PP, M, K, BATCH, SEQ = 2, 2, 4, 2, 512
+
+
+def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def _schedule(kind: str, stage: PipelineStage):
+    if kind == "Seq1F1B":
+        return ScheduleSeq1F1B([stage], M, K, _loss)
+    if kind == "ZBSeq1F1B":
+        return ScheduleZBSeq1F1B([stage], M, K, _loss)
+    return Schedule1F1B(stage, M, loss_fn=_loss)
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, CFG.vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def _build(kind: str):
+    """This rank's step under fake tensors: stages with static metadata (first unit's shape)."""
+
+    def build(rank: int) -> RankStep:
+        mods = build_stages(CFG, PP, seed=0)
+        unit = SEQ if kind == "1F1B" else SEQ // K  # a segment: a view of its sample
+        example = torch.zeros(BATCH // M, SEQ, dtype=torch.long)[:, :unit]
+        for s in range(rank):
+            example, _ = mods[s](example), None
+        stage, _ = static_stage(mods[rank], rank, PP, example)
+        opt = torch.optim.AdamW(mods[rank].parameters())
+        x = _batch()
+        return RankStep(_schedule(kind, stage), [stage], [mods[rank]], opt,
+                        (x,) if rank == 0 else (), x if rank == PP - 1 else None,
+                        seq_len=SEQ)  # fmt: skip
+
+    return build
+
+
+def _real(rank: int, world: int, kind: str, out: str) -> None:
+    """The real run: step 1 warms up (shapes, first-step check, optimizer state), step 2 is
+    measured with the same tracker the dry run uses."""
+    mods = build_stages(CFG, world, seed=0)
+    stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
+    opt = torch.optim.AdamW(mods[rank].parameters())
+    schedule = _schedule(kind, stage)
+    x = _batch()
+
+    def step() -> None:
+        schedule.step(*((x,) if rank == 0 else ()), target=x if rank == world - 1 else None)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    mt = PipelineMemTracker()
+    mt.track_external(mods[rank], opt)
+    with mt:
+        step()
+    peak = sum(v["Total"] for v in mt.get_tracker_snapshot("peak").values())
+    Path(out, f"{kind}-{rank}.json").write_text(json.dumps(peak))
+
+
+@needs_215
+@pytest.mark.parametrize("kind", ["Seq1F1B", "1F1B"])
+def test_dry_run_peak_matches_the_real_step(kind: str, tmp_path: Path) -> None:
+    run_ranks(_real, PP, kind, str(tmp_path))
+    reports = [dry_run_rank(_build(kind), rank, PP) for rank in range(PP)]
+    for rank, report in enumerate(reports):
+        real = json.loads((tmp_path / f"{kind}-{rank}.json").read_text())
+        assert abs(report.peak.total - real) <= 0.05 * real, (rank, report.peak, real)
+        peak = report.peak  # AdamW: two moments per parameter (and a step count per tensor)
+        assert abs(peak.optimizer - 2 * peak.parameters) < 0.01 * peak.optimizer
+        assert sum(a.label.startswith("F") for a in report.actions) == report.n_units
+        assert report.device_s > 0 and report.fits
+    text = format_reports(reports)
+    assert "rank 0" in text and "rank 1" in text and "fits h100-80gb" in text
+    if kind == "Seq1F1B":  # earlier segments' K/V is cached between a sample's units
+        assert all(r.peak.kv_cache > 0 for r in reports)
+        assert reports[0].n_units == M * K
+
+
+@needs_215
+def test_seq1f1b_holds_less_than_1f1b_on_stage_0() -> None:
+    """The method's claim, at a size the dry run makes cheap: K = 4 segments hold
+    ((p + K - 1) / K) / p = 5/8 of 1F1B's activations on stage 0 (plus the K/V cache)."""
+    seq = dry_run_rank(_build("Seq1F1B"), 0, PP)
+    one = dry_run_rank(_build("1F1B"), 0, PP)
+    assert seq.peak.activations + seq.peak.kv_cache < 0.8 * one.peak.activations
+
+
+@needs_215
+def test_split_backwards_are_refused_by_name() -> None:
+    with pytest.raises(NotImplementedError, match="under its whole-backward form"):
+        dry_run_rank(_build("ZBSeq1F1B"), 0, PP)
+
+
+@pytest.mark.skipif(not HAS_WARMUP_P2P, reason="torch 2.13/2.14 only")
+def test_dry_run_names_the_torch_it_needs() -> None:
+    with pytest.raises(RuntimeError, match=r"needs torch 2\.15 or newer"):
+        dry_run_rank(_build("1F1B"), 0, PP)
+
+
+@needs_215
+def test_dry_run_refuses_an_initialized_process_group(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/s")
+    try:
+        with pytest.raises(RuntimeError, match="one is initialized already"):
+            dry_run_rank(_build("1F1B"), 0, PP)
+    finally:
+        dist.destroy_process_group()
