@@ -119,7 +119,9 @@ class StepFailures:
             try:
                 report = store.compare_set(key, "", mine).decode()
             except (NotImplementedError, RuntimeError):  # a store without it (the dry run's
-                raise exc from None  # fake one): there are no peers to tell
+                report = None  # fake one): there are no peers to tell
+            if report is None:
+                raise exc  # as it is, its cause chain kept
         self._close()
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
         if report == mine and lost:  # nobody reported: a peer died or failed elsewhere

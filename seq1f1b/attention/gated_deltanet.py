@@ -42,6 +42,8 @@ def _state_key(layer: Hashable) -> Hashable:
 
 
 def _key_of(layer_key: torch.Tensor) -> Hashable:
+    if rt.is_fake(layer_key):  # a dry run's buffers share data pointer 0: the buffer itself
+        return ("carried", id(layer_key))
     return ("carried", layer_key.untyped_storage().data_ptr())
 
 

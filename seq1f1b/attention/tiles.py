@@ -142,6 +142,13 @@ _masked_cpu_forward = one_head_dim_forward(rt.flash_cpu_forward)
 _masked_cpu_backward = one_head_dim_backward(rt.flash_cpu_backward)
 
 
+def _host_mask(t: Any, spec: MaskSpec, device: torch.device) -> torch.Tensor:
+    """A masked tile's visibility, made from the plan (host data: a real tensor in a dry run
+    too, where the tile's emptiness is read)."""
+    with rt.outside_fake_mode():
+        return tile_mask(t, spec, device)
+
+
 def masked_forward(q, k, v, visible: torch.Tensor, scale: float):
     """One masked tile: (out, lse) with out 0 and lse -inf on rows that see no key."""
     if _cpu_flash(q):
@@ -149,8 +156,10 @@ def masked_forward(q, k, v, visible: torch.Tensor, scale: float):
         out, lse = _masked_cpu_forward(q, k, v, False, scale, bias)
     else:  # GPU masked tiles: plain torch (the fast GPU paths are whole-tile kernels)
         out, lse = math_forward(q, k, v, False, scale, visible)
-    empty = ~visible.any(-1)
-    if bool(empty.any()):
+    with rt.outside_fake_mode():  # the mask is planned on the host: real in a dry run too
+        empty = ~visible.any(-1)
+        any_empty = bool(empty.any())
+    if any_empty:
         lse = lse.masked_fill(empty, float("-inf"))
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
     return out, lse
@@ -225,7 +234,7 @@ def run_tiles_forward(
         qt = q[rows, :, qs]
         kt, vt = expand_kv(kb[rows, :, ks], n_rep), expand_kv(vb[rows, :, ks], n_rep)
         if t.kind == "masked":
-            o, lse = masked_forward(qt, kt, vt, tile_mask(t, spec, q.device), scale)
+            o, lse = masked_forward(qt, kt, vt, _host_mask(t, spec, q.device), scale)
         else:
             o, lse = fwd(qt, kt, vt, t.kind == "causal", scale)
         if out_acc is None and covers_queries(entry, q):
@@ -286,7 +295,7 @@ def run_tiles_backward(
         kt, vt = expand_kv(kb[rows, :, ks], n_rep), expand_kv(vb[rows, :, ks], n_rep)
         args = (grad_out[rows, :, qs], q[rows, :, qs], kt, vt, out[rows, :, qs])
         if t.kind == "masked":
-            visible = tile_mask(t, spec, q.device)
+            visible = _host_mask(t, spec, q.device)
             dqt, dkt, dvt = masked_backward(*args, lse[rows, :, qs], visible, scale)
         else:
             dqt, dkt, dvt = bwd(*args, lse[rows, :, qs], t.kind == "causal", scale)

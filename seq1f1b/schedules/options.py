@@ -124,10 +124,10 @@ class SequenceSplit:
         if not (masked and self.mode == "compute" and seq_chunks > 1):
             return plain
         assert shape is not None  # check() ran at construction
-        if documents is None:  # windows alone: one document per sample
-            documents = torch.zeros(1, seq_len, dtype=torch.int64)
         multiple = segment_multiple(self.multiple_of, cp_size)
         with rt.outside_fake_mode():  # host data, read as such (real ids in a dry run too)
+            if documents is None:  # windows alone: one document per sample
+                documents = torch.zeros(1, seq_len, dtype=torch.int64)
             balanced = self._mask_cache.lengths(documents, seq_chunks, shape, multiple_of=multiple)
         return balanced if sum(balanced) == seq_len else plain
 

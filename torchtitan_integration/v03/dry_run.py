@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import traceback
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -183,6 +184,14 @@ def rank_report(argv: Sequence[str], rank: int) -> RankReport:
     return dry_run_rank(_build(config), rank, world, gpu_spec(config.seq1f1b.dry_run_gpu))
 
 
+def _rank_report_or_trace(argv: Sequence[str], rank: int) -> RankReport | str:
+    """:func:`rank_report`, or its traceback as text (what a process pool can send back)."""
+    try:
+        return rank_report(argv, rank)
+    except Exception:
+        return traceback.format_exc()
+
+
 def dry_run(argv: Sequence[str], ranks: Sequence[int] | None = None) -> list[RankReport]:
     """Dry-run the configuration ``argv`` names (the train entry's command line) on each of
     ``ranks`` (default: one per pipeline coordinate), each in a fresh process, and print the
@@ -198,7 +207,10 @@ def dry_run(argv: Sequence[str], ranks: Sequence[int] | None = None) -> list[Ran
     reports = []
     for rank in chosen:
         with ProcessPoolExecutor(1, mp_context=context) as pool:
-            reports.append(pool.submit(rank_report, list(argv), rank).result())
+            report = pool.submit(_rank_report_or_trace, list(argv), rank).result()
+        if isinstance(report, str):  # the rank's traceback (its exception may not pickle)
+            raise RuntimeError(f"the dry run of rank {rank} failed:\n{report}")
+        reports.append(report)
     entry = lookup(par.pipeline_parallel_schedule)
     k = config.seq1f1b.seq_chunks if entry.seq_chunked else 1
     print(format_reports(reports, f"dry run: {config.model_spec.name} "
