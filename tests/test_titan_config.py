@@ -227,3 +227,20 @@ def test_selective_ac_save_list_gains_the_chunk_aware_attention() -> None:
     with applied(patches.SAC_SAVES_ATTENTION):
         assert _titan.SAC_SAVE_LIST.get() == before | seq1f1b.checkpoint_save_ops()
     assert _titan.SAC_SAVE_LIST.get() == before
+
+
+def test_help_lists_the_seq1f1b_keys_and_torchtitans_options() -> None:
+    """``--help`` on 0.2.2's TOML entry: the [seq1f1b] keys, then torchtitan's own options
+    (its tyro help), rc 0, in one process (no torchrun)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "torchtitan_integration.train", "--job.config_file",
+           str(root / "train_configs" / "llama3_debug_seq1f1b.toml"), "--help"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--seq1f1b.seq_chunks" in out.stdout and "--seq1f1b.dry_run" in out.stdout
+    assert "--checkpoint.enable" in out.stdout and "--training.seq-len" in out.stdout.replace(
+        "_", "-"
+    )
