@@ -147,7 +147,7 @@ A failed step's report to every rank (the default c10d store) goes through
 Each workaround names the upstream hook that would remove it in ``docs/upstream_hooks.md``.
 """
 
-from .failures import StepFailures
+from .failures import StepFailures, raised_on_every_rank
 from .fake import (
     FakeTensorMode,
     PipelineMemTracker,
@@ -326,6 +326,7 @@ __all__ = [
     "jit_autodiff_subgraphs_kept",
     "make_contiguous_strides_for",
     "outside_fake_mode",
+    "raised_on_every_rank",
     "received_tensors",
     "recv_infos",
     "recv_shape",

@@ -40,7 +40,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-__all__ = ["StepFailures"]
+__all__ = ["StepFailures", "raised_on_every_rank"]
 
 #: the store key prefix of a pipeline group's failure report (one per group: a failed step
 #: leaves the group unusable, so a report is never stale)
@@ -49,6 +49,13 @@ REPORT_KEY = "seq1f1b/step_failure/"
 REPORT_WAIT_S = 5.0
 #: a tag no pipeline message uses: the receive that closes a gloo group's connections
 _CLOSING_TAG = 0x5EF1F1B
+
+
+def raised_on_every_rank(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as one every rank raises the same (agreed on, e.g. the first-step check's
+    collective verdict): a failure scope lets it through as it is, with no report to send."""
+    exc.__dict__["seq1f1b_on_every_rank"] = True
+    return exc
 
 
 def _is_communication_error(exc: BaseException) -> bool:
@@ -103,6 +110,8 @@ class StepFailures:
         try:
             yield
         except Exception as exc:
+            if exc.__dict__.get("seq1f1b_on_every_rank"):  # already raised on every rank
+                raise
             self.fail(exc)
 
     def fail(self, exc: Exception) -> NoReturn:

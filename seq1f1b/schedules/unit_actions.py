@@ -215,11 +215,11 @@ class UnitActions:
             found = found.cpu()
         for index, row in enumerate(found.tolist()):
             if row[0] >= 0:
-                raise mixing_error(index, int(row[0]))
+                raise rt.raised_on_every_rank(mixing_error(index, int(row[0])))
         for index, row in enumerate(found.tolist()):
             if row[1] >= 0:
-                raise output_mismatch_error(index, int(row[1]), row[2],
-                                            OUTPUT_DTYPES[int(row[3])])  # fmt: skip
+                raise rt.raised_on_every_rank(output_mismatch_error(
+                    index, int(row[1]), row[2], OUTPUT_DTYPES[int(row[3])]))  # fmt: skip
 
     def segment_info(self, unit: int) -> SegmentInfo:
         """The unit's place in its sample; built once per step (lengths and bounds are the
