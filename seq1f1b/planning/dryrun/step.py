@@ -156,8 +156,13 @@ def _held(snapshot: dict) -> int:
     return sum(v.get("Total", 0) for v in snapshot.values())
 
 
+#: an action's kind as the samples print it (a split backward's input half prints as B)
+_KIND = {rt.FORWARD: "F", rt.FULL_BACKWARD: "B", rt.BACKWARD_INPUT: "B", rt.BACKWARD_WEIGHT: "W"}
+
+
 class _Sampler:
-    """Wraps each stage's public forward/backward methods to sample every action."""
+    """An action context (the seam's ``action_contexts_installed`` runs every F / B / W in
+    it) that samples each action: memory held, peak, K/V, device and host time."""
 
     def __init__(
         self, schedule: Any, stages: Sequence[Any], mt: rt.PipelineMemTracker, clock: DeviceTime
@@ -167,43 +172,21 @@ class _Sampler:
         self.kv_at_peak, self.recv_at_peak, self._peak = 0, 0, 0
         self.several = len(stages) > 1
 
-    def _around(self, kind: str, stage: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def run(chunk: int, *args: Any, **kwargs: Any) -> Any:
-            kv0, recv0, dev0, t0 = _kv_bytes(self.schedule), _recv_bytes(self.stages), \
-                self.clock.seconds, time.perf_counter()  # fmt: skip
-            out = fn(chunk, *args, **kwargs)
-            host = time.perf_counter() - t0
-            now, peak = _held(self.mt.get_tracker_snapshot()), _held(
-                self.mt.get_tracker_snapshot("peak"))  # fmt: skip
-            kv = _kv_bytes(self.schedule)
-            if peak > self._peak:  # the peak fell in this action: its K/V and receives
-                self._peak = peak
-                self.kv_at_peak, self.recv_at_peak = max(kv0, kv), recv0
-            label = f"s{stage.stage_index} {kind}{chunk}" if self.several else f"{kind}{chunk}"
-            self.samples.append(ActionSample(label, now, peak, kv, self.clock.seconds - dev0,
-                                             host))  # fmt: skip
-            return out
-
-        return run
-
     @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        saved = []
-        for stage in self.stages:
-            for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
-                               ("backward_weight_one_chunk", "W")):  # fmt: skip
-                fn = getattr(stage, name, None)
-                if fn is not None:
-                    saved.append((stage, name, stage.__dict__.get(name)))
-                    setattr(stage, name, self._around(kind, stage, fn))
-        try:
-            yield
-        finally:
-            for stage, name, before in reversed(saved):
-                if before is None:
-                    delattr(stage, name)
-                else:
-                    setattr(stage, name, before)
+    def __call__(self, stage: Any, action: Any) -> Iterator[None]:
+        kv0, recv0, dev0, t0 = _kv_bytes(self.schedule), _recv_bytes(self.stages), \
+            self.clock.seconds, time.perf_counter()  # fmt: skip
+        yield
+        host = time.perf_counter() - t0
+        now, peak = _held(self.mt.get_tracker_snapshot()), _held(
+            self.mt.get_tracker_snapshot("peak"))  # fmt: skip
+        kv = _kv_bytes(self.schedule)
+        if peak > self._peak:  # the peak fell in this action: its K/V and receives
+            self._peak = peak
+            self.kv_at_peak, self.recv_at_peak = max(kv0, kv), recv0
+        kind, chunk = _KIND[action.computation_type], action.microbatch_index
+        label = f"s{stage.stage_index} {kind}{chunk}" if self.several else f"{kind}{chunk}"
+        self.samples.append(ActionSample(label, now, peak, kv, self.clock.seconds - dev0, host))
 
 
 def _known_length(seq_len: int | None) -> Callable[..., int]:
@@ -269,7 +252,7 @@ def dry_run_rank(
         clock = DeviceTime(spec)
         sampler = _Sampler(schedule, stages, mt, clock)
         t0 = time.perf_counter()
-        with mt, clock, sampler.installed():
+        with mt, clock, rt.action_contexts_installed(stages, [sampler]):
             schedule.step(*step.args, target=step.target, **step.kwargs)
             if step.optimizer is not None:
                 step.optimizer.step()
