@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The combination grid's long part (tests/combination_grid.py): its 25 rows, each a torchtitan
+# The combination grid's long part (tests/combination_grid.py): its 26 rows, each a torchtitan
 # 0.3 PP=2 run against PP=1 in the same configuration (about an hour on 2 cores; CI runs the
 # grid's covering and start-up checks, and the hand-written runs of tests/test_titan*.py).
 # Extra arguments go to pytest (e.g. -k qwen3_moe).

@@ -402,6 +402,63 @@ def test_lse_outside_a_step_is_the_full_softmax_normaliser() -> None:
                                                                    enable_gqa=True))  # fmt: skip
 
 
+#: (dtype, how cached segments are reached, window) of the ring's sink cases ("auto" picks
+#: pass-Q for the second segment and pass-KV for the third: 4 query heads, 2 K/V heads)
+_RING_SINK_CASES = [(torch.float64, "pass_q", 7), (torch.float64, "pass_kv", 7),
+                    (torch.float64, "pass_q", None), (torch.float32, "auto", 7)]  # fmt: skip
+
+
+def _sinks_on_the_ring(rank: int, world: int) -> None:
+    """Each case: a sample in uneven segments of 4, 2 and 6 times 2 * cp tokens, GQA, learned
+    sinks on the LSE of this rank's shard, against the dense reference."""
+    lengths = [4 * world, 2 * world, 6 * world]
+    starts, total = segment_offsets(lengths), sum(lengths)
+    for dtype, mode, window in _RING_SINK_CASES:
+        q, k, v = _qkv(dtype, s=total, dv=6)
+        sink = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(1),
+                           dtype=dtype).requires_grad_()  # fmt: skip
+        ref = _sink_reference(q, k, v, sink, window)
+        go = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2), dtype=dtype)
+        ref_grads = torch.autograd.grad(ref, (q, k, v, sink), go)
+        cp = ContextParallel(dist.group.WORLD, rank, world, mode)
+        infos = [SegmentInfo(0, j, 3, a, n, total, (*starts, total), None, cp)
+                 for j, (a, n) in enumerate(zip(starts, lengths, strict=True))]  # fmt: skip
+        state, outs = StageKVState(0, 3), []
+        for info in infos:
+            state.begin_forward(0, info.segment)
+            with activate(UnitContext(state, info, "forward", True)):
+                shard = [torch.cat([t[:, :, a:b] for a, b in info.local_runs], 2)
+                         for t in (q, k, v)]  # fmt: skip
+                out, lse = chunk_aware_attention(*shard, layer="attn", window=window,
+                                                 return_lse=True)  # fmt: skip
+            assert lse.shape == out.shape[:-1]
+            outs.append(out * torch.sigmoid(lse - sink.view(1, -1, 1)).unsqueeze(-1))
+            want = torch.cat([ref[:, :, a:b] for a, b in info.local_runs], 2)
+            torch.testing.assert_close(outs[-1], want.detach(), msg=f"{mode} {window} {dtype}")
+            state.end_forward(0, info.segment, keep=True)
+        for info in reversed(infos):
+            state.begin_backward(0, info.segment)
+            with activate(UnitContext(state, info, "backward", True)):
+                g = torch.cat([go[:, :, a:b] for a, b in info.local_runs], 2)
+                torch.autograd.backward(outs[info.segment], g)
+            state.end_backward(0, info.segment)
+        assert state.is_empty()
+        for name, t, r in zip("qkvs", (q, k, v, sink), ref_grads, strict=True):
+            grad = t.grad.clone()  # this rank's queries' part: summed over the ring
+            dist.all_reduce(grad)
+            torch.testing.assert_close(grad, r, msg=f"d{name}: {mode} {window} {dtype}")
+
+
+def test_learned_sinks_on_the_ring_equal_full_attention() -> None:
+    """Context parallelism (cp = 2) with ``return_lse=True``: each rank's LSE is merged over
+    the ring and every cached segment, so GPT-OSS's sink rescale on it equals dense attention
+    with the sink logit as an extra key over the whole sequence: outputs, and the gradients of
+    q, k, v and the sinks summed over the CP ranks, pass-Q (the queries' ``grad_lse`` travels
+    with their ``dO``) and pass-KV for the cached segments, with a sliding window of 7 (it
+    cuts the segment boundaries) and without, fp64 and fp32."""
+    run_ranks(_sinks_on_the_ring, 2)
+
+
 def _window_cache_peak(seq_len: int, k: int, window: int | None) -> int:
     """Peak K/V cache bytes of one attention layer over a sample cut into ``k`` equal
     segments (forwards 0..K-1 then backwards, as the schedule runs them)."""

@@ -1,7 +1,7 @@
 """The combination grid (tests/combination_grid.py): the generated rows cover every pair of
 settings; every row is a configuration the start-up check accepts and every refused pair one
 it refuses, naming why (CI, torchtitan 0.3); and each row, run end to end, equals PP=1 in
-its configuration (``bash scripts/test_grid.sh``: 25 torchtitan runs and their references,
+its configuration (``bash scripts/test_grid.sh``: 26 torchtitan runs and their references,
 about an hour on 2 cores, so not in CI; docs/tests.md says which rows CI's hand-written runs
 already hold).
 

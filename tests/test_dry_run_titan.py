@@ -68,6 +68,18 @@ def test_dry_run_matches_the_real_step_and_prints_its_table(tmp_path: Path) -> N
         assert abs(report.peak.total - real) <= 0.05 * real, (rank, report.peak, real)
         assert report.peak.kv_cache > 0 and report.n_units == 8  # M = 2 samples x K = 4
     cmd = [sys.executable, "-m", "torchtitan_integration.train", *_argv(tmp_path / "cmd"),
-           "--seq1f1b.dry_run"]  # fmt: skip
+           "--seq1f1b.dry_run", "--checkpoint.enable"]  # fmt: skip (as the 70B: nothing saved)
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True)
     assert "rank 0" in out.stdout and "rank 1" in out.stdout and "fits h100-80gb" in out.stdout
+
+
+def test_dry_run_ranks_names_pipeline_coordinates() -> None:
+    """``[seq1f1b] dry_run_ranks`` picks pipeline coordinates (one global rank each: pp is
+    torchtitan's outermost mesh dimension); a coordinate past the last stage is refused by
+    name, before any rank is built."""
+    from torchtitan_integration.v03.dry_run import representative_ranks
+
+    assert representative_ranks(8, 128) == [16 * p for p in range(8)]
+    assert representative_ranks(8, 128, "0, 7") == [0, 112]
+    with pytest.raises(ValueError, match=r"dry_run_ranks = '0,8' names pipeline ranks \[8\]"):
+        representative_ranks(8, 128, "0,8")

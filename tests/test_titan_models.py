@@ -154,19 +154,45 @@ def test_deepseek_v3_mla_moe_matches_unpipelined(tmp_path) -> None:
     assert_same_curve(latent, ref, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
 
 
-def test_gpt_oss_sinks_and_windows_under_zbv_match_unpipelined(tmp_path) -> None:
-    """GPT-OSS under ZBVSeq1F1B (two stages a rank, split backward): each head's learned sink
-    rescales the softmax merged over every segment's keys (its gradient, and the LSE's, taken
-    exactly), the windowed layers see 128 keys back across segment boundaries, the experts
-    route each segment's tokens; the start-up self-check runs GPT-OSS's debug model too."""
-    seed = _seed(GPT_OSS, tmp_path / "seed")
-    ref = run_titan(1, *NO_PP, *GPT_OSS, *seed, dump=tmp_path / "pp1")
-    run = run_titan(2, *PP2, *GPT_OSS, *seed, "--seq1f1b.verify",
-                    "--parallelism.pipeline_parallel_schedule", "ZBVSeq1F1B",
-                    dump=tmp_path / "pp2")  # fmt: skip
-    assert "Seq1F1B: pp=2 stages/rank=2 M=2 K=4" in run.output, run.output[-3000:]
-    assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, run.output[-3000:]
-    assert_same_curve(run, ref, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
+@pytest.fixture(scope="module")
+def gpt_oss_seed(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return _seed(GPT_OSS, tmp_path_factory.mktemp("gpt_oss_seed"))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_reference(gpt_oss_seed, tmp_path_factory: pytest.TempPathFactory):
+    return run_titan(1, *NO_PP, *GPT_OSS, *gpt_oss_seed,
+                     dump=tmp_path_factory.mktemp("gpt_oss_ref"))  # fmt: skip
+
+
+#: GPT-OSS's PP=2 runs against the one PP=1 run: processes, arguments, the header they print
+# fmt: off
+GPT_OSS_RUNS = {
+    "zbv": (2, ["--parallelism.pipeline_parallel_schedule", "ZBVSeq1F1B", "--seq1f1b.verify"],
+            "Seq1F1B: pp=2 stages/rank=2 M=2 K=4"),
+    "cp2": (4, ["--parallelism.context_parallel_degree", "2"],
+            "Seq1F1B: pp=2 stages/rank=1 M=2 K=4 cp=2 segments"),
+}
+# fmt: on
+
+
+@pytest.mark.parametrize("variant", ["zbv", pytest.param("cp2", marks=needs_sharding)])
+def test_gpt_oss_sinks_and_windows_match_unpipelined(
+    gpt_oss_seed, gpt_oss_reference, tmp_path, variant: str
+) -> None:
+    """GPT-OSS under ZBVSeq1F1B (two stages a rank, split backward), and under Seq1F1B x
+    context parallelism (PP 2 x CP 2, FSDP over the CP ranks: the ring attention): each
+    head's learned sink rescales the softmax merged over every segment's keys, and under CP
+    over the ring's too (its gradient, and the LSE's, taken exactly), the windowed layers see
+    128 keys back across segment boundaries (and CP shards), the experts route each segment's
+    tokens; under ZBV the start-up self-check runs GPT-OSS's debug model too (left out under CP:
+    it checks the model, not the ring, and the 4-process run is the longer one)."""
+    nproc, extra, header = GPT_OSS_RUNS[variant]
+    run = run_titan(nproc, *PP2, *GPT_OSS, *gpt_oss_seed, *extra, dump=tmp_path / variant)
+    assert header in run.output, run.output[-3000:]
+    verified = run.output.count("[seq1f1b] verify: Seq1F1B verify: OK")
+    assert verified == (nproc if "--seq1f1b.verify" in extra else 0), run.output[-3000:]
+    assert_same_curve(run, gpt_oss_reference, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
 
 
 # Qwen3.5 at a CPU's size (debugmodel_cpu: torchtitan's debugmodel, 8 layers, Gated DeltaNet

@@ -26,12 +26,16 @@ from seq1f1b.bitpipe.sync import broadcast_twins, new_pair_group
 
 
 def bitpipe_cp_error(cp: int) -> ValueError:
-    """The refusal of BitPipe with context parallelism (both torchtitan releases)."""
+    """The refusal of BitPipe with context parallelism (both torchtitan releases): the
+    library's CP is part of the sequence schedules' units, which BitPipe does not run."""
     return ValueError(
         f"[parallelism] context_parallel_degree = {cp} with BitPipe: BitPipe pipelines whole "
-        "samples and does not shard them over the cp mesh (the Seq1F1B schedules' ring "
-        "attention does): set context_parallel_degree = 1, or use a Seq1F1B schedule with "
-        "context parallelism"
+        "samples and does not shard them over the cp mesh (context parallelism here is the "
+        "Seq1F1B schedules' ring attention, run inside their sequence units: each sample cut "
+        "over the cp ranks, the ring, the loss weighted over the CP group; BitPipe's two "
+        "replicas run each microbatch whole, with no unit to shard): set "
+        "context_parallel_degree = 1, or use a Seq1F1B schedule with context parallelism "
+        "(ZBVSeq1F1B for a V-shaped placement)"
     )
 
 

@@ -97,6 +97,11 @@ class Seq1F1B:
     dry_run_picture: str = ""
     """A PNG of each dry-run rank's memory along its order ('' = none)."""
 
+    dry_run_ranks: str = ""
+    """The pipeline ranks the dry run runs, comma-separated (e.g. "0,7": the first, which
+    holds the most activations and the embedding, and the last, the head and the loss);
+    '' = every pipeline rank. Each takes minutes at real size."""
+
 
 @dataclass
 class JobConfig:

@@ -20,6 +20,12 @@ return to their owner after the last hop. All tiles are planned at absolute posi
 packed documents, sliding windows and sinks work unchanged (only the tiles with a visible pair
 run; the communication is not skipped).
 
+The log-sum-exp a query ends with is merged over every key it sees (the ring's and the cached
+segments'), so an ``out_transform`` of it (GPT-OSS's learned sinks, ``out * sigmoid(lse -
+sink)``) applies once, to the whole softmax, as on one device. Its gradient enters every tile's
+backward as on one device (:func:`seq1f1b.attention.tiles.run_tiles_backward`'s ``grad_lse``);
+under pass-Q it travels with the queries' ``dO``.
+
 Communication is point-to-point on the CP group (``batch_isend_irecv``: send to the next rank,
 receive from the previous one), which gloo runs on CPU; torch's own ``context_parallel`` has
 no CPU flash-attention strategy (see REFERENCE.md).
@@ -110,10 +116,13 @@ class _Layout:
     pass_q: bool  # prefix by moving queries (else its K/V blocks move)
     scale: float
     kernels: tuple[str, Any, Any]
+    return_lse: bool = False  # the caller reads the LSE: its gradient joins the backward
 
 
 class _CPAttention(torch.autograd.Function):
-    """One segment's attention on one CP rank: local tiles, then ``c-1`` ring hops."""
+    """One segment's attention on one CP rank: local tiles, then ``c-1`` ring hops; returns
+    the output and the LSE merged over every key (the LSE's gradient is used when
+    ``layout.return_lse``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout: _Layout, entries, *prefix):
@@ -150,23 +159,30 @@ class _CPAttention(torch.autograd.Function):
         result = out.to(q.dtype)
         ctx.layout, ctx.entries = layout, entries
         ctx.save_for_backward(q, k, v, result, lse, *prefix)
-        return result
+        ctx.set_materialize_grads(False)  # an LSE nobody reads has no gradient: None
+        return result, lse
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, *prefix = ctx.saved_tensors
         layout: _Layout = ctx.layout
         cp, wide = layout.cp, accumulator_dtype(q)
-        grad_out = grad_out.contiguous()
+        # what travels must have one shape on every rank: zeros where nothing came back
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.contiguous()
+        if not layout.return_lse:
+            grad_lse = None
+        elif grad_lse is None:
+            grad_lse = torch.zeros_like(lse)
         dkv: dict[int, list[torch.Tensor]] = {}
         local = kv_blocks(k, v, prefix)
         args = (layout.spec, layout.scale, layout.kernels)
         n_kv = 2 + (0 if layout.pass_q else len(prefix))
         moving = [k, v] + ([] if layout.pass_q else list(prefix))
         if layout.pass_q:
-            moving += [q, grad_out, out, lse]
+            moving += [q, grad_out, out, lse] + ([] if grad_lse is None else [grad_lse])
         pending = _start(moving, cp) if cp.size > 1 else None
-        dq = run_tiles_backward(grad_out, q, out, lse, local, layout.plan.local, *args, None, dkv)
+        dq = run_tiles_backward(grad_out, q, out, lse, local, layout.plan.local, *args, None, dkv,
+                                grad_lse=grad_lse)  # fmt: skip
         kv_ids = [-1, *range((n_kv - 2) // 2)]
         accs: list[torch.Tensor] = []  # gradient accumulators of the visiting blocks / queries
         for hop in range(1, cp.size):
@@ -180,7 +196,8 @@ class _CPAttention(torch.autograd.Function):
                 held = _ring_shift(accs, cp)
             kv = kv_blocks(moving[0], moving[1], moving[2:n_kv])
             got: dict[int, list[torch.Tensor]] = {}
-            dq = run_tiles_backward(grad_out, q, out, lse, kv, layout.plan.kv[src], *args, dq, got)
+            dq = run_tiles_backward(grad_out, q, out, lse, kv, layout.plan.kv[src], *args, dq,
+                                    got, grad_lse=grad_lse)  # fmt: skip
             accs = []
             for i, block in enumerate(kv_ids):
                 for which in (0, 1):
@@ -191,12 +208,12 @@ class _CPAttention(torch.autograd.Function):
                     )
                     accs.append(g + held[2 * i + which] if held else g)
             if layout.pass_q:
-                q_src, do_src, o_src, lse_src = moving[n_kv:]
+                q_src, do_src, o_src, lse_src, *glse_src = moving[n_kv:]
                 dq_src = held[-1] if held else None
                 prefix_blocks = {j: b for j, b in local.items() if j >= 0}
                 dq_src = run_tiles_backward(
                     do_src, q_src, o_src, lse_src, prefix_blocks, layout.plan.q[src], *args,
-                    dq_src, dkv,
+                    dq_src, dkv, grad_lse=glse_src[0] if glse_src else None,
                 )  # fmt: skip
                 accs.append(dq_src)
         if accs:  # every accumulator returns to its owner
@@ -243,11 +260,13 @@ def cp_attention(
     scale: float,
     kernels: tuple[str, Any, Any],
     skip: bool,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> Any:
     """:func:`seq1f1b.chunk_aware_attention` inside a unit whose sequence is CP-sharded: this
     rank's shard of the segment's ``q``, ``k``, ``v`` against the whole segment and the cached
     ``prefix`` blocks it reads (``skip``: plan only the tiles with a visible pair; False is the
-    mask-alone baseline)."""
+    mask-alone baseline). ``return_lse``: ``(out, lse)``, the LSE of this rank's queries over
+    every key they see (ring and cached segments), with a gradient."""
     cp = info.cp
     assert cp is not None
     bounds, used = info.bounds, prefix.used
@@ -264,5 +283,7 @@ def cp_attention(
         pass_q=pass_q,
         scale=scale,
         kernels=kernels,
+        return_lse=return_lse,
     )
-    return _CPAttention.apply(q, k, v, layout, prefix.entries, *prefix.tensors())
+    out, lse = _CPAttention.apply(q, k, v, layout, prefix.entries, *prefix.tensors())
+    return (out, lse) if return_lse else out

@@ -250,14 +250,10 @@ def chunk_aware_attention(
     if unit is not None:
         skip = unit.state.skip_invisible or plain
         k, v, prefix = attend_cache(unit, layer, k, v, groups, spec, skip)
-        if cp:  # sharded over a context-parallel group: the ring runs the plan
-            if return_lse:
-                raise NotImplementedError(
-                    "chunk_aware_attention(return_lse=True) (an out_transform such as learned "
-                    "attention sinks) does not run with context parallelism yet: set "
-                    "context_parallel_degree = 1"
-                )
-            return cp_attention(q, k, v, unit.info, prefix, groups, spec, scale, kernels, skip)
+        if cp:  # sharded over a context-parallel group: the ring runs the plan (and merges
+            # the LSE over the ring and the cached segments, so return_lse holds as below)
+            return cp_attention(q, k, v, unit.info, prefix, groups, spec, scale, kernels, skip,
+                                return_lse)  # fmt: skip
     plan = plan_segment(start, end, prefix.key_runs(), groups, spec, skip)
     out, lse = _SegmentAttention.apply(
         q, k, v, scale, kernels, plan, spec, start, prefix.entries, docs, *prefix.tensors()

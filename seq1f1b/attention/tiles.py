@@ -34,7 +34,11 @@ def kv_blocks(k: torch.Tensor, v: torch.Tensor, prefix: Sequence[torch.Tensor]) 
 
 
 def _with_lse_grad(
-    grad_out: torch.Tensor, out: torch.Tensor, blocks: Mapping[int, KV], grad_lse: torch.Tensor
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    blocks: Mapping[int, KV],
+    grad_lse: torch.Tensor,
+    used: set[int],
 ) -> tuple[torch.Tensor, torch.Tensor, dict[int, KV]]:
     """The backward's inputs when the log-sum-exp has a gradient too (an ``out_transform``
     such as learned sinks reads it): ``(grad_out', out', blocks')`` that a plain tile backward
@@ -45,7 +49,8 @@ def _with_lse_grad(
     column ``grad_lse`` (so ``dp_ij`` gains ``grad_lse_i``), while the output gains a zero
     column (so ``delta_i = rowsum(grad_out * out)`` stays): every kernel, flash or math,
     computes that as it is. The columns are padded to a multiple of 8 (flash kernels' head
-    dims); the values' gradients carry them until :func:`_drop_lse_columns`."""
+    dims); the values' gradients carry them until :func:`_drop_lse_columns`. Only the blocks
+    in ``used`` (those the plan touches) are widened: a ring hop holds every cached block."""
     extra = -(-(out.shape[-1] + 1) // 8) * 8 - out.shape[-1]
 
     def widen(t: torch.Tensor, first: torch.Tensor | float) -> torch.Tensor:
@@ -53,7 +58,7 @@ def _with_lse_grad(
         col[..., 0] = first
         return torch.cat([t, col], dim=-1)
 
-    wide = {b: (k, widen(v, 1.0)) for b, (k, v) in blocks.items()}
+    wide = {b: (k, widen(v, 1.0)) for b, (k, v) in blocks.items() if b in used}
     return widen(grad_out, grad_lse.to(grad_out.dtype)), widen(out, 0.0), wide
 
 
@@ -61,6 +66,17 @@ def _drop_lse_columns(dkv: dict[int, list[torch.Tensor]], width: int) -> None:
     """Cut the values' gradients back to the model's value head dim ``width`` (in place)."""
     for grads in dkv.values():
         grads[1] = grads[1][..., :width]
+
+
+def _add_grads(dkv: dict[int, list[torch.Tensor]], more: dict[int, list[torch.Tensor]]) -> None:
+    """``dkv[block] += more[block]`` for every block (taken as they are where ``dkv`` has
+    none): the accumulators in ``dkv`` are the wide ones the tile loop made."""
+    for block, grads in more.items():
+        if block not in dkv:
+            dkv[block] = grads
+            continue
+        dkv[block][0] += grads[0]
+        dkv[block][1] += grads[1]
 
 
 def expand_kv(t: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -78,11 +94,21 @@ def accumulator_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _merge_weight(lse_acc: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_weight(
+    lse_acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(merged LSE, weight of the new part): the accumulated part weighs ``1 - weight``, and
-    rows with -inf on both sides get weight 0 (they stay 0)."""
-    new = torch.logaddexp(lse_acc, lse)
-    weight = torch.where(torch.isfinite(new), torch.exp(lse - new), 0.0)
+    rows with -inf on both sides get weight 0 (they stay 0). ``out``: where the merged LSE
+    goes (``lse_acc`` itself for an in-place merge).
+
+    The weight is ``exp(lse - new)`` where ``new`` is finite, else 0: ``logaddexp`` never
+    rounds below its larger input, so ``lse - new <= 0`` wherever ``new`` is finite, and
+    where it is not the difference is NaN (both -inf, an inf or NaN LSE) or -inf, which
+    ``nan_to_num`` and ``exp`` make 0. That is ``where(isfinite(new), exp(lse - new), 0)``
+    bit for bit, in three ops where it takes eight (``isfinite`` alone is four): the merge
+    runs once per tile after a segment's first, so its ops are a host cost per tile."""
+    new = torch.logaddexp(lse_acc, lse, out=out)
+    weight = torch.exp(lse - new).nan_to_num_(0.0)
     return new, weight.unsqueeze(-1)
 
 
@@ -95,10 +121,10 @@ def merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: to
 
 def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor):
     """:func:`merge` written into ``out_acc`` / ``lse_acc`` (views of the accumulators): no
-    output-sized temporary, no copy back."""
-    new, weight = _merge_weight(lse_acc, lse)
+    output-sized temporary, no copy back (the merged LSE is written over ``lse_acc`` as it is
+    computed: each element reads only its own)."""
+    _, weight = _merge_weight(lse_acc, lse, out=lse_acc)
     out_acc.lerp_(o.to(out_acc.dtype), weight)
-    lse_acc.copy_(new)
 
 
 # ----------------------------------------------------------------------------- math kernels
@@ -269,18 +295,21 @@ def run_tiles_backward(
     """Exact gradients of the planned tiles, given the merged ``out`` / ``lse``: added into
     ``dq`` (returned; created when None) and ``dkv[block] = [dk, dv]`` (wide accumulators).
     ``grad_lse``: the LSE's gradient too, when an ``out_transform`` read it
-    (:func:`_with_lse_grad`; ``dkv`` must start empty then).
+    (:func:`_with_lse_grad`; the tiles then run into a dict of their own, added into ``dkv``).
 
     A tile's gradient that spans the whole of ``q`` (or of its key block) and lands first is
     taken as the accumulator itself instead of being added into a zero one. ``final``: nothing
     is added to these gradients after this call, so a gradient made by one tile alone keeps
     the kernel's dtype."""
-    if grad_lse is not None:
-        width = next(iter(blocks.values()))[1].shape[-1]
-        grad_out, out, blocks = _with_lse_grad(grad_out, out, blocks, grad_lse)
-        dq = run_tiles_backward(grad_out, q, out, lse, blocks, plan, spec, scale, kernels, dq,
-                                dkv, final=final)  # fmt: skip
-        _drop_lse_columns(dkv, width)
+    if grad_lse is not None and plan:
+        used = {entry[0] for entry in plan}
+        width = blocks[next(iter(used))][1].shape[-1]
+        grad_out, out, wide_blocks = _with_lse_grad(grad_out, out, blocks, grad_lse, used)
+        own: dict[int, list[torch.Tensor]] = {}
+        dq = run_tiles_backward(grad_out, q, out, lse, wide_blocks, plan, spec, scale, kernels,
+                                dq, own, final=final and not dkv)  # fmt: skip
+        _drop_lse_columns(own, width)
+        _add_grads(dkv, own)
         return dq
     bwd = kernels[2]
     grad_out = grad_out.contiguous()  # once: the flash kernels want it so, tile by tile

@@ -22,6 +22,7 @@ import os
 import traceback
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +77,16 @@ def world_size_of(parallelism: Any) -> int:
     return math.prod(max(d, 1) for d in degrees)
 
 
-def representative_ranks(pp: int, world: int) -> list[int]:
-    """One global rank per pipeline coordinate (the others only repeat its memory)."""
-    return [p * (world // pp) for p in range(pp)]
+def representative_ranks(pp: int, world: int, chosen: str = "") -> list[int]:
+    """One global rank per pipeline coordinate (the others only repeat its memory): of every
+    coordinate, or of those ``chosen`` names ("0,7"; ``[seq1f1b] dry_run_ranks``)."""
+    coords = [int(c) for c in chosen.split(",") if c.strip()] if chosen else list(range(pp))
+    if bad := [c for c in coords if not 0 <= c < pp]:
+        raise ValueError(
+            f"[seq1f1b] dry_run_ranks = {chosen!r} names pipeline ranks {bad}: they run from "
+            f"0 to {pp - 1} (pipeline_parallel_degree = {pp})"
+        )
+    return [c * (world // pp) for c in coords]
 
 
 def _first_unit_length(schedule: Any, seq_len: int, mb: int) -> int:
@@ -155,8 +163,13 @@ def _build(config: Any) -> Any:
 def prepare(config: Any) -> None:
     """What a dry run changes in a configuration: no start-up self-check (it compares values),
     a fixed seed (else rank 0 broadcasts its own), the offline tokenizer where the named one
-    is absent (no data is read), and eager blocks (fake tensors do not run compiled graphs)."""
+    is absent (no data is read), eager blocks (fake tensors do not run compiled graphs), and
+    nothing written: no checkpointer (its state dict reads the fake weights' storage) and no
+    metrics files."""
     config.seq1f1b.verify = False
+    config.checkpoint.enable = False
+    config.metrics.enable_tensorboard = False
+    config.metrics.enable_wandb = False
     if config.debug.seed is None:
         config.debug.seed = 0
     if not (Path(config.hf_assets_path or "") / "tokenizer.json").exists():
@@ -192,6 +205,29 @@ def _rank_report_or_trace(argv: Sequence[str], rank: int) -> RankReport | str:
         return traceback.format_exc()
 
 
+#: tries per rank: torch 2.15's fake tensors corrupt the heap now and then while torchtitan
+#: builds a rank of two or more stages (a segmentation fault, or a garbled device or storage
+#: error, at a different op each time; docs/dry_run.md), so a failed process is run again
+DRY_RUN_ATTEMPTS = 3
+
+
+def _run_rank(argv: list[str], rank: int) -> RankReport:
+    """One rank's report from a fresh process, run again (saying so) when it dies or fails:
+    its last failure is raised after :data:`DRY_RUN_ATTEMPTS` tries."""
+    context = multiprocessing.get_context("spawn")
+    for attempt in range(1, DRY_RUN_ATTEMPTS + 1):
+        with ProcessPoolExecutor(1, mp_context=context) as pool:
+            try:
+                report = pool.submit(_rank_report_or_trace, argv, rank).result()
+            except BrokenProcessPool as err:  # killed by a signal: no traceback to send
+                report = f"its process died ({err})"
+        if not isinstance(report, str):
+            return report
+        failure = f"the dry run of rank {rank} failed (try {attempt} of {DRY_RUN_ATTEMPTS}):"
+        print(f"{failure}\n{report}", flush=True)
+    raise RuntimeError(f"{failure}\n{report}")
+
+
 def dry_run(argv: Sequence[str], ranks: Sequence[int] | None = None) -> list[RankReport]:
     """Dry-run the configuration ``argv`` names (the train entry's command line) on each of
     ``ranks`` (default: one per pipeline coordinate), each in a fresh process, and print the
@@ -202,15 +238,8 @@ def dry_run(argv: Sequence[str], ranks: Sequence[int] | None = None) -> list[Ran
     par = config.parallelism
     world = world_size_of(par)
     chosen = list(ranks) if ranks is not None else representative_ranks(
-        max(par.pipeline_parallel_degree, 1), world)  # fmt: skip
-    context = multiprocessing.get_context("spawn")
-    reports = []
-    for rank in chosen:
-        with ProcessPoolExecutor(1, mp_context=context) as pool:
-            report = pool.submit(_rank_report_or_trace, list(argv), rank).result()
-        if isinstance(report, str):  # the rank's traceback (its exception may not pickle)
-            raise RuntimeError(f"the dry run of rank {rank} failed:\n{report}")
-        reports.append(report)
+        max(par.pipeline_parallel_degree, 1), world, config.seq1f1b.dry_run_ranks)  # fmt: skip
+    reports = [_run_rank(list(argv), rank) for rank in chosen]
     entry = lookup(par.pipeline_parallel_schedule)
     k = config.seq1f1b.seq_chunks if entry.seq_chunked else 1
     print(format_reports(reports, f"dry run: {config.model_spec.name} "

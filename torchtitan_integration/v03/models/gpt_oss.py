@@ -3,8 +3,10 @@
 Its attention calls ``inner_attention(q, k, v, ..., out_transform=...)``, the transform being
 the sink rescale ``out * sigmoid(lse - sink)`` of each head: the chunk-aware attention hands
 it the log-sum-exp merged over every segment's keys, so the sinks apply once to the whole
-softmax (never per tile or per segment) and their gradient, and the LSE's, are exact. Even
-layers attend within a sliding window of 128 keys, odd ones to everything: each layer's
+softmax (never per tile or per segment) and their gradient, and the LSE's, are exact; with
+context parallelism that LSE is merged over the ring too (each CP rank's queries over every
+key they see, ``seq1f1b.attention.context_parallel``), so the sinks apply once there as well.
+Even layers attend within a sliding window of 128 keys, odd ones to everything: each layer's
 chunk-aware attention gets its window from the model config, and an earlier segment's K/V is
 kept only from the first position a later query still sees: at most its last window - 1 (127)
 positions, each held until that segment's backward, so a windowed layer caches up to
@@ -96,10 +98,6 @@ FAMILY = ModelFamily(
     shape=windowed_shape,
     resized={"debugmodel_cpu": Resized("debugmodel", cpu_sized)},
     debug_flavor="debugmodel_cpu",
-    no_context_parallel=(
-        "its learned attention sinks read the log-sum-exp merged over every key, which the "
-        "context-parallel ring does not return yet"
-    ),
     tensor_parallel_note=(
         "torchtitan 0.3's GptOssGroupedExperts reads its TP degree from DTensor parameters "
         "only, which spmd_types does not make, so each TP rank adds the experts' output bias "
