@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_utils import run_ranks
+from lowering_checks import check_p2p_matching, lower_all
 from mockstages import MockStage
 from torch import nn
 
@@ -19,10 +20,8 @@ from seq1f1b import ChunkedLoss, ScheduleBitPipe, build_bitpipe_stages, packed_d
 from seq1f1b import _runtime as rt
 from seq1f1b._runtime import Action, ComputationType
 from seq1f1b._runtime import reference as torch_ref
-from seq1f1b._runtime.lowering import check_p2p_matching, lower_all
 from seq1f1b._runtime.replay import replay
 from seq1f1b.bitpipe import BitPipeLayout, ReplicaBoundaries, build_bitpipe_orders
-from seq1f1b.bitpipe.order import stuck_ranks, unit_time_steps
 from seq1f1b.testing import TinyConfig, build_stages, full_model
 
 FWD, BWD = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
@@ -64,7 +63,7 @@ def test_orders_pass_torch_validators_and_replays(pp: int) -> None:
             lowered = torch_ref.add_send_recv(proj, to_rank.__getitem__, 2 * pp)
             torch_ref.simulate_comms_compute(lowered, to_rank.__getitem__, 2 * pp)
         # both replicas together: dependency replay, replica-aware lowering and its replay
-        assert not stuck_ranks(orders, layout)
+        assert not replay(orders, layout.topology()).stuck  # no rank left waiting
         lowered = lower_all(orders, layout.topology(), m // 2)
         assert replay(lowered, layout.topology()).finished
         check_p2p_matching(lowered, layout.topology())
@@ -79,7 +78,8 @@ def test_orders_pass_torch_validators_and_replays(pp: int) -> None:
                 (a.computation_type, a.stage_index, a.microbatch_index) for a in partner
             ]
         if m % pp == 0:  # the published bubble (pp-2)/(4M+pp-2) with F = B = 1
-            assert unit_time_steps(orders, layout) == 4 * m + pp - 2, (pp, m)
+            unit = replay(orders, layout.topology())  # forward = backward = 1, free comms
+            assert unit.finished and unit.makespan == 4 * m + pp - 2, (pp, m)
 
 
 def test_lowering_never_crosses_replicas() -> None:

@@ -39,7 +39,7 @@ from seq1f1b.planning.calibration import (
     Sample,
     fit_action_costs,
     load_action_costs,
-    load_samples,
+    load_calibration,
     save_action_costs,
 )
 from seq1f1b.planning.costmodel import (
@@ -413,7 +413,7 @@ def test_cpu_profile_is_built_by_the_shared_fit(tmp_path, capsys) -> None:
     assert one.efficiency.error_source.startswith("not demonstrated")
     path = tmp_path / "cal.json"
     save_action_costs(fit_action_costs(samples, "a test"), str(path), samples)
-    assert load_samples(str(path)) == samples
+    assert load_calibration(str(path))[1] == samples
     argv = [
         "--hidden", "128", "--heads", "2", "--layers", "4", "--vocab", "1024",
         "--ffn-hidden", "516", "--seq-len", "4096", "--gpus", "2", "--gpu-memory-gb", "64",

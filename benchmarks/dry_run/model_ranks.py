@@ -32,8 +32,8 @@ from seq1f1b.schedules.options import SequenceSplit
 from seq1f1b.schedules.partition import ModelShape, resolve_split
 from seq1f1b.testing import TinyConfig, TinyStage
 
-__all__ = ["SHAPES", "ParallelLoss", "build_rank", "dry_run_isolated", "model_shape",
-           "tensor_parallel"]  # fmt: skip
+__all__ = ["AC_MODES", "SHAPES", "ParallelLoss", "build_rank", "dry_run_isolated", "model_shape",
+           "selective_ac", "tensor_parallel"]  # fmt: skip
 
 
 #: Llama 3's shapes (Meta's model cards), and the paper's 7B as a Llama (REFERENCE.md: 32
@@ -51,12 +51,13 @@ SHAPES = {
 }  # fmt: skip
 
 
-def _stage_modules(cfg: TinyConfig, n_stages: int, mine: Sequence[int]) -> dict[int, TinyStage]:
+def _stage_modules(cfg: TinyConfig, n_stages: int, mine: Sequence[int],
+                   checkpointing: bool = False) -> dict[int, TinyStage]:  # fmt: skip
     per = cfg.n_layers // n_stages
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # made in bf16 (a fake tensor cannot be cast in place)
     try:
-        return {s: TinyStage(cfg, s == 0, s == n_stages - 1, per, first_layer=s * per)
+        return {s: TinyStage(cfg, s == 0, s == n_stages - 1, per, checkpointing, s * per)
                 for s in mine}  # fmt: skip
     finally:
         torch.set_default_dtype(before)
@@ -120,16 +121,37 @@ class ParallelLoss:
             return self.inner(hidden, target, weight=weight, **kwargs)
 
 
+def selective_ac(mod: TinyStage) -> None:
+    """torchtitan's op-level selective activation checkpointing (its ``SelectiveAC`` policy:
+    every compute-intensive op's and reduce-scatter's output saved, every second matmul and
+    everything else recomputed) wrapped around each block of ``mod``, after tensor
+    parallelism, as torchtitan applies it. Needs torchtitan installed."""
+    try:
+        from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    except ImportError as e:
+        raise RuntimeError("selective activation checkpointing is torchtitan's policy: "
+                           "install torchtitan (the venv's titan extra)") from e  # fmt: skip
+    SelectiveAC(SelectiveAC.Config()).apply(mod)  # each of ``mod.layers`` wrapped
+
+
+#: activation checkpointing of :func:`build_rank`: none, full (each block recomputed from its
+#: input, ``torch.utils.checkpoint`` as torchtitan's full mode), or torchtitan's selective
+AC_MODES = ("none", "full", "selective")
+
+
 def build_rank(cfg: TinyConfig, name: str, pp: int, v: int, m: int, k: int, seq_len: int,
-               batch: int, loss_chunks: int, tp: int = 1,
-               seq_split: str = "uniform") -> Callable[[int], RankStep]:  # fmt: skip
+               batch: int, loss_chunks: int, tp: int = 1, seq_split: str = "uniform", *,
+               ac: str = "none") -> Callable[[int], RankStep]:  # fmt: skip
     """``build(rank)`` for :func:`~seq1f1b.planning.dryrun.dry_run_rank`: this rank's stages
     (looped placement, ``v`` per rank) of ``cfg`` under ``name``, one step of ``batch``.
 
     With ``tp`` > 1 the world is a ``(pp, tp)`` mesh, ``rank`` a global rank (pipeline rank
     ``rank // tp``) and each stage :func:`tensor_parallel` over its ``tp`` row; segment lengths
     are then multiples of ``tp`` (sequence parallelism shards them). ``seq_split``: the
-    Seq1F1B family's ("uniform", or "compute" for equal-FLOPs segments of ``cfg``)."""
+    Seq1F1B family's ("uniform", or "compute" for equal-FLOPs segments of ``cfg``). ``ac``:
+    activation checkpointing per block, one of :data:`AC_MODES`."""
+    if ac not in AC_MODES:
+        raise ValueError(f"ac={ac!r}: use one of {', '.join(AC_MODES)}")
     n_stages = pp * v
     if cfg.n_layers % n_stages:
         raise ValueError(f"{cfg.n_layers} layers do not split into {n_stages} stages")
@@ -147,12 +169,14 @@ def build_rank(cfg: TinyConfig, name: str, pp: int, v: int, m: int, k: int, seq_
                 mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
         pp_rank = rank // tp
         mine = list(range(pp_rank, n_stages, pp))
-        mods = _stage_modules(cfg, n_stages, mine)
+        mods = _stage_modules(cfg, n_stages, mine, checkpointing=ac == "full")
         stages: list[PipelineStage] = []
         for s in mine:
             mods[s].skip_head = True  # the chunked loss runs the head
             if mesh is not None:
                 tensor_parallel(mods[s], mesh["tp"])
+            if ac == "selective":
+                selective_ac(mods[s])
             if s == 0:  # the first unit of a sample: a view of it, as the schedule cuts it
                 example = torch.zeros(batch // m, seq_len, dtype=torch.long)[:, :unit]
             else:  # a received activation (this rank's sequence shard): contiguous

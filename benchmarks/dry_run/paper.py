@@ -30,6 +30,7 @@ from seq1f1b.planning.costmodel import GB, MemoryModel
 from seq1f1b.planning.dryrun import RankReport
 from seq1f1b.planning.planner import Setting, price
 from seq1f1b.planning.profiles import GpuProfile, profile
+from seq1f1b.planning.saved import TORCH_EAGER_CPU, SavedTensors
 from seq1f1b.registry import is_baseline, lookup
 from seq1f1b.schedules.partition import ModelShape
 from seq1f1b.testing import TinyConfig
@@ -151,15 +152,20 @@ class PlannerCell:
         return self.allocated + self.gather + self.transient + self.allocator
 
 
-def planner_same_model(cell: Cell, prof: GpuProfile) -> float | None:
+def planner_same_model(cell: Cell, prof: GpuProfile,
+                       saved: SavedTensors = TORCH_EAGER_CPU) -> float | None:  # fmt: skip
     """The planner's rank-0 peak (GiB) for the dry run's own model and trainer: SwiGLU,
-    torch's schedules (posted P2P), 8 bytes of state a parameter; None where it refuses."""
+    torch's schedules (posted P2P), 8 bytes of state a parameter, the loss in 16 chunks, the
+    tensors ``saved`` describes (default: the dry run's, torch's eager ops on the CPU;
+    :data:`~seq1f1b.planning.saved.FUSED` is the formula before the recalibration); None
+    where it refuses."""
     sched, v, k = cell.registry
     setting = Setting(cell.pp, cell.tp, 1, k, cell.microbatches, "compute", False, True, sched, v)
     try:
         cand = price(setting, model_shape(cell.cfg), cell.seq_len,
                      prof.hardware(cell.pp * cell.tp, 0.0), actions=prof.action_costs(),
-                     state_bytes_per_param=DRY_STATE_BYTES)  # fmt: skip
+                     state_bytes_per_param=DRY_STATE_BYTES, saved=saved,
+                     loss_chunks=16)  # fmt: skip
     except ValueError:
         return None
     return cand.peak_bytes[0] / GIB

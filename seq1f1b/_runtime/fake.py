@@ -29,6 +29,13 @@ place.
 |   ._mod_tracker (ModTracker.get_known_fqn,       |   per unit: MemTracker refuses a root      |
 |   .parents, .is_bw)                              |   module's second forward (its per-module  |
 |                                                  |   stats), so that module's stats restart   |
+| ModTracker._fw_pre_hook, the module global       | its input hooks removed once they ran      |
+|   mod_tracker.register_multi_grad_hook (swapped  |   (``_ReleasingModTracker``: they form an  |
+|   for the call), Variable._execution_engine      |   uncollectable cycle that kept autograd   |
+|   .queue_callback                                |   nodes, and what they hold, alive)        |
+| DTensor._op_dispatcher.sharding_propagator       | the global-shape fake tensors DTensor's    |
+|   ._propagate_tensor_meta_non_cached (an         |   sharding propagation makes under the dry |
+|   instance attribute while the tracker is on)    |   run's own fake mode are not counted      |
 
 Checked on 2.13.0, 2.14.1 and 2.15.0; the dry run itself needs 2.15 (``HAS_WARMUP_P2P``
 false): 2.13/2.14's stages vote on a P2P warm-up whose result a fake tensor does not hold.
@@ -51,6 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.distributed._tools import mod_tracker as _mod_tracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -72,15 +80,86 @@ __all__ = [
 _DEVICE = torch.ops.prim.device.default
 
 
+class _ReleasingModTracker(_mod_tracker.ModTracker):
+    """torch's ModTracker whose backward hook on each module call's inputs is removed at the
+    end of the backward that ran it.
+
+    ModTracker registers that hook (``register_multi_grad_hook``, "all" mode) at every
+    forward and never removes it; the hook's closure holds the inputs' autograd nodes, on
+    which the hook itself is registered: a reference cycle through C++ that Python's collector
+    cannot free. Every such node then outlives its backward with what it holds: a custom
+    autograd function's context attributes, such as the chunk-aware attention's cached K/V
+    entries and their gradients. A tracked Seq1F1B step held, per sample done, its earlier
+    segments' K/V and K/V gradients (``2 (K-1)/K`` of the sample's K/V bytes) that an
+    untracked step frees. Upstream hook that would remove this: ModTracker keeping (and
+    removing) the handles it registers."""
+
+    def _fw_pre_hook(self, mod: Any, input: Any) -> None:
+        register = _mod_tracker.register_multi_grad_hook
+
+        def releasing(tensors: Any, fn: Any, mode: str = "all") -> Any:
+            handle: Any = None
+
+            def run(*args: Any) -> None:
+                fn(*args)
+                torch.autograd.Variable._execution_engine.queue_callback(handle.remove)
+
+            handle = register(tensors, run, mode=mode)
+            return handle
+
+        _mod_tracker.register_multi_grad_hook = releasing  # for this call only (see above)
+        try:
+            super()._fw_pre_hook(mod, input)
+        finally:
+            _mod_tracker.register_multi_grad_hook = register
+
+
 class PipelineMemTracker(MemTracker):
     """torch's MemTracker for a pipeline step, whose stage modules run once per unit: a root
     module's next forward restarts its per-module statistics (the memory totals, by kind, are
     MemTracker's own and unaffected). Upstream hook that would remove this: MemTracker
     accepting repeated root calls (it asks to call ``reset_mod_stats`` between iterations,
-    which would drop every module's stats in the middle of the step)."""
+    which would drop every module's stats in the middle of the step). Its module tracker
+    removes the backward hooks it registers once they ran (:class:`_ReleasingModTracker`).
+
+    Nor does it count the tensors DTensor's sharding propagation makes to derive an op's
+    output metadata (``_propagate_tensor_meta_non_cached``: fake tensors of the inputs'
+    global shapes and the op's global-shape output): it makes them under the fake mode it
+    finds active, which in a dry run is the dry run's own, so MemTracker counted them (at
+    tensor parallelism, e.g. ``2*b*V*H`` at the embedding's backward), where a real run makes
+    them under a fresh fake mode, holding no memory. Upstream hook that would remove this:
+    the propagation always entering a fake mode of its own.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = _ReleasingModTracker()
+        self._propagating = 0  # inside DTensor's sharding propagation: nothing is counted
+
+    def __enter__(self) -> PipelineMemTracker:
+        if self._depth == 0:
+            propagator = DTensor._op_dispatcher.sharding_propagator
+            derive = propagator._propagate_tensor_meta_non_cached
+
+            def uncounted(*args: Any, **kwargs: Any) -> Any:
+                self._propagating += 1
+                try:
+                    return derive(*args, **kwargs)
+                finally:
+                    self._propagating -= 1
+
+            propagator._propagate_tensor_meta_non_cached = uncounted  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        if self._depth == 0:  # the class's method again
+            vars(DTensor._op_dispatcher.sharding_propagator).pop(
+                "_propagate_tensor_meta_non_cached", None
+            )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is _DEVICE:  # ``t.device`` under a mode: no tensor made, nothing to track
+        if func is _DEVICE or self._propagating:  # ``t.device``, metadata only: not tracked
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 

@@ -37,10 +37,8 @@ __all__ = [
     "LoweredOrders",
     "SendRecvLowering",
     "add_unshard_reshard",
-    "check_p2p_matching",
     "fast_path_supported",
     "is_lowerable",
-    "lower_all",
 ]
 
 _F = rt.FORWARD
@@ -367,38 +365,3 @@ class LoweredOrders(MutableMapping[int, list[Action]]):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(ranks={self._ranks}, lowered={sorted(self._lowered)})"
-
-
-def check_p2p_matching(lowered: Mapping[int, Sequence[Action]], topology: StageTopology) -> None:
-    """Raise unless, for every pair of ranks, receives are posted in the order of the sends.
-
-    Point-to-point messages between two ranks match in posting order (same tag), so a RECV
-    out of order would silently receive another microbatch's tensor.
-    """
-    sent: dict[tuple[int, int], list[tuple[int, int, bool]]] = {}
-    received: dict[tuple[int, int], list[tuple[int, int, bool]]] = {}
-    for r, acts in lowered.items():
-        for a in acts:
-            if a is None:
-                continue
-            g, mb, kind = a.stage_index, a.microbatch_index, a.computation_type
-            if kind in (_SEND_F, _SEND_B):
-                dst = topology.next_of[g] if kind == _SEND_F else topology.prev_of[g]
-                sent.setdefault((r, topology.rank_of[dst]), []).append((g, mb, kind == _SEND_F))
-            elif kind in (_RECV_F, _RECV_B):
-                src = topology.prev_of[g] if kind == _RECV_F else topology.next_of[g]
-                key = (src, mb, kind == _RECV_F)
-                received.setdefault((topology.rank_of[src], r), []).append(key)
-    if sent != received:
-        bad = sorted(k for k in sent.keys() | received.keys() if sent.get(k) != received.get(k))
-        raise ValueError(f"SEND/RECV order differs between rank pairs {bad}")
-
-
-def lower_all(
-    actions: Mapping[int, Sequence[Action | None]],
-    topology: StageTopology,
-    n_microbatches: int,
-    options: Mapping[str, Any] | None = None,
-) -> dict[int, list[Action]]:
-    """Every rank's lowered list (tests, CSV dumps): what the runtime runs on each rank."""
-    return dict(LoweredOrders(SendRecvLowering(actions, topology, n_microbatches, options)))

@@ -28,14 +28,13 @@ start right after its last backward on both sides in the same collective order.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from .. import _runtime as rt
 from .._runtime import Action
-from .._runtime.replay import replay
 from .layout import BitPipeLayout
 
-__all__ = ["bitpipe_warmup", "build_bitpipe_orders", "stuck_ranks", "unit_time_steps"]
+__all__ = ["bitpipe_warmup", "build_bitpipe_orders"]
 
 F = rt.FORWARD
 B = rt.FULL_BACKWARD
@@ -126,22 +125,6 @@ class _Timeline:
             prev = lay.prev_stage(g)
             if prev is not None and (prev, mb) in fwd_done:
                 heapq.heappush(ready[lay.rank_of(prev)][2], (self.bkey(prev, mb), prev, mb))
-
-
-def stuck_ranks(orders: Mapping[int, Sequence[Action]], layout: BitPipeLayout) -> list[int]:
-    """Ranks left waiting when the orders run against their data dependencies (replay)."""
-    return sorted(replay(orders, layout.topology()).stuck)
-
-
-def unit_time_steps(orders: Mapping[int, Sequence[Action]], layout: BitPipeLayout) -> int:
-    """Steps to run the lists with forward = backward = 1 and free communication.
-
-    The bubble is ``1 - (actions per rank) / steps``. Raises on a deadlock.
-    """
-    result = replay(orders, layout.topology())
-    if not result.finished:
-        raise RuntimeError(f"BitPipe orders deadlock: {result.stuck}")
-    return int(result.makespan)
 
 
 def build_bitpipe_orders(pp: int, n_microbatches: int) -> dict[int, list[Action]]:

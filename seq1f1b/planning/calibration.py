@@ -31,7 +31,6 @@ __all__ = [
     "fit_coefficients",
     "load_action_costs",
     "load_calibration",
-    "load_samples",
     "save_action_costs",
 ]
 
@@ -135,11 +134,6 @@ def save_action_costs(
         doc["samples"] = [asdict(s) for s in samples]
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
-
-
-def load_samples(path: str) -> list[Sample]:
-    """The measured actions :func:`save_action_costs` wrote; empty if it wrote none."""
-    return load_calibration(path)[1]
 
 
 def load_action_costs(path: str) -> ActionCosts:

@@ -16,7 +16,12 @@ sequence parallelism, so every activation and weight is split ``t`` ways):
       b * (2H  norm inputs  + 2H  norm outputs  + h*d  Q  + 2*h_kv*d  K, V  + h*d  attention out
            + 4F  gate, up, silu(gate), silu*up)  +  4*h  fp32 log-sum-exp
 
-  (``2F`` instead of ``4F`` for a plain two-matrix FFN); divided by ``t``;
+  (``2F`` instead of ``4F`` for a plain two-matrix FFN); divided by ``t``. This is the
+  ``FUSED`` profile of :mod:`seq1f1b.planning.saved` (``MemoryModel.saved``, the default);
+  the others price what a trainer's kernels and tensor-parallel plan hold differently,
+  measured against the dry run (torch's eager ops: fp32 norm copies on the CPU, the
+  all-gathered sequence-parallel matmul inputs, the stage's inputs and outputs and sent
+  gradients, the K/V gradients, the backward's temporaries, the embedding's gradient);
 * full activation checkpointing (torchtitan ``mode = "full"``): only each layer's input, ``b*H``
   per token per layer, plus, with ``K > 1`` segments, the K/V of earlier segments that later
   segments read (``2*b*h_kv*d``; with the latent cache, multi-head latent attention's latent,
@@ -96,6 +101,7 @@ from dataclasses import dataclass
 from .._runtime import ir as rt
 from .._runtime.ir import Action
 from ..schedules.partition import LatentKV, LinearAttention, ModelShape
+from .saved import FUSED, SavedTensors
 
 __all__ = [
     "FP32_SLOWDOWN",
@@ -469,35 +475,77 @@ class MemoryModel:
     selective: bool = False
     fused_qkv: bool = False  # one wqkv matmul (torchtitan 0.3's Llama): what selective AC keeps
     latent_kv: bool = False  # the latent K/V cache (``shape.latent_kv``; kv_cache = "latent")
+    #: what the trainer's kernels and tensor-parallel plan save where trainers differ (norms,
+    #: gathered matmul inputs, copies, RoPE factors, the backward's temporaries):
+    #: :mod:`seq1f1b.planning.saved`; the default is the formula above
+    saved: SavedTensors = FUSED
 
-    def _full_layer_bytes(self) -> float:
-        s, b = self.shape, self.dtype_bytes
-        d = s.head_dim
-        ffn = (4 if s.gated_ffn else 2) * s.ffn_hidden
-        return b * (4 * s.hidden + 2 * s.n_heads * d + 2 * s.n_kv_heads * d + ffn) + 4 * s.n_heads
+    def _full_layer_bytes(self, extra: bool = True) -> float:
+        """Bytes a layer saves per token on one TP rank without checkpointing: the formula
+        of the module docstring with the norms, matmul inputs, copies and RoPE factors of
+        :attr:`saved`; ``extra``: with :attr:`extra_layer_bytes`."""
+        s, b, p = self.shape, self.dtype_bytes, self.saved
+        d, h = s.head_dim, s.hidden
+        ffn = (p.ffn_saved_intermediates if s.gated_ffn else 2) * s.ffn_hidden
+        # sharded over the TP ranks: norms, Q, K, V, attention output, its LSE, the FFN
+        shard = 2 * p.norm_bytes(h, b) + b * (2 * s.n_heads * d + 2 * s.n_kv_heads * d + ffn)
+        shard += 4 * s.n_heads + (b * s.n_heads * d if p.attention_output_copy else 0)
+        whole = p.rope_bytes_per_head_dim * d  # RoPE's factors: the whole sequence's positions
+        if p.gathered_matmul_inputs:  # the norms' outputs, all-gathered: the whole sequence
+            whole += 2 * b * h
+        else:
+            shard += 2 * b * h
+        return (shard + (self.extra_layer_bytes if extra else 0.0)) / self.tp + whole
 
-    def layer_bytes_per_token(self, segmented: bool) -> float:
+    def layer_bytes_per_token(self, segmented: bool, cached: bool = True) -> float:
         """Bytes a layer keeps per token of a unit in flight (``segmented``: K > 1); with the
-        latent K/V cache (``latent_kv``) the later segments' K/V is the latent."""
+        latent K/V cache (``latent_kv``) the later segments' K/V is the latent. ``cached``:
+        later segments read this unit's K/V (False: a sample's last segment, whose K/V a
+        cache that holds what later segments read does not keep)."""
         s, b = self.shape, self.dtype_bytes
         # the K/V cache: softmax layers only (a hybrid's others carry a state, unit_bytes)
         kv = 2 * b * s.n_kv_heads * s.head_dim * s.softmax_layers / s.n_layers if segmented else 0
+        if not cached:
+            kv = 0
         if segmented and self.latent_kv and s.latent_kv is not None:
-            kv = b * s.latent_kv.cached
+            kv = b * s.latent_kv.cached if cached else 0
             if not (self.recompute or self.selective):  # the expanded K/V are saved anyway
-                return (self._full_layer_bytes() + self.extra_layer_bytes + kv) / self.tp
+                return self._full_layer_bytes() + kv / self.tp
         if self.selective:  # later segments' K/V kept apart, as under full AC
-            sac = selective_ac_layer(s, self.tp, b, self.fused_qkv)
-            return sac.saved_bytes + kv / self.tp
+            return self._selective_saved() + kv / self.tp
         if not self.recompute:
-            return (self._full_layer_bytes() + self.extra_layer_bytes) / self.tp
+            return self._full_layer_bytes()
         return (b * s.hidden + kv) / self.tp
 
-    def unit_bytes(self, tokens: float, layers: int, last: bool, segmented: bool) -> float:
+    def _selective_saved(self) -> float:
+        """What selective AC keeps of a layer per token (:func:`selective_ac_layer`), less
+        the attention's output and log-sum-exp where the policy does not keep the attention
+        kernel's (:attr:`~seq1f1b.planning.saved.SavedTensors.sac_saves_attention`)."""
+        s, b = self.shape, self.dtype_bytes
+        saved = selective_ac_layer(s, self.tp, b, self.fused_qkv).saved_bytes
+        if not self.saved.sac_saves_attention:
+            saved -= (b * s.n_heads * s.head_dim + 4 * s.n_heads) / self.tp
+        return saved
+
+    def unit_bytes(
+        self,
+        tokens: float,
+        layers: int,
+        last: bool,
+        segmented: bool,
+        *,
+        first: bool = False,
+        cached: bool = True,
+    ) -> float:
         """Bytes a forward of ``tokens`` leaves on a stage of ``layers`` blocks until its
         backward: the blocks' saved tensors, a hybrid's carried states (whatever ``tokens``),
-        and on the last stage the loss's fp32 log-probabilities."""
-        saved = tokens * layers * self.layer_bytes_per_token(segmented)
+        on the last stage the loss's fp32 log-probabilities, and where the trainer keeps them
+        the unit's received input (not on the ``first`` stage) and output (not on the last).
+        ``cached``: later segments read the unit's K/V (:meth:`layer_bytes_per_token`)."""
+        saved = tokens * layers * self.layer_bytes_per_token(segmented, cached)
+        if self.saved.keeps_stage_io:
+            boundary = int(not first) + int(not last)
+            saved += tokens * boundary * self.dtype_bytes * self.shape.hidden / self.tp
         saved -= self._window_kv_saving(tokens, layers, segmented)
         la = self.shape.linear_attention
         if segmented and la is not None:  # the state each Gated DeltaNet layer hands on
@@ -523,11 +571,40 @@ class MemoryModel:
         windowed = layers * (s.window_layers or s.n_layers) / s.n_layers
         return windowed * max(0.0, tokens - (s.window - 1 + s.sinks)) * kv
 
-    def transient_bytes(self, unit_tokens: float, last: bool) -> float:
-        """Bytes alive only while one unit runs: a recomputed layer, or the logits (and their
-        fp32 copy) on the last stage, whichever is larger."""
+    def backward_bytes(self, unit_tokens: float) -> float:
+        """The gradients in flight at the peak of one layer's backward, per unit (where the
+        trainer's profile prices them, :attr:`~seq1f1b.planning.saved.SavedTensors.
+        backward_temporaries`; else 0). Measured on the dry run's block, its largest point is
+        the FFN's start: the gradients of the product, of ``silu(gate)`` and of ``up``
+        (``F`` wide each, split ``t`` ways) are alive while the product the output projection
+        saved is freed, ``2*b*F/t`` (a two-matrix FFN: the activation's input gradient alone,
+        ``b*F/t``); under sequence parallelism also the output gradient all-gathered for the
+        row-parallel ``w2``, the whole sequence (``b*H``)."""
+        if not self.saved.backward_temporaries:
+            return 0.0
+        s, b, t = self.shape, self.dtype_bytes, self.tp
+        ffn = (2 if s.gated_ffn else 1) * b * s.ffn_hidden / t
+        return unit_tokens * (ffn + (b * s.hidden if t > 1 else 0.0))
+
+    def transient_bytes(self, unit_tokens: float, last: bool, first: bool = False) -> float:
+        """Bytes alive only while one unit runs: a recomputed layer (with the backward's
+        gradients in flight, :meth:`backward_bytes`), or the logits (and their fp32 copy) on
+        the last stage, whichever is larger. Under selective AC a layer recomputes what the
+        policy did not keep (where the profile prices the backward; the formula, all of it).
+        Where the profile prices the backward, on the ``first`` stage also the embedding's
+        weight gradient as its backward makes it, before adding it into the held one (the
+        whole table: replicated under TP, :attr:`~seq1f1b.planning.saved.SavedTensors.
+        replicated_embedding_grad`)."""
         recomputes = self.recompute or self.selective  # one layer's recomputed tensors
-        transient = unit_tokens * self._full_layer_bytes() / self.tp if recomputes else 0.0
+        transient = unit_tokens * self._full_layer_bytes(extra=False) if recomputes else 0.0
+        if self.saved.backward_temporaries:
+            if self.selective:
+                transient -= unit_tokens * self._selective_saved()
+            transient += self.backward_bytes(unit_tokens)
+            if first:
+                table = self.shape.vocab * self.shape.hidden * self.dtype_bytes
+                whole = self.tp == 1 or self.saved.replicated_embedding_grad
+                transient = max(transient, table if whole else table / self.tp)
         if last:
             upcast = 4 if self.dtype_bytes < 4 else 0  # the loss's fp32 copy of the logits
             logits = (self.dtype_bytes + upcast) * self.shape.vocab / self.tp
@@ -550,6 +627,9 @@ class MemoryModel:
         s = self.shape
         params = layers * s.params_per_layer + s.vocab * s.hidden * (int(first) + int(last))
         sharded = params * self.state_bytes_per_param / (self.tp * self.fsdp)
+        if first and self.tp > 1 and self.saved.replicated_embedding_grad:
+            # the embedding's gradient, the whole vocabulary on every TP rank
+            sharded += s.vocab * s.hidden * self.dtype_bytes * (1 - 1 / self.tp)
         if self.fsdp == 1 and not self.fsdp_wrapped:
             return sharded
         if self.pipelined:
@@ -651,15 +731,6 @@ class TimeModel:
         compute = flops / self._flops_per_second
         comm = tokens * self._tp_seconds_per_token_pass(self.shape.n_layers)
         return comm / (compute + comm) if compute + comm > 0 else 0.0
-
-    def forward_backward(self, flops: float, tokens: int) -> tuple[float, float]:
-        """(forward, full backward) seconds of a unit of ``tokens`` and ``flops`` forward FLOPs
-        on this stage (whole model width: divided by ``tp`` here); hardware figures only."""
-        compute = flops / self._flops_per_second
-        comm = tokens * self._tp_seconds_per_token_pass()
-        if self.recompute:
-            return compute + comm, 3 * compute + 2 * comm
-        return compute + comm, 2 * compute + comm
 
     def p2p_seconds(self, tokens: int) -> float:
         """One pipeline send of a segment of ``tokens``: ``b*H`` bytes per token, split over

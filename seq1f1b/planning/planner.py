@@ -56,6 +56,8 @@ from .profiles import (
     machine_spec,
     profile,
 )
+from .saved import FUSED, SavedTensors
+from .saved import PROFILES as PROFILES_SAVED
 from .simulate import simulate, simulate_blocking
 
 __all__ = [
@@ -96,6 +98,8 @@ class Trainer:
             one fused matmul.
         loss_chunks: the chunks of a sequence the loss runs in (e.g. :class:`seq1f1b.ChunkedLoss`
             with ``num_chunks``): under K > 1, and always with ``fsdp_at_every_degree``.
+        saved: what its blocks save for the backward where trainers differ (norms, gathered
+            matmul inputs, the backward's temporaries: :mod:`seq1f1b.planning.saved`).
     """
 
     name: str
@@ -103,6 +107,7 @@ class Trainer:
     fp32_without_fsdp: bool = False
     fsdp_at_every_degree: bool = False
     loss_chunks: int = LOSS_CHUNKS
+    saved: SavedTensors = FUSED
 
     def runs_in_bf16(self, pp: int, tp: int, fsdp: int) -> bool:
         """Whether a setting of these degrees trains in bf16 (else fp32)."""
@@ -186,6 +191,8 @@ class Candidate:
     peak_bytes: list[float]  # per pipeline rank (GPU): model state + activation peak
     budget_bytes: float
     tp_comm_share: float
+    #: per pipeline rank, the peak's (model state, activations, transient) bytes
+    memory_parts: list[tuple[float, float, float]] = field(default_factory=list)
 
     @property
     def max_bytes(self) -> float:
@@ -522,8 +529,11 @@ def search(
                                         trainer.fsdp_at_every_degree, actions,
                                         blocking_p2p=blocking_p2p, cost_tables=batch.seconds,
                                         loss_chunks=trainer.loss_chunks,
+                                        saved=trainer.saved,
                                     )  # fmt: skip
-                                    if graph is None:
+                                    if graph is None or model.holds_after_backward:
+                                        if graph is not None:  # the replay takes no deltas
+                                            order = _order(setting, batch.orders)
                                         cands.append(model.candidate(*model.simulate(order)))
                                     else:  # simulated with the others after the loop
                                         batch.add(model, graph, len(cands), len(skipped))
@@ -718,6 +728,8 @@ def price(
     extra_layer_bytes: float = 0.0,
     blocking_p2p: bool = False,
     kv_prefix_copy: bool = False,
+    saved: SavedTensors = FUSED,
+    loss_chunks: int = LOSS_CHUNKS,
 ) -> Candidate:
     """Price one setting (what :func:`search` does for each): its schedule's real order
     simulated with per-action seconds, memory per rank along that order. ValueError when the
@@ -727,7 +739,9 @@ def price(
     (:func:`~seq1f1b.planning.simulate.simulate_blocking`) instead of torch's posted-ahead
     ones. ``kv_prefix_copy``: with K > 1, the trainer keeps a concatenated copy of each
     microbatch's K/V prefix and the prefix's K/V gradient between its segments' backwards
-    (:func:`kv_prefix_deltas`)."""
+    (:func:`kv_prefix_deltas`). ``saved``: what the trainer's blocks save where trainers
+    differ (:mod:`seq1f1b.planning.saved`); ``loss_chunks``: the chunks of a sequence its
+    loss runs in (:attr:`Trainer.loss_chunks`)."""
     k = setting.seq_chunks
     lengths = resolve_split(
         setting.split if k > 1 else "uniform", seq_len, k, shape=shape,
@@ -740,8 +754,21 @@ def price(
     model = _SettingModel.build(
         setting, lengths, shape, hardware, dtype_bytes, state_bytes_per_param, batch * seq_len,
         fsdp_wrapped, actions, extra_layer_bytes, blocking_p2p, kv_prefix_copy,
+        loss_chunks=loss_chunks, saved=saved,
     )  # fmt: skip
     return model.candidate(*model.simulate(order))
+
+
+def kv_grad_deltas(lengths: Sequence[int]) -> list[int]:
+    """Tokens of K/V gradient (per layer) that segment ``j``'s backward leaves held, for the
+    library's chunk-aware attention (:attr:`~seq1f1b.planning.saved.SavedTensors.
+    kv_cache_by_reader`): the last segment's backward leaves gradients on the cached K/V of
+    every earlier segment (later backwards add into them in place), and each earlier
+    segment's backward takes its own into its graph and frees it. Sums to zero per sample."""
+    k = len(lengths)
+    if k == 1:
+        return [0]
+    return [-n for n in lengths[:-1]] + [sum(lengths[:-1])]
 
 
 def kv_prefix_deltas(lengths: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -786,6 +813,9 @@ class _SettingModel:
     after_backward: Callable[[Action], float]
     blocking_p2p: bool
     kv_prefix_copy: bool
+    #: memory changes after backwards (``after_backward``) to simulate: the prefix copy's, or
+    #: the K/V gradients the cache holds; the batched replay does not take them
+    holds_after_backward: bool = False
 
     @classmethod
     def build(
@@ -804,6 +834,7 @@ class _SettingModel:
         kv_prefix_copy: bool = False,
         cost_tables: dict[tuple, Callable[[Action], float]] | None = None,
         loss_chunks: int = LOSS_CHUNKS,
+        saved: SavedTensors = FUSED,
     ) -> _SettingModel:
         """The models of ``setting``; ``cost_tables``: the seconds callbacks built so far, by
         what they depend on (settings of a search share them: the schedules with as many model
@@ -842,6 +873,7 @@ class _SettingModel:
             selective=setting.selective,
             fused_qkv=fsdp_at_degree_1,  # Trainer.fsdp_at_every_degree: Q, K, V fused
             latent_kv=setting.latent_kv,
+            saved=saved,
         )
         table_key = (time, tuple(lengths), n, k, not blocking_p2p)
         seconds = None if cost_tables is None else cost_tables.get(table_key)
@@ -853,20 +885,33 @@ class _SettingModel:
 
         # K/V bytes per token of one stage's layers (what a K/V prefix copy costs)
         kv_bytes = layers * 2 * dtype_bytes * shape.n_kv_heads * shape.head_dim / (setting.tp * c)
-        kv_added, kv_after = kv_prefix_deltas(lengths) if kv_prefix_copy else ([0] * k, [0] * k)
+        kv_added, kv_after = [0] * k, [0] * k
+        if kv_prefix_copy:
+            kv_added, kv_after = kv_prefix_deltas(lengths)
+        elif saved.kv_cache_by_reader and segmented:
+            kv_after = kv_grad_deltas(lengths)
+        by_reader = saved.kv_cache_by_reader
 
-        def saved(a: Action) -> float:
-            last = a.stage_index % n == n - 1
+        def saved_bytes(a: Action) -> float:
+            pos = a.stage_index % n
             j = (a.microbatch_index or 0) % k
             tokens = lengths[j] / c
-            return memory.unit_bytes(tokens, layers, last, segmented) + kv_added[j] * kv_bytes
+            held = memory.unit_bytes(tokens, layers, pos == n - 1, segmented, first=pos == 0,
+                                     cached=j < k - 1 or not by_reader)  # fmt: skip
+            return held + kv_added[j] * kv_bytes
+
+        # torch 2.15 holds each backward's sent input gradient to the step's end
+        sent = dtype_bytes * shape.hidden / (setting.tp * c) if saved.backward_sends_held else 0.0
 
         def after_backward(a: Action) -> float:
-            return kv_after[(a.microbatch_index or 0) % k] * kv_bytes
+            j = (a.microbatch_index or 0) % k
+            held = lengths[j] * sent if a.stage_index % n else 0.0
+            return kv_after[j] * kv_bytes + held
 
         return cls(
             setting, lengths, shape, hardware, tokens_per_step, time, memory, layers, n,
-            seconds, saved, after_backward, blocking_p2p, kv_prefix_copy,
+            seconds, saved_bytes, after_backward, blocking_p2p, kv_prefix_copy,
+            any(kv_after) or (sent > 0 and n > 1),
         )  # fmt: skip
 
     def simulate(
@@ -885,7 +930,7 @@ class _SettingModel:
                 {0: saved(one)},
                 {0: 0},
             )
-        after = self.after_backward if self.kv_prefix_copy else None
+        after = self.after_backward if self.holds_after_backward else None
         if self.blocking_p2p:
             k, lengths, time = setting.seq_chunks, self.lengths, self.time
             pair = setting.stages_per_rank > 1  # Megatron's interleaved steady phase
@@ -920,13 +965,14 @@ class _SettingModel:
         setting, memory, layers, n = self.setting, self.memory, self.layers, self.model_stages
         lengths, c = self.lengths, setting.cp
         makespan += _fsdp_seconds(setting, self.shape, self.hardware, layers, n, self.seconds)
-        peaks = []
+        parts = []
         unit = max(lengths) / c
         for r in range(setting.pp):
             mine = [g for g, rank in stage_to_rank.items() if rank == r]
             state = sum(memory.state_bytes(layers, g % n == 0, g % n == n - 1) for g in mine)
-            transient = max((memory.transient_bytes(unit, g % n == n - 1) for g in mine), default=0)
-            peaks.append(state + peak_act.get(r, 0.0) + transient)
+            transient = max((memory.transient_bytes(unit, g % n == n - 1, g % n == 0)
+                             for g in mine), default=0)  # fmt: skip
+            parts.append((state, peak_act.get(r, 0.0), transient))
         seq_len = sum(lengths)
         flops = action_work(self.shape, self.shape.n_layers, True, seq_len, seq_len)
         comm_share = self.time.tp_comm_share(flops.linear + flops.attention, seq_len)
@@ -936,9 +982,10 @@ class _SettingModel:
             bubble,
             makespan,
             self.tokens_per_step / (makespan * self.hardware.gpus),
-            peaks,
+            [sum(p) for p in parts],
             self.hardware.budget_bytes,
             comm_share,
+            parts,
         )
 
 
@@ -1176,6 +1223,15 @@ def build_parser(
         + ", ".join(f"'{t.name}' ({t.summary})" for t in trainers),
     )
     ap.add_argument(
+        "--saved-tensors",
+        choices=sorted(PROFILES_SAVED),
+        help="what the trainer's blocks save for the backward where trainers differ "
+        "(seq1f1b/planning/saved.py; default: the trainer's own, 'fused' for all shipped): "
+        "'torch-eager-cuda' (torch's eager ops with torchtitan's TP plan: the all-gathered "
+        "sequence-parallel matmul inputs, the backward's temporaries), 'torch-compiled' "
+        "(compiled blocks), 'torch-eager-cpu' (what the dry run sees)",
+    )
+    ap.add_argument(
         "--p2p",
         choices=("posted", "blocking"),
         default="posted",
@@ -1308,7 +1364,7 @@ def problem_from_args(
         recompute={"none": (False,), "full": (True,), "selective": ()}.get(a.ac, (False, True)),
         selective=a.ac in ("selective", "all"),
         min_segment=a.min_segment,
-        trainer=_trainer_named(a.precision, trainers),
+        trainer=_trainer_with(a, trainers),
         error=error,
         blocking_p2p=a.p2p == "blocking",
     )
@@ -1317,6 +1373,14 @@ def problem_from_args(
             "no setting to price: " + ("; ".join(plan.skipped) or "check --pp/--tp/--chunks")
         )
     return a.model, plan
+
+
+def _trainer_with(a: argparse.Namespace, trainers: Sequence[Trainer]) -> Trainer:
+    """The trainer ``--precision`` names, with the saved tensors ``--saved-tensors`` names."""
+    trainer = _trainer_named(a.precision, trainers)
+    if a.saved_tensors is not None:
+        trainer = replace(trainer, saved=PROFILES_SAVED[a.saved_tensors])
+    return trainer
 
 
 def _trainer_named(name: str, trainers: Sequence[Trainer]) -> Trainer:

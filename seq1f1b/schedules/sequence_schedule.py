@@ -140,7 +140,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
         self.cutter = UnitCutter(m, k, seq_dim, dict(kwargs_seq_dims or {}), ignore_index,
                                  scale_grads, *self.chunk_specs[:2])  # fmt: skip
         self.failures, self._agree = _agreement(self, stage_list, loss_fn is not None)
-        receives = ReceiveCheck.of(seq_dim, self._stages, self._recv_metas)
+        receives = ReceiveCheck.of(seq_dim, self.local_stages, self._recv_metas)
         self.unit_actions = UnitActions(stage_list, k, receives, self._cp, skip_invisible,
                                         check_attention)  # fmt: skip
         self.register_action_context(self.unit_actions)
@@ -160,7 +160,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
     @functools.cached_property
     def _whole_backward(self) -> bool:
         """Whether a zero-bubble order runs each backward whole (compiled or checkpointed)."""
-        return self._split_backward and unsplittable(self._stages, type(self))
+        return self._split_backward and unsplittable(self.local_stages, type(self))
 
     def _runnable(self, order: Iterable[Action | None]) -> list[Action | None]:
         """A rank's order as run: split backwards merged back where they cannot be split."""

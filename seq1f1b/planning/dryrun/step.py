@@ -36,6 +36,7 @@ __all__ = [
     "RankStep",
     "dry_run_rank",
     "static_stage",
+    "steady_state",
 ]
 
 
@@ -214,6 +215,21 @@ def _initial_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def steady_state(step: RankStep, checked: bool = True) -> None:
+    """Make ``step`` (built inside the fake world) a steady-state step, as the dry run runs
+    it: a Seq1F1B-family schedule's pre-flight agreement learns the length from
+    ``step.seq_len`` (the fake process group returns no values) and, with ``checked``, its
+    first-step checks are marked done; the optimizer's state is made (as from the second step
+    on). ``checked=False`` leaves the checks to run: a first step (on real tensors only: they
+    compare values)."""
+    schedule = step.schedule
+    if hasattr(schedule, "_agree"):  # a Seq1F1B-family schedule
+        schedule._agree = _known_length(step.seq_len)
+        if checked and step.seq_len is not None:  # the first-step checks ran
+            schedule.unit_actions.as_checked(step.seq_len)
+    _initial_optimizer_state(step.optimizer)
+
+
 def dry_run_rank(
     build: Callable[[int], RankStep], rank: int, world_size: int, gpu: str | GpuSpec = "h100-80gb"
 ) -> RankReport:
@@ -238,11 +254,7 @@ def dry_run_rank(
                 "stage's received inputs. Dry-run the same setting under its whole-backward "
                 "form (ScheduleSeq1F1B; ScheduleInterleavedSeq1F1B for V) for the memory"
             )
-        if hasattr(schedule, "_agree"):  # a Seq1F1B-family schedule
-            schedule._agree = _known_length(step.seq_len)
-            if step.seq_len is not None:  # a steady-state step: the first-step checks ran
-                schedule.unit_actions.as_checked(step.seq_len)
-        _initial_optimizer_state(step.optimizer)
+        steady_state(step)
         stages = list(step.stages)
         mt = rt.PipelineMemTracker()
         # torchtitan's OptimizersContainer holds one optimizer per model part: track those
