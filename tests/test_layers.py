@@ -123,6 +123,24 @@ def test_no_import_circle() -> None:
             visit(n)
 
 
+#: the planner's parts in planning/, bottom up: types, pricing, search, report, the command
+#: line, and the façade that re-exports them
+PLANNER_PARTS = ("plan_types", "pricing", "search", "reporting", "cli", "planner")
+
+
+def test_the_planner_parts_import_only_the_parts_below() -> None:
+    """Each of the planner's modules imports only the parts before it in
+    :data:`PLANNER_PARTS`, so that pricing a setting needs no search and the search no command
+    line; the façade (``planning.planner``) comes last."""
+    modules = _modules()
+    parts = [f"planning.{p}" for p in PLANNER_PARTS]
+    bad = []
+    for i, name in enumerate(parts):
+        deps = _imports(name, modules[name], set(modules)) & set(parts)
+        bad += [f"{name} imports {d}" for d in sorted(deps) if parts.index(d) > i]
+    assert not bad, "\n".join(bad)
+
+
 #: lines of ``ScheduleInterleaved1F1B`` in torch 2.15.0, the current release (2.13's is 114)
 TORCH_INTERLEAVED_1F1B_LINES = 142
 

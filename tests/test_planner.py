@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from seq1f1b.planning import planner
+from seq1f1b.planning import search as search_module
 from seq1f1b.planning.costmodel import FP32_SLOWDOWN, PRESETS, Hardware, MemoryModel
 from seq1f1b.planning.planner import (
     BF16,
@@ -557,7 +558,7 @@ def test_batched_replay_prices_as_the_simulator(monkeypatch: pytest.MonkeyPatch)
     candidates, same order, same floats."""
     kw = dict(pp=[2, 4], tp=[1, 2], chunks=(1, 2, 4), trainer=TORCHTITAN_03)
     batched = search(LLAMA8B, 32768, Hardware(8, 80.0), 16, **kw, selective=True)
-    monkeypatch.setattr(planner, "simulate_graphs", lambda jobs: [None] * len(jobs))
+    monkeypatch.setattr(search_module, "simulate_graphs", lambda jobs: [None] * len(jobs))
     one_by_one = search(LLAMA8B, 32768, Hardware(8, 80.0), 16, **kw, selective=True)
     assert len(batched.candidates) > 100
     assert [dataclasses.asdict(c) for c in batched.candidates] == [

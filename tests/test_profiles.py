@@ -33,7 +33,7 @@ from benchmarks.planner_models.published_titan import (
 )
 from seq1f1b._runtime import ir as rt
 from seq1f1b._runtime.ir import Action
-from seq1f1b.planning import planner as planner_module
+from seq1f1b.planning import pricing
 from seq1f1b.planning.calibration import (
     KINDS,
     Sample,
@@ -654,7 +654,7 @@ def test_the_paper_check_times_the_forks_interleaved_communication(
         seen.update(order=order, seconds=seconds, kw=kw)
         return simulate_blocking(order, seconds, **kw)
 
-    monkeypatch.setattr(planner_module, "simulate_blocking", capture)
+    monkeypatch.setattr(pricing, "simulate_blocking", capture)
     paper_candidate(A100, seq_len, name, reserve_gb=0.0)
     assert seen["kw"]["pair_steady"]
     _, v, k = SCHEDULES[name]

@@ -4,8 +4,10 @@
         --output llama3_8b_32k.toml          # = .venv/bin/python -m torchtitan_integration.planner
 
 Why here and not in :mod:`seq1f1b.planning.planner`: the search is framework-free; the TOML keys,
-flavors and launcher are torchtitan's. Takes the planner's arguments plus where to write and
-what to train on; prints the ranked table, then the TOML (or writes it to ``--output``).
+flavors and launcher are torchtitan's. The command is the library's
+(:class:`~seq1f1b.planning.cli.PlannerCommand`) extended by :class:`TomlCommand`: the planner's
+arguments plus where to write and what to train on; prints the ranked table, then the TOML (or
+writes it to ``--output``).
 
 The TOML states the precision the plan was priced in (``mixed_precision_param``): with
 ``--precision torchtitan-0.2`` a plan without FSDP but with PP or TP says ``"float32"``,
@@ -15,6 +17,7 @@ which is what torchtitan 0.2.2 runs it in whatever the TOML says (the default,
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import sys
 from collections.abc import Sequence
@@ -24,11 +27,9 @@ from seq1f1b.planning.planner import (
     BF16,
     Candidate,
     Plan,
+    PlannerCommand,
     Trainer,
-    build_parser,
-    collection_paused,
-    describe,
-    format_plan,
+    print_table,
     problem_from_args,
 )
 
@@ -37,6 +38,7 @@ __all__ = [
     "TORCHTITAN_022",
     "TORCHTITAN_03",
     "TRAINERS",
+    "TomlCommand",
     "launch_lines",
     "main",
     "render_toml",
@@ -76,6 +78,8 @@ FLAVORS = {
     "gpt-oss-120b": ("gpt_oss", "120b"),
 }
 GPUS_PER_NODE = 8
+#: ``--hf-assets-path``'s default; a preset without a flavor gets ``./assets/tokenizer``
+HF_ASSETS_PATH = "./assets/hf/Llama-3.1-8B"
 
 
 def launch_lines(gpus: int, gpus_per_node: int = GPUS_PER_NODE) -> list[str]:
@@ -239,56 +243,68 @@ def render_toml(
     return "\n".join(lines)
 
 
+class TomlCommand(PlannerCommand):
+    """The library's command (:class:`~seq1f1b.planning.cli.PlannerCommand`: its arguments,
+    checks and search) with what torchtitan adds: the torchtitan trainers, where to write the
+    TOML and what to train on, and the TOML after the table."""
+
+    def __init__(self) -> None:
+        super().__init__("python -m torchtitan_integration.planner", TRAINERS)
+
+    def add_arguments(self, ap: argparse.ArgumentParser) -> None:
+        """Where the TOML goes, what it trains on, and the nodes its launch line spans."""
+        ap.add_argument("--output", help="write the TOML here (default: print it)")
+        ap.add_argument("--hf-assets-path", default=HF_ASSETS_PATH, help="tokenizer directory")
+        ap.add_argument("--dataset", default="c4", help="torchtitan dataset name")
+        ap.add_argument("--steps", type=int, default=1000)
+        ap.add_argument(
+            "--gpus-per-node",
+            type=int,
+            default=GPUS_PER_NODE,
+            help="GPUs per node, for the launch command in the TOML",
+        )
+
+    def check(self, a: argparse.Namespace) -> str | None:
+        """A launch line needs at least one GPU per node."""
+        if a.gpus_per_node < 1:
+            return f"--gpus-per-node {a.gpus_per_node} must be >= 1"
+        return None
+
+    def report(
+        self, a: argparse.Namespace, argv: Sequence[str], preset: str | None, plan: Plan
+    ) -> int:
+        """The table (always: the TOML is this command's output), then the top plan's TOML;
+        exit status 1 where no setting fits."""
+        print_table(preset, plan, a.top)
+        best = plan.best
+        if best is None:
+            print("\nNo TOML written: no setting fits.", file=sys.stderr)
+            return 1
+        if preset not in FLAVORS and a.hf_assets_path == HF_ASSETS_PATH:
+            a.hf_assets_path = "./assets/tokenizer"
+        command = f"{self.prog} " + shlex.join(argv)
+        text = render_toml(
+            plan,
+            best,
+            preset,
+            command=command,
+            hf_assets_path=a.hf_assets_path,
+            dataset=a.dataset,
+            steps=a.steps,
+            gpus_per_node=a.gpus_per_node,
+        )
+        if a.output:
+            Path(a.output).write_text(text)
+            print(f"\nTOML written to {a.output}")
+        else:
+            print("\nTOML:\n" + text)
+        return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser("python -m torchtitan_integration.planner", TRAINERS)
-    ap.add_argument("--output", help="write the TOML here (default: print it)")
-    ap.add_argument(
-        "--hf-assets-path", default="./assets/hf/Llama-3.1-8B", help="tokenizer directory"
-    )
-    ap.add_argument("--dataset", default="c4", help="torchtitan dataset name")
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=GPUS_PER_NODE,
-        help="GPUs per node, for the launch command in the TOML",
-    )
-    argv = list(sys.argv[1:] if argv is None else argv)
-    a = ap.parse_args(argv)
-    if a.gpus_per_node < 1:
-        print(f"error: --gpus-per-node {a.gpus_per_node} must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        with collection_paused():
-            preset, plan = problem_from_args(a, TRAINERS)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(describe(preset, plan))
-    print(format_plan(plan, a.top))
-    best = plan.best
-    if best is None:
-        print("\nNo TOML written: no setting fits.", file=sys.stderr)
-        return 1
-    if preset not in FLAVORS and a.hf_assets_path == ap.get_default("hf_assets_path"):
-        a.hf_assets_path = "./assets/tokenizer"
-    command = "python -m torchtitan_integration.planner " + shlex.join(argv)
-    text = render_toml(
-        plan,
-        best,
-        preset,
-        command=command,
-        hf_assets_path=a.hf_assets_path,
-        dataset=a.dataset,
-        steps=a.steps,
-        gpus_per_node=a.gpus_per_node,
-    )
-    if a.output:
-        Path(a.output).write_text(text)
-        print(f"\nTOML written to {a.output}")
-    else:
-        print("\nTOML:\n" + text)
-    return 0
+    """The command: the library's table for torchtitan's trainers, then the TOML. The search
+    is this module's ``problem_from_args``, looked up at each call (a caller may wrap it)."""
+    return TomlCommand().run(argv, problem=problem_from_args)
 
 
 if __name__ == "__main__":
