@@ -131,7 +131,18 @@ def test_qwen3_moe_checkpointed_x_ep2_matches_unpipelined(tmp_path) -> None:
         assert torch.equal(got[key], bias), (key, got[key], bias)
 
 
-def test_deepseek_v3_mla_moe_matches_unpipelined(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def deepseek_seed(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return _seed(DEEPSEEK, tmp_path_factory.mktemp("deepseek_seed"))
+
+
+@pytest.fixture(scope="module")
+def deepseek_reference(deepseek_seed, tmp_path_factory: pytest.TempPathFactory):
+    return run_titan(1, *NO_PP, *DEEPSEEK, *deepseek_seed,
+                     dump=tmp_path_factory.mktemp("deepseek_ref"))  # fmt: skip
+
+
+def test_deepseek_v3_mla_moe_matches_unpipelined(deepseek_seed, deepseek_reference, tmp_path):
     """DeepSeek-V3 under Seq1F1B: MLA's value head dim (128) differs from its query/key head
     dim (192) in every segment's tiles against the cached K/V, and its MoE layers route each
     segment's tokens, the expert bias updated after every step from the tokens counted (steps
@@ -141,8 +152,7 @@ def test_deepseek_v3_mla_moe_matches_unpipelined(tmp_path) -> None:
     ZBVSeq1F1B's split backward: the gradients that later segments send back through the
     re-expansion reach the latent, ``wkv_b`` and ``wkv_a`` (with checkpointing:
     tests/test_attention.py's latent tests)."""
-    seed = _seed(DEEPSEEK, tmp_path / "seed")
-    ref = run_titan(1, *NO_PP, *DEEPSEEK, *seed, dump=tmp_path / "pp1")
+    seed, ref = deepseek_seed, deepseek_reference
     run = run_titan(2, *PP2, *DEEPSEEK, *seed, "--seq1f1b.verify", dump=tmp_path / "pp2")
     assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, run.output[-3000:]
     assert_same_curve(run, ref, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
@@ -152,6 +162,23 @@ def test_deepseek_v3_mla_moe_matches_unpipelined(tmp_path) -> None:
     assert "Seq1F1B: deepseek_v3: latent K/V cache on" in latent.output, latent.output[-3000:]
     assert latent.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, latent.output[-3000:]
     assert_same_curve(latent, ref, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
+
+
+@needs_sharding
+def test_deepseek_v3_latent_cache_x_tp2_matches_unpipelined(
+    deepseek_seed, deepseek_reference, tmp_path
+) -> None:
+    """The latent K/V cache under tensor parallelism (PP 2 x TP 2): MLA's latent and RoPE key
+    come out of the replicated ``wkv_a`` and ``kv_norm``, so every TP rank caches the same
+    576-wide latent and each later segment expands its own heads with its column shard of
+    ``wkv_b``; the latent's gradient, summed over the TP ranks by ``wkv_a``'s replicated
+    backward, reaches both shards' weights."""
+    run = run_titan(4, *PP2, *DEEPSEEK, *deepseek_seed, "--seq1f1b.kv_cache", "latent",
+                    "--parallelism.tensor_parallel_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "1",
+                    dump=tmp_path / "latent_tp2")  # fmt: skip
+    assert "Seq1F1B: deepseek_v3: latent K/V cache on" in run.output, run.output[-3000:]
+    assert_same_curve(run, deepseek_reference, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,18 @@
 """The latent K/V cache measured on CPU: one multi-head latent attention layer run segment by
 segment as Seq1F1B runs a sample (forwards 0..K-1, then backwards K-1..0).
 
-    python -m benchmarks.memory.latent_cache [--seq-len 4096] [--width 16b|debug]
+    python -m benchmarks.memory.latent_cache [--seq-len 4096] [--width 16b|671b|debug] [--tp T]
 
 Per K: the K/V cache's peak bytes with the expanded cache and with the latent one (measured:
 the cache's own accounting), and the wall time of the layer's forwards and backwards both
 ways (median of 3), so the re-expansion's cost shows next to what it saves. One layer, not a
 step: the step-level share at real sizes is simulated in
 ``python -m benchmarks.planner_models.families``.
+
+``--tp T``: one tensor-parallel rank's layer, as torchtitan's plan shards DeepSeek-V3's MLA
+(``wq``/``wkv_b`` column-wise, ``wo`` row-wise: ``heads / T`` heads a rank; ``wkv_a`` and the
+latent's norm replicated). Each rank caches the whole latent and expands its own heads, so the
+latent cache per rank is the same at any T while the expanded one shrinks by T.
 """
 
 from __future__ import annotations
@@ -45,7 +50,15 @@ class MLAWidths:
 WIDTHS = {
     "16b": MLAWidths(2048, 16, 512, 64, 128, 128),  # torchtitan's DeepSeek-V3 16B
     "debug": MLAWidths(256, 16, 512, 64, 128, 128),  # its debugmodel
+    "671b": MLAWidths(7168, 128, 512, 64, 128, 128),  # DeepSeek-V3 671B
 }
+
+
+def tp_shard(w: MLAWidths, tp: int) -> MLAWidths:
+    """The widths one of ``tp`` tensor-parallel ranks holds: its ``heads / tp`` heads."""
+    if w.heads % tp:
+        raise ValueError(f"{w.heads} heads do not split over tp = {tp}")
+    return MLAWidths(w.dim, w.heads // tp, w.rank, w.rope, w.nope, w.v)
 
 
 class MLA(nn.Module):
@@ -127,12 +140,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  description=__doc__)  # fmt: skip
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--width", choices=sorted(WIDTHS), default="16b")
+    ap.add_argument("--tp", type=int, default=1, help="one TP rank's shard of the heads")
+    ap.add_argument("--k", default="2,4,8", help="segment counts, comma-separated")
     a = ap.parse_args(argv)
-    w = WIDTHS[a.width]
-    print(f"one MLA layer ({a.width}: {w}), {a.seq_len} tokens, full checkpointing, CPU")
+    w = tp_shard(WIDTHS[a.width], a.tp)
+    print(f"one MLA layer ({a.width}, tp {a.tp}: a rank's {w}), {a.seq_len} tokens, full "
+          "checkpointing, CPU")  # fmt: skip
     print("| K | cache MiB, expanded | cache MiB, latent | ratio | s, expanded | s, latent | "
           "latent / expanded time |\n|---|---|---|---|---|---|---|")  # fmt: skip
-    for k in (2, 4, 8):
+    for k in (int(x) for x in a.k.split(",")):
         (pe, te), (pl, tl) = measure(w, a.seq_len, k, False), measure(w, a.seq_len, k, True)
         print(f"| {k} | {pe / 2**20:.1f} | {pl / 2**20:.2f} | 1/{pe / pl:.0f} | {te:.2f} | "
               f"{tl:.2f} | {tl / te:.2f} |")  # fmt: skip

@@ -208,7 +208,7 @@ def _rank_report_or_trace(argv: Sequence[str], rank: int) -> RankReport | str:
 #: tries per rank: torch 2.15's fake tensors corrupt the heap now and then while torchtitan
 #: builds a rank of two or more stages (a segmentation fault, or a garbled device or storage
 #: error, at a different op each time; docs/dry_run.md), so a failed process is run again
-DRY_RUN_ATTEMPTS = 3
+DRY_RUN_ATTEMPTS = 5
 
 
 def _run_rank(argv: list[str], rank: int) -> RankReport:

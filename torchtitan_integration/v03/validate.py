@@ -92,12 +92,11 @@ def validate_before_start(config: Any) -> None:
             f"context_parallel_degree = {cp} with {model_family.name}: not supported yet, "
             f"{model_family.no_context_parallel}. Set context_parallel_degree = 1"
         )
-    if config.seq1f1b.kv_cache == "latent" and max(par.tensor_parallel_degree,
-                                                   par.context_parallel_degree) > 1:  # fmt: skip
+    if config.seq1f1b.kv_cache == "latent" and par.context_parallel_degree > 1:
         raise ValueError(
-            "[seq1f1b] kv_cache = 'latent' runs without tensor and context parallelism "
-            f"(tensor_parallel_degree = {par.tensor_parallel_degree}, context_parallel_degree "
-            f"= {par.context_parallel_degree}): set both to 1, or kv_cache = 'expanded'"
+            "[seq1f1b] kv_cache = 'latent' runs without context parallelism "
+            f"(context_parallel_degree = {par.context_parallel_degree}): set it to 1, or "
+            "kv_cache = 'expanded'"
         )
     shape = model_family.shape(config.model_spec.model)
     check_config(
