@@ -36,9 +36,6 @@ Row = dict[str, str]
 
 #: the pairs refused at start-up, with a phrase of the refusal the run must print
 REFUSED: dict[Pair, str] = {
-    (("parallel", "cp"), ("compile", "compiled")): (
-        "ring attention does not run under torch.compile"
-    ),
     (("schedule", "BitPipe"), ("parallel", "cp")): (
         "BitPipe pipelines whole samples and does not shard them over the cp mesh"
     ),

@@ -6,7 +6,16 @@ from __future__ import annotations
 import functools
 
 import torch
-from equivalence import Case, data, documents, loss_fn, reference, rel_err
+from equivalence import (
+    Case,
+    _groups,
+    data,
+    documents,
+    loss_fn,
+    my_stages,
+    reference,
+    rel_err,
+)
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.utils.checkpoint import (
@@ -16,6 +25,7 @@ from torch.utils.checkpoint import (
 )
 
 import seq1f1b
+from seq1f1b import ContextParallelConfig, SequenceSplit
 from seq1f1b import _runtime as rt
 from seq1f1b.registry import lookup
 from seq1f1b.testing import build_stages
@@ -74,6 +84,77 @@ def compiled_schedule_steps(
     graphs = counters["stats"]["unique_graphs"]
     kinds = 2 if hybrid else 1
     assert 0 < graphs <= kinds * MAX_GRAPHS, f"{graphs} compiled graphs over {len(STEPS)} steps"
+
+
+#: compiled PP x CP cases (cp = 2 on two ranks, two stages on the pipeline rank): Seq1F1B with
+#: packed documents (cached segments reached by moving the queries), ZBVSeq1F1B's V with a
+#: window + sinks, checkpointing and an uneven split (by moving the cached K/V blocks)
+CP_CASES = (
+    Case(2, 4, 2, cp=2, seq_len=32, batch=4, docs=True, cp_prefix="pass_q"),
+    Case(2, 3, 2, cp=2, seq_len=32, batch=4, window=6, sinks=2, checkpointing=True,
+         split=(12, 8, 12), schedule="ZBVSeq1F1B", cp_prefix="pass_kv"),
+)  # fmt: skip
+
+
+def compiled_cp_schedule_steps(rank: int, world: int, cases: tuple[Case, ...]) -> None:
+    """Context parallelism with every block compiled (``fullgraph=True``: the ring's hops run
+    inside the attention's custom ops, so a graph break would fail the compile): each case's
+    second step (the first checks itself, eagerly) has the loss (the CP mean) and every
+    gradient of the eager full-sequence reference at 1e-5, and of the eager run of the same
+    schedule under CP at 1e-6."""
+    counters = rt.dynamo_counters()
+    torch.compiler.reset()
+    counters.clear()
+    rt.set_donated_buffers(True)
+    for case in cases:
+        pp_rank, pp, pp_group, cp_group = _groups(rank, world, case.cp)
+        num_stages = pp * case.stages_per_rank
+        ref_loss, ref_grads = reference(case, num_stages)
+        mine = my_stages(case, pp_rank, pp)
+        results = {}
+        for compiled in (False, True):
+            mods = build_stages(case.cfg, num_stages, checkpointing=case.checkpointing)
+            if compiled:
+                for mod in mods:
+                    for block in mod.layers:
+                        block.compile(fullgraph=True)
+            dev = torch.device("cpu")
+            stages = [PipelineStage(mods[s], s, num_stages, dev, group=pp_group) for s in mine]
+            split = case.split if isinstance(case.split, str) else tuple(case.split)
+            sched = lookup(case.schedule).schedule_class()(
+                stages, case.n_microbatches, case.seq_chunks, loss_fn,
+                seq_split=SequenceSplit(split),
+                context_parallel=ContextParallelConfig(cp_group, case.cp_prefix),
+            )  # fmt: skip
+            x, y = data(case)
+            last = num_stages - 1 in mine
+            # the first step checks itself, compiled stages running eagerly: the second counts
+            for _ in range(2 if compiled else 1):
+                for mod in mods:
+                    mod.zero_grad(set_to_none=True)
+                losses: list[torch.Tensor] = []
+                sched.step(*((x,) if 0 in mine else ()), target=y if last else None,
+                           losses=losses if last else None,
+                           document_ids=documents(case))  # fmt: skip
+                assert sched.unit_actions.kv_state_empty()
+            loss = torch.stack(losses).mean() if last else torch.zeros(())
+            torch.distributed.all_reduce(loss, group=cp_group)  # each CP rank's share
+            loss = loss.item() / case.cp
+            grads = {}
+            for s in mine:
+                for name, p in mods[s].named_parameters():
+                    grads[f"{s}.{name.replace('_orig_mod.', '')}"] = p.grad
+            results[compiled] = loss, grads
+            if last:
+                assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (compiled, case, loss)
+            for name, g in grads.items():
+                err = rel_err(g, ref_grads[name])
+                assert err <= 1e-5, f"compiled={compiled} {case} {name}: rel err {err:.2e}"
+        (eager, eager_grads), (comp, comp_grads) = results[False], results[True]
+        assert abs(comp - eager) <= 1e-6 * abs(eager), (case, comp, eager)
+        for name, g in comp_grads.items():
+            assert rel_err(g, eager_grads[name]) <= 1e-6, f"{case} {name}: compiled vs eager"
+    assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
 
 
 def refuses_compiled_on_some_ranks_only(rank: int, world: int) -> None:

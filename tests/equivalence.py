@@ -78,7 +78,8 @@ def _masked(case: Case) -> contextlib.AbstractContextManager:
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+    wide = torch.promote_types(logits.dtype, torch.float32)  # an fp64 model's stays fp64
+    return F.cross_entropy(logits.flatten(0, 1).to(wide), target.flatten())
 
 
 def data(case: Case) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from dist_utils import run_ranks
 
-from seq1f1b import SegmentInfo, chunk_aware_attention, current_segment
+from seq1f1b import SegmentInfo, add_layer_key, chunk_aware_attention, current_segment
 from seq1f1b.attention import masks
 from seq1f1b.attention.kernels import _cpu_bwd, _cpu_fwd
 from seq1f1b.attention.kv import ContextParallel, StageKVState, UnitContext, activate
@@ -408,12 +408,22 @@ _RING_SINK_CASES = [(torch.float64, "pass_q", 7), (torch.float64, "pass_kv", 7),
                     (torch.float64, "pass_q", None), (torch.float32, "auto", 7)]  # fmt: skip
 
 
-def _sinks_on_the_ring(rank: int, world: int) -> None:
+def _sinks_on_the_ring(rank: int, world: int, compiled: bool = False) -> None:
     """Each case: a sample in uneven segments of 4, 2 and 6 times 2 * cp tokens, GQA, learned
-    sinks on the LSE of this rank's shard, against the dense reference."""
+    sinks on the LSE of this rank's shard, against the dense reference. ``compiled``: the
+    attention under ``torch.compile(fullgraph=True)`` (its custom ops run the ring)."""
     lengths = [4 * world, 2 * world, 6 * world]
     starts, total = segment_offsets(lengths), sum(lengths)
+    layer = add_layer_key(torch.nn.Module()) if compiled else "attn"
+
+    def eager(q, k, v, window):
+        return chunk_aware_attention(q, k, v, layer=layer, window=window, return_lse=True)
+
     for dtype, mode, window in _RING_SINK_CASES:
+        attend = eager
+        if compiled:  # graphs of their own per case (its window is a constant of the graph)
+            torch.compiler.reset()
+            attend = torch.compile(eager, fullgraph=True, backend="aot_eager")
         q, k, v = _qkv(dtype, s=total, dv=6)
         sink = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(1),
                            dtype=dtype).requires_grad_()  # fmt: skip
@@ -429,8 +439,7 @@ def _sinks_on_the_ring(rank: int, world: int) -> None:
             with activate(UnitContext(state, info, "forward", True)):
                 shard = [torch.cat([t[:, :, a:b] for a, b in info.local_runs], 2)
                          for t in (q, k, v)]  # fmt: skip
-                out, lse = chunk_aware_attention(*shard, layer="attn", window=window,
-                                                 return_lse=True)  # fmt: skip
+                out, lse = attend(*shard, window)
             assert lse.shape == out.shape[:-1]
             outs.append(out * torch.sigmoid(lse - sink.view(1, -1, 1)).unsqueeze(-1))
             want = torch.cat([ref[:, :, a:b] for a, b in info.local_runs], 2)

@@ -11,12 +11,15 @@ import json
 import pytest
 import torch
 from compile_worker import (
+    CP_CASES,
     attention_ops_in_backward,
+    compiled_cp_schedule_steps,
     compiled_schedule_steps,
     fsdp_wider_grads_through_a_recompile,
     refuses_compiled_on_some_ranks_only,
 )
 from dist_utils import run_ranks
+from test_attention import _sinks_on_the_ring
 
 import seq1f1b
 from seq1f1b.attention.attention_op import segment_positions
@@ -110,3 +113,19 @@ def test_compiled_lse_carries_its_gradient() -> None:
     got = torch.autograd.grad(attend(q, k, v), (q, k, v, sink), go)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_blocks_under_context_parallelism_match_eager() -> None:
+    """PP x CP compiled (cp = 2 over gloo, two stages on the pipeline rank): Seq1F1B with
+    packed documents and K = 4 (pass-Q), ZBVSeq1F1B with a window + sinks, checkpointing and
+    an uneven K = 3 (pass-KV); the ring runs inside the compiled attention's custom ops. Loss
+    and every gradient equal the eager full-sequence reference and the eager CP run."""
+    run_ranks(compiled_cp_schedule_steps, 2, CP_CASES, fresh=True)
+
+
+def test_compiled_learned_sinks_on_the_ring_equal_full_attention() -> None:
+    """tests/test_attention.py's learned sinks on the ring (cp = 2: pass-Q, pass-KV, auto;
+    window or not; fp64 and fp32) with the attention compiled (``fullgraph=True``): the custom
+    op's LSE is merged over the ring and every cached segment, and its gradient reaches the
+    ring's backward, as in eager."""
+    run_ranks(_sinks_on_the_ring, 2, True, fresh=True)

@@ -1,22 +1,27 @@
 """Carried (recurrent) state: the gated delta rule and the short convolution with an initial
 and a final state equal the sequence in one call (fp32, values and every gradient), packed
-documents restart them, and a recurrent layer whose state is not carried fails the first
-step instead of training silently wrong."""
+documents restart them, a recurrent layer whose state is not carried fails the first step
+instead of training silently wrong, and under context parallelism the state passes over the
+CP ranks (a scan of affine maps) exactly."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_ranks
-from equivalence import Case, run_eval_case
+from equivalence import Case, run_case, run_eval_case
 from torch.distributed.pipelining import PipelineStage
 
 from seq1f1b import ChunkAwareGatedDeltaNet, ScheduleSeq1F1B
 from seq1f1b.attention.carried import Piece, document_pieces
-from seq1f1b.attention.causal_conv import causal_conv1d
+from seq1f1b.attention.causal_conv import causal_conv1d, tail_transition
 from seq1f1b.attention.gated_delta import (
     chunk_gated_delta_rule,
+    gated_delta_rule_affine,
     gated_delta_rule_pieces,
     recurrent_gated_delta_rule,
 )
@@ -206,3 +211,79 @@ def test_kept_state_is_a_copy() -> None:
     before = kept.clone()
     x.zero_()
     assert torch.equal(kept, before) and kept.requires_grad
+
+
+@pytest.mark.fast
+def test_a_run_is_an_affine_map_of_its_start() -> None:
+    """What the CP scan composes: a run of the delta rule from an unknown start state is
+    ``o0 + qp S`` and ``trans S + add``, and a run's convolution tail ``M tail + E``; equal to
+    running from ``S`` (and the tail) directly, with a document start inside the run (its
+    rows' later pieces, and their final state, do not depend on the start) and tails longer
+    than a row's last piece."""
+    q, k, v, decay, beta, s0 = (t.detach() for t in _inputs())
+    ids = torch.tensor([[0] * 20 + [1] * 17, [0] * 36 + [1]])
+    for pieces in ((Piece(0, B, 0, L, True),), document_pieces(document_runs(ids), 0, L)):
+        pieces = tuple(Piece(p.r0, p.r1, p.a, p.b, p.a == 0) for p in pieces)  # all continue
+        want_out, want_final = gated_delta_rule_pieces(q, k, v, decay, beta, s0, pieces)
+        o0, qp, trans, add = gated_delta_rule_affine(q, k, v, decay, beta, pieces)
+        _close(o0 + torch.einsum("blhk,bhkv->blhv", qp, s0), want_out)
+        _close(trans @ s0 + add, want_final)
+        x, w, tail = torch.randn(B, L, 5), torch.randn(5, 1, 4), torch.randn(B, 3, 5)
+        for n in (L, 2, 1):  # runs shorter than the tail keep part of the one they start from
+            run = tuple(Piece(p.r0, p.r1, 0, n, True) for p in pieces if p.a == 0)
+            m, e = tail_transition(x[:, :n], run, 4)
+            _close(m @ tail + e, causal_conv1d(x[:, :n], w, tail, run)[1])
+
+
+@contextlib.contextmanager
+def _float64() -> Iterator[None]:
+    """Models built (and run) in fp64, on a long-lived rank: restored after."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+#: Qwen3.5-style stacks (three Gated DeltaNet layers, then attention) under context
+#: parallelism, by world: 2 ranks are cp = 2 alone; 4 are pp = 2 x cp = 2 and cp = 4. At 32
+#: tokens with K >= 2 a CP rank's chunk (2 or 4 tokens) can be shorter than the convolution's
+#: tail of 3, which then spans several runs and ranks; packed documents move the CP layout
+#: off the head-tail one and reset the state inside runs
+CP_HYBRID = {
+    2: (
+        Case(1, 3, 2, cp=2, seq_len=32, batch=4, hybrid=True, split=(12, 8, 12), docs=True),
+        Case(1, 2, 2, cp=2, seq_len=32, batch=4, hybrid=True, checkpointing=True,
+             schedule="ZBSeq1F1B"),
+        Case(2, 2, 2, cp=2, seq_len=32, batch=4, hybrid=True, docs=True,
+             schedule="InterleavedSeq1F1B"),
+    ),
+    4: (
+        Case(1, 4, 2, cp=2, seq_len=32, batch=4, hybrid=True, docs=True, schedule="ZBSeq1F1B"),
+        Case(1, 2, 2, cp=4, seq_len=32, batch=4, hybrid=True, docs=True, checkpointing=True),
+    ),
+}  # fmt: skip
+
+
+def _cp_hybrid(rank: int, world: int) -> None:
+    if world == 2:  # eval's forward, fp32 (logits and losses to 1e-5)
+        run_eval_case(rank, world, Case(1, 4, 2, cp=2, seq_len=32, hybrid=True, docs=True))
+    # the gradients in fp64: fp32's rounding in this small stack reaches 1e-5 without CP
+    # already (the hybrid grid's K = 4 case), a rounding of the scan's sums more or less
+    # crosses it either way
+    with _float64():
+        for case in CP_HYBRID[world]:
+            run_case(rank, world, case, tol=1e-9)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.default_release_only)])
+def test_recurrent_state_with_context_parallel_matches_reference(world: int) -> None:
+    """Gated DeltaNet's state and convolution tail passed from CP rank to CP rank within each
+    segment and from segment to segment, their gradients in reverse, equal the unsegmented
+    model in one process (loss and every parameter gradient, in fp64 to 1e-9; eval's logits in
+    fp32): Seq1F1B,
+    InterleavedSeq1F1B (stages of Gated DeltaNet layers only) and ZBSeq1F1B (the scan's
+    gradient in the input half), uneven splits, checkpointing (the scan recomputed), packed
+    documents; 4 ranks: PP 2 x CP 2 and a ring of 4."""
+    run_ranks(_cp_hybrid, world)

@@ -142,6 +142,20 @@ def test_compiled_selective_ac_matches_compiled_unpipelined(seed, compiled_refer
     assert_same_curve(run, compiled_reference, steps=5)
 
 
+@needs_sharding
+@pytest.mark.titan_grid
+def test_compiled_pp2_x_cp2_matches_compiled_unpipelined(seed, compiled_reference, tmp_path):
+    """``--compile.enable`` with context_parallel_degree = 2 (PP 2 x CP 2 on 4 processes, FSDP
+    over the CP ranks, full AC): the ring's hops run inside the compiled attention's custom
+    ops; steps 1-5 equal compiled PP=1 (the first step runs the compiled blocks eagerly while
+    it checks itself, steps 2-5 compiled)."""
+    run = run_titan(4, "--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.context_parallel_degree", "2", *seed, *COMPILED,
+                    dump=tmp_path, timeout=900)  # fmt: skip
+    assert "Seq1F1B: pp=2 stages/rank=1 M=2 K=4 cp=2 segments" in run.output, run.output[-3000:]
+    assert_same_curve(run, compiled_reference, steps=5)
+
+
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
 # bf16 keeps 8 significant bits (relative step 2^-8 = 3.9e-3). The two runs round at
 # different places (segment-wise attention merged by log-sum-exp in fp32, per-unit losses),

@@ -122,8 +122,6 @@ QWEN3_5 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_cpu"]
         (["--parallelism.pipeline_parallel_schedule", "Seq2F2B"], "is unknown: use one of"),
         (["--seq1f1b.seq_split", "100,100"], "[training] seq_len = 512 cannot be split"),
         (["--seq1f1b.split", "uniform"], "[seq1f1b] split is now [seq1f1b] seq_split"),
-        (["--compile.enable", "--parallelism.context_parallel_degree", "2"],
-         "does not run under torch.compile yet"),
         (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe_cpu",
           "--parallelism.expert_parallel_degree", "2"], "Set --parallelism.spmd_backend partial"),
         (["--parallelism.pipeline_parallel_degree", "1",
@@ -167,6 +165,15 @@ def test_gpt_oss_tensor_parallel_is_warned_on_every_rank(caplog) -> None:
         validate_before_start(build_config(DEBUG, gpt_oss))
         validate_before_start(build_config(DEBUG, tp))
         assert "tensor_parallel_degree times" not in caplog.text
+
+
+def test_compiled_context_parallelism_is_accepted() -> None:
+    """``--compile.enable`` with context_parallel_degree = 2 under the Seq1F1B schedules: the
+    ring runs inside the compiled attention's custom ops (tests/test_compile.py)."""
+    for schedule in ("Seq1F1B", "ZBVSeq1F1B"):
+        validate_before_start(build_config(DEBUG, [
+            "--compile.enable", "--parallelism.context_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_schedule", schedule]))  # fmt: skip
 
 
 def test_bitpipe_settings_that_can_run_are_accepted() -> None:

@@ -230,26 +230,51 @@ QWEN3_5 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_cpu",
            "--training.seq_len", "128", "--training.steps", str(MOE_STEPS)]  # fmt: skip
 
 
-def test_qwen3_5_recurrent_state_matches_unpipelined(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def qwen3_5_seed(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return _seed(QWEN3_5, tmp_path_factory.mktemp("qwen3_5_seed"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_reference(qwen3_5_seed, tmp_path_factory: pytest.TempPathFactory):
+    return run_titan(1, *NO_PP, *QWEN3_5, *qwen3_5_seed,
+                     dump=tmp_path_factory.mktemp("qwen3_5_ref"))  # fmt: skip
+
+
+def test_qwen3_5_recurrent_state_matches_unpipelined(
+    qwen3_5_seed, qwen3_5_reference, tmp_path
+) -> None:
     """Qwen3.5's hybrid stack under Seq1F1B (with the start-up self-check), InterleavedSeq1F1B
     with compiled blocks and full activation checkpointing (stage 0 holds only Gated DeltaNet
     layers: the mixing probe sees their declared state; the compiled op pair carries it) and
     ZBVSeq1F1B (split backward: the state's gradient in the input half) equals PP=1 from one
     seed checkpoint."""
-    seed = _seed(QWEN3_5, tmp_path / "seed")
-    ref = run_titan(1, *NO_PP, *QWEN3_5, *seed, dump=tmp_path / "pp1")
     for name, extra in (
         ("Seq1F1B", ["--seq1f1b.verify"]),
         ("InterleavedSeq1F1B", ["--activation_checkpoint.mode", "full", "--compile.enable"]),
         ("ZBVSeq1F1B", []),
     ):
-        run = run_titan(2, *PP2, *QWEN3_5, *seed, *extra,
+        run = run_titan(2, *PP2, *QWEN3_5, *qwen3_5_seed, *extra,
                         "--parallelism.pipeline_parallel_schedule", name,
                         dump=tmp_path / name)  # fmt: skip
         assert "first-step check passed" in run.output, run.output[-3000:]
         if extra == ["--seq1f1b.verify"]:
             assert run.output.count("[seq1f1b] verify: Seq1F1B verify: OK") == 2, run.output
-        assert_same_curve(run, ref, steps=MOE_STEPS)
+        assert_same_curve(run, qwen3_5_reference, steps=MOE_STEPS)
+
+
+@needs_sharding
+def test_qwen3_5_context_parallel_matches_unpipelined(
+    qwen3_5_seed, qwen3_5_reference, tmp_path
+) -> None:
+    """Qwen3.5 under Seq1F1B x context parallelism (PP 2 x CP 2, FSDP over the CP ranks): each
+    Gated DeltaNet layer's convolution tails and delta-rule state pass from CP rank to CP rank
+    within each of the K = 4 segments (two chunks of 8 tokens a rank, head-tail) and from
+    segment to segment, the full-attention layers take the ring; equal to PP=1 without CP."""
+    run = run_titan(4, *PP2, *QWEN3_5, *qwen3_5_seed,
+                    "--parallelism.context_parallel_degree", "2", dump=tmp_path)  # fmt: skip
+    assert "Seq1F1B: pp=2 stages/rank=1 M=2 K=4 cp=2 segments" in run.output, run.output[-3000:]
+    assert_same_curve(run, qwen3_5_reference, steps=MOE_STEPS)
 
 
 def test_qwen3_5_fsdp_compiled_bf16_matches_unpipelined(tmp_path) -> None:

@@ -177,13 +177,6 @@ def check_config(
     what runs but runs slowly (the start-up check does; the build, which checks again, not)."""
     cfg = job_config.seq1f1b
     entry = check_schedule_name(job_config.parallelism.pipeline_parallel_schedule)
-    compile_config = getattr(job_config, "compile", None)
-    if cp > 1 and entry.seq_chunked and getattr(compile_config, "enable", False):
-        raise ValueError(
-            f"[compile] enable = true with context_parallel_degree = {cp}: Seq1F1B's ring "
-            "attention does not run under torch.compile yet. Set [compile] enable = false, or "
-            "context_parallel_degree = 1"
-        )
     check_loss_chunks(cfg.loss_chunks)
     if isinstance(cfg.seq_chunks, bool) or cfg.seq_chunks < 1:
         raise ValueError(

@@ -230,14 +230,8 @@ def render_toml(
         "interval = 500",
         "",
         "[compile]",
-        *(
-            ["enable = false   # Seq1F1B's ring attention (context parallelism) is not compiled"]
-            if s.cp > 1
-            else [
-                "enable = true   # each block compiled, as torchtitan's 8B/70B configs",
-                'components = ["model", "loss"]',
-            ]
-        ),
+        "enable = true   # each block compiled, as torchtitan's 8B/70B configs",
+        'components = ["model", "loss"]',
         "",
     ]
     return "\n".join(lines)

@@ -123,6 +123,9 @@ class Setting:
     fresh_processes: bool = False  # one process group per schedule (clean peak RSS)
     keep_trace: bool = True
     cp: int = 1  # context parallelism: pp x cp ranks (pp outer), Seq1F1B schedules only
+    # untimed steps of each schedule after its memory step (compiled runs: a first step that
+    # checks itself runs the compiled blocks eagerly, so the next one compiles)
+    warmup_steps: int = 0
 
     @property
     def world(self) -> int:
@@ -345,6 +348,10 @@ def _rank_main(rank: int, world: int, setting: Setting, specs: list[RunSpec]) ->
         if not spec.memory_only:
             timed.append(run)
         del run  # memory-only runs free their model right away
+    for _ in range(setting.warmup_steps):
+        for run in timed:
+            dist.barrier()
+            run.step()
     for i in range(setting.timed_steps if timed else 0):
         for j in range(len(timed)):
             run = timed[(i + j) % len(timed)]

@@ -14,6 +14,12 @@ ops instead of its eager autograd function:
   runs the tiles' backward, leaves the prefix's gradients on the cache (as the eager path
   does) and adds those later segments left on this segment's own K/V.
 
+Under context parallelism the same two ops run the ring
+(:func:`seq1f1b.attention.context_parallel.ring_forward` / ``ring_backward``, the eager path's
+own functions): the hops' point-to-point traffic happens inside the op, which the compiler
+does not look into, so a compiled block under CP has no graph break. Every CP rank runs the
+same units in the same order, so their ops pair their hops as the eager path's do.
+
 Their fake kernels only give shapes, so one graph serves every unit, segment and step (with
 dynamic shapes where segment lengths vary). The layer is named by a tensor, the
 ``seq1f1b_layer_key`` buffer of :class:`seq1f1b.ChunkAwareAttention` (or any module given one
@@ -39,6 +45,7 @@ import torch
 from torch import nn
 
 from .. import _runtime as rt
+from .context_parallel import RingLayout, ring_backward, ring_forward, ring_layout
 from .kernels import block_attention_kernels, library_kernel_ops
 from .kv import (
     SegmentKV,
@@ -107,6 +114,7 @@ class _Record:
     prefix: list[torch.Tensor]
     own: SegmentKV | None
     offset: int
+    ring: RingLayout | None = None  # under context parallelism: the ring's plan (not ``plan``)
 
 
 def _documents_arg(documents: int) -> bool | None:
@@ -151,15 +159,12 @@ def segment_attention(
         return _out_shapes(q, v)
     call = attention_call(ctx, _documents_arg(documents), spec, q.shape[0], q.shape[-2], "compiled")
     unit, plain, groups = call.unit, call.plain, call.groups
-    if unit is not None and unit.info.cp is not None:
-        raise NotImplementedError(
-            "Seq1F1B with context parallelism does not run under torch.compile yet: set "
-            "[compile] enable = false, or context_parallel_degree = 1"
-        )
     start, end = call.start, call.end
     entries: tuple[SegmentKV, ...] = ()
     prefix: list[torch.Tensor] = []
-    own, offset, skip = None, 0, True
+    own, offset, skip, ring = None, 0, True, None
+    plan: tuple = ()
+    kernels = block_attention_kernels(q)
     if unit is not None:
         skip = unit.state.skip_invisible or plain
         layer = ("compiled", layer_key.untyped_storage().data_ptr())
@@ -168,15 +173,22 @@ def segment_attention(
         if unit.keep_kv or unit.phase == "backward_weight":  # a weight half recomputes too
             own = unit.state.layer_entries(unit.info.microbatch, layer)[unit.info.segment]
             offset = 0 if own is None else own.start - start
-        plan = plan_segment(start, end, cached.key_runs(), groups, spec, skip)
+        if unit.info.cp is not None:  # the ring's hops run here, opaque to the compiler
+            ring = ring_layout(q, k, unit.info, cached, groups, spec, scale, kernels, skip,
+                               lse_read)  # fmt: skip
+        else:
+            plan = plan_segment(start, end, cached.key_runs(), groups, spec, skip)
     else:
         plan = plan_segment(start, end, (), groups, spec, skip)
-    kernels = block_attention_kernels(q)
-    out, lse = run_tiles_forward(q, kv_blocks(k, v, prefix), plan, spec, scale, kernels, final=True)
+    if ring is not None:
+        out, lse = ring_forward(q, k, v, prefix, ring)
+    else:
+        blocks = kv_blocks(k, v, prefix)
+        out, lse = run_tiles_forward(q, blocks, plan, spec, scale, kernels, final=True)
     out = out.to(q.dtype).contiguous()
     rid = next(_IDS)
     if needs_grad:
-        record = _Record(plan, spec, scale, kernels, entries, prefix, own, offset)
+        record = _Record(plan, spec, scale, kernels, entries, prefix, own, offset, ring)
         if ctx is not None:
             ctx.state.put_record(ctx.info.microbatch, ctx.info.segment, rid, record)
         else:
@@ -223,13 +235,18 @@ def segment_attention_backward(
             f"use_reentrant=False), or more than {_ORPHAN_LIMIT} pending unpipelined forwards"
         )
     dkv: dict[int, list[torch.Tensor]] = {}
-    dq = run_tiles_backward(
-        grad_out, q, out, lse, kv_blocks(k, v, rec.prefix), rec.plan, rec.spec, rec.scale,
-        rec.kernels, None, dkv, final=True, grad_lse=grad_lse,
-    )  # fmt: skip
-    own = dkv.get(-1)
-    dk = torch.zeros_like(k) if own is None else own[0].to(k.dtype)
-    dv = torch.zeros_like(v) if own is None else own[1].to(v.dtype)
+    if rec.ring is not None:  # every CP rank runs the ring's backward hops here
+        dq, dk_own, dv_own, dkv = ring_backward(grad_out, grad_lse, q, k, v, out, lse,
+                                                rec.prefix, rec.ring)  # fmt: skip
+    else:
+        dq = run_tiles_backward(
+            grad_out, q, out, lse, kv_blocks(k, v, rec.prefix), rec.plan, rec.spec, rec.scale,
+            rec.kernels, None, dkv, final=True, grad_lse=grad_lse,
+        )  # fmt: skip
+        own = dkv.get(-1)
+        dk_own, dv_own = (None, None) if own is None else (own[0], own[1])
+    dk = torch.zeros_like(k) if dk_own is None else dk_own.to(k.dtype)
+    dv = torch.zeros_like(v) if dv_own is None else dv_own.to(v.dtype)
     if ctx is None or ctx.phase != "backward_weight":  # the input half already left them
         accumulate_cache_grads(rec.entries, dkv)
     if rec.own is not None:  # what later segments left on this segment's cached K/V

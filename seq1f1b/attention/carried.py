@@ -20,7 +20,10 @@ its final state's gradient. Checkpoint recomputation reads the same entry and ke
 Outside a unit (an unpipelined run, a whole-sequence check) ``initial`` is None and ``keep``
 returns ``out``. Documents: the layer resets its state where a document starts
 (:meth:`CarriedState.pieces`); a segment whose first position opens a document does not read
-the carried state of that row.
+the carried state of that row. Under context parallelism the segment's positions are spread
+over the CP ranks: the state passes from rank to rank within the segment by a scan
+(:mod:`seq1f1b.attention.carried_cp`, :meth:`CarriedState.context_parallel`), and every CP
+rank keeps its own copy of the segment's final state here.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv import UnitContext, current_documents, current_unit
+from .kv import ContextParallel, UnitContext, current_documents, current_unit
 from .masks import RowGroups
 
 __all__ = ["CarriedEntry", "CarriedState", "Piece", "carried_state"]
@@ -97,15 +100,6 @@ class _KeepCarried(torch.autograd.Function):
         return (grad_out, None, *(leaf.grad for leaf in ctx.entry.tensors))
 
 
-def _unsupported(ctx: UnitContext) -> None:
-    if ctx.info.cp is not None:
-        raise NotImplementedError(
-            "Seq1F1B: a layer with carried (recurrent) state does not run with context "
-            "parallelism: each CP rank holds two chunks of a segment and the state would need "
-            "a scan over the ranks; use context_parallel_degree = 1 for this model"
-        )
-
-
 @dataclass(frozen=True)
 class CarriedState:
     """Where the running unit stands for one layer's carried state (see the module)."""
@@ -126,7 +120,6 @@ class CarriedState:
         ctx = self.unit
         if ctx is None or ctx.info.segment == 0:
             return None
-        _unsupported(ctx)
         ctx.state.attention_calls += 1  # a declared sequence dependency (the mixing probe)
         entries, seg = self._entries(), ctx.info.segment
         entry = entries[seg - 1] if len(entries) >= seg else None
@@ -146,7 +139,6 @@ class CarriedState:
         ctx = self.unit
         if ctx is None:
             return out
-        _unsupported(ctx)
         info = ctx.info
         entries, seg = self._entries(), info.segment
         last = seg == info.num_segments - 1
@@ -172,6 +164,17 @@ class CarriedState:
         if entry is None or not ctx.keep_kv or not torch.is_grad_enabled():
             return out
         return _KeepCarried.apply(out, entry, *final)
+
+    def context_parallel(self) -> ContextParallel | None:
+        """The CP group the running segment is sharded over (None: the segment is whole on
+        this rank). A layer given one passes its state over the CP ranks by a scan
+        (:mod:`seq1f1b.attention.carried_cp`): a declared sequence dependency, from the
+        sample's first segment on."""
+        ctx = self.unit
+        if ctx is None or ctx.info.cp is None or ctx.info.cp.size == 1:
+            return None
+        ctx.state.attention_calls += 1
+        return ctx.info.cp
 
     def pieces(self, batch: int, length: int) -> tuple[Piece, ...]:
         """The running segment cut where documents start (one piece per row group and

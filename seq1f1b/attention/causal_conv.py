@@ -5,7 +5,9 @@ Output position ``t`` reads inputs ``t-W+1 .. t``; at a segment's start the firs
 those belong to the previous segment, whose last ``W-1`` inputs are the carried ``tail``
 (zeros at the sample's start). Inputs of another document never reach a position (packed
 rows): a piece that opens a document starts from zeros, as the unsegmented convolution does
-with per-document offsets.
+with per-document offsets. Under context parallelism the tail a run starts from comes from
+other ranks' runs: :func:`tail_transition` gives a run's new tail as an affine map of the one
+it starts from, for :func:`seq1f1b.attention.carried_cp.affine_scan`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 
 from .carried import Piece
 
-__all__ = ["causal_conv1d"]
+__all__ = ["causal_conv1d", "tail_transition"]
 
 
 def _conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:
@@ -69,3 +71,29 @@ def _tail(x: torch.Tensor, tail: torch.Tensor | None, width: int) -> torch.Tenso
         return x[:, x.shape[1] - keep :]
     pad = x.new_zeros(x.shape[0], keep, x.shape[2]) if tail is None else tail.to(x.dtype)
     return torch.cat([pad, x], 1)[:, -keep:]
+
+
+def tail_transition(
+    x: torch.Tensor, pieces: Sequence[Piece], width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tail :func:`causal_conv1d` returns for ``x`` (B, L, D) cut into ``pieces``, as an
+    affine map of the tail it starts from: ``new = M @ tail + E`` with ``M`` (B, W-1, W-1) a
+    0/1 shift (nonzero only where the row's last piece is shorter than the tail and continues
+    its document) and ``E`` (B, W-1, D) the row's last inputs (zeros before a document start)."""
+    keep = width - 1
+    b = x.shape[0]
+    shift = x.new_zeros(b, keep, keep)
+    last_inputs = x.new_zeros(b, keep, x.shape[2])
+    last: dict[tuple[int, int], Piece] = {}
+    for p in pieces:  # each row group's last piece (it ends where the run ends)
+        key = (p.r0, p.r1)
+        if key not in last or p.a > last[key].a:
+            last[key] = p
+    for (r0, r1), p in last.items():
+        n = min(p.b - p.a, keep)
+        if n:
+            last_inputs[r0:r1, keep - n :] = x[r0:r1, p.b - n : p.b]
+        if n < keep and p.continues:
+            idx = torch.arange(keep - n, device=x.device)
+            shift[r0:r1, idx, idx + n] = 1
+    return shift, last_inputs

@@ -45,7 +45,16 @@ from .kv import CachedPrefix, ContextParallel, SegmentInfo, accumulate_cache_gra
 from .masks import MaskSpec, RingPlan, RowGroups, plan_ring
 from .tiles import accumulator_dtype, kv_blocks, merge, run_tiles_backward, run_tiles_forward
 
-__all__ = ["CP_PREFIX_MODES", "CommStats", "comm_stats", "cp_attention"]
+__all__ = [
+    "CP_PREFIX_MODES",
+    "CommStats",
+    "RingLayout",
+    "comm_stats",
+    "cp_attention",
+    "ring_backward",
+    "ring_forward",
+    "ring_layout",
+]
 
 CP_PREFIX_MODES = ("auto", "pass_q", "pass_kv")
 
@@ -106,7 +115,7 @@ def _start(moving: list[torch.Tensor], cp: ContextParallel) -> _Shift:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class RingLayout:
     """Everything static about one segment's CP attention on this rank, its tile plan for
     every hop included (planned once: forward, backward and recomputation reuse it)."""
 
@@ -119,44 +128,143 @@ class _Layout:
     return_lse: bool = False  # the caller reads the LSE: its gradient joins the backward
 
 
+def ring_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix: Sequence[torch.Tensor],
+    layout: RingLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One segment's attention on one CP rank, autograd-free: local tiles, then ``c-1`` ring
+    hops. Returns the output (``q``'s dtype) and the LSE merged over every key. Shared by the
+    eager autograd function and the compiled custom op (which runs it opaque to the compiler,
+    so a compiled block has no graph break per hop)."""
+    cp = layout.cp
+    local = kv_blocks(k, v, prefix)
+    args = (layout.spec, layout.scale, layout.kernels)
+    # the blocks that travel unchanged go on to the next rank while this one computes
+    moving = [k, v] + ([] if layout.pass_q else list(prefix))
+    if layout.pass_q:
+        moving.append(q)
+    pending = _start(moving, cp) if cp.size > 1 else None
+    out, lse = run_tiles_forward(q, local, layout.plan.local, *args)
+    travel: list[torch.Tensor] = []  # partial (out, lse) of the visiting queries
+    for hop in range(1, cp.size):
+        assert pending is not None
+        moving, src = pending.wait(), (cp.rank - hop) % cp.size
+        pending = _start(moving, cp) if hop < cp.size - 1 else None
+        if travel:  # the visiting queries' partial results so far (computed last hop)
+            _STATS.add("prefix", travel)
+            travel = _ring_shift(travel, cp)
+        kv = kv_blocks(moving[0], moving[1], [] if layout.pass_q else moving[2:])
+        out, lse = run_tiles_forward(q, kv, layout.plan.kv[src], *args, out, lse)
+        if layout.pass_q:
+            q_src = moving[-1]
+            o_t, l_t = travel or (None, None)
+            prefix_blocks = {j: b for j, b in local.items() if j >= 0}
+            travel = list(
+                run_tiles_forward(q_src, prefix_blocks, layout.plan.q[src], *args, o_t, l_t)
+            )
+    if travel:  # the partial results of the previous rank's queries go home
+        _STATS.add("prefix", travel)
+        o_t, l_t = _ring_shift(travel, cp)
+        out, lse = merge(out, lse, o_t, l_t)
+    return out.to(q.dtype), lse
+
+
+def ring_backward(
+    grad_out: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    prefix: Sequence[torch.Tensor],
+    layout: RingLayout,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict[int, list[torch.Tensor]]]:
+    """The backward of :func:`ring_forward`, autograd-free: the same blocks go around the ring
+    again with their gradient accumulators, which return to their owner after the last hop.
+    Returns ``dq`` and the own block's ``dk``, ``dv`` (None where no tile touched it), and the
+    cached prefix blocks' gradients by block (for :func:`accumulate_cache_grads`)."""
+    cp, wide = layout.cp, accumulator_dtype(q)
+    # what travels must have one shape on every rank: zeros where nothing came back
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out.contiguous()
+    if not layout.return_lse:
+        grad_lse = None
+    elif grad_lse is None:
+        grad_lse = torch.zeros_like(lse)
+    else:
+        grad_lse = grad_lse.contiguous()
+    dkv: dict[int, list[torch.Tensor]] = {}
+    local = kv_blocks(k, v, prefix)
+    args = (layout.spec, layout.scale, layout.kernels)
+    n_kv = 2 + (0 if layout.pass_q else len(prefix))
+    moving = [k, v] + ([] if layout.pass_q else list(prefix))
+    if layout.pass_q:
+        moving += [q, grad_out, out, lse] + ([] if grad_lse is None else [grad_lse])
+    pending = _start(moving, cp) if cp.size > 1 else None
+    dq = run_tiles_backward(grad_out, q, out, lse, local, layout.plan.local, *args, None, dkv,
+                            grad_lse=grad_lse)  # fmt: skip
+    kv_ids = [-1, *range((n_kv - 2) // 2)]
+    accs: list[torch.Tensor] = []  # gradient accumulators of the visiting blocks / queries
+    for hop in range(1, cp.size):
+        assert pending is not None
+        moving, src = pending.wait(), (cp.rank - hop) % cp.size
+        pending = _start(moving, cp) if hop < cp.size - 1 else None
+        held: list[torch.Tensor] = []
+        if accs:  # accumulated so far for these blocks / queries (computed last hop)
+            _STATS.add("own_kv", accs[:2])
+            _STATS.add("prefix", accs[2:])
+            held = _ring_shift(accs, cp)
+        kv = kv_blocks(moving[0], moving[1], moving[2:n_kv])
+        got: dict[int, list[torch.Tensor]] = {}
+        dq = run_tiles_backward(grad_out, q, out, lse, kv, layout.plan.kv[src], *args, dq,
+                                got, grad_lse=grad_lse)  # fmt: skip
+        accs = []
+        for i, block in enumerate(kv_ids):
+            for which in (0, 1):
+                g = (
+                    got[block][which]
+                    if block in got
+                    else torch.zeros_like(kv[block][which], dtype=wide)
+                )
+                accs.append(g + held[2 * i + which] if held else g)
+        if layout.pass_q:
+            q_src, do_src, o_src, lse_src, *glse_src = moving[n_kv:]
+            dq_src = held[-1] if held else None
+            prefix_blocks = {j: b for j, b in local.items() if j >= 0}
+            dq_src = run_tiles_backward(
+                do_src, q_src, o_src, lse_src, prefix_blocks, layout.plan.q[src], *args,
+                dq_src, dkv, grad_lse=glse_src[0] if glse_src else None,
+            )  # fmt: skip
+            accs.append(dq_src)
+    if accs:  # every accumulator returns to its owner
+        _STATS.add("own_kv", accs[:2])
+        _STATS.add("prefix", accs[2:])
+        home = _ring_shift(accs, cp)
+        for i, block in enumerate(kv_ids):
+            pair = dkv.setdefault(
+                block, [torch.zeros_like(home[2 * i]), torch.zeros_like(home[2 * i + 1])]
+            )
+            pair[0] += home[2 * i]
+            pair[1] += home[2 * i + 1]
+        if layout.pass_q:
+            dq += home[-1]
+    own = dkv.pop(-1, None)
+    dk = None if own is None else own[0].to(k.dtype)
+    dv = None if own is None else own[1].to(v.dtype)
+    return dq.to(q.dtype), dk, dv, dkv
+
+
 class _CPAttention(torch.autograd.Function):
-    """One segment's attention on one CP rank: local tiles, then ``c-1`` ring hops; returns
-    the output and the LSE merged over every key (the LSE's gradient is used when
-    ``layout.return_lse``)."""
+    """The eager form of :func:`ring_forward` / :func:`ring_backward`: returns the output and
+    the merged LSE (the LSE's gradient is used when ``layout.return_lse``); the cached
+    prefix's gradients go onto its cache entries."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: _Layout, entries, *prefix):
-        cp = layout.cp
-        local = kv_blocks(k, v, prefix)
-        args = (layout.spec, layout.scale, layout.kernels)
-        # the blocks that travel unchanged go on to the next rank while this one computes
-        moving = [k, v] + ([] if layout.pass_q else list(prefix))
-        if layout.pass_q:
-            moving.append(q)
-        pending = _start(moving, cp) if cp.size > 1 else None
-        out, lse = run_tiles_forward(q, local, layout.plan.local, *args)
-        travel: list[torch.Tensor] = []  # partial (out, lse) of the visiting queries
-        for hop in range(1, cp.size):
-            assert pending is not None
-            moving, src = pending.wait(), (cp.rank - hop) % cp.size
-            pending = _start(moving, cp) if hop < cp.size - 1 else None
-            if travel:  # the visiting queries' partial results so far (computed last hop)
-                _STATS.add("prefix", travel)
-                travel = _ring_shift(travel, cp)
-            kv = kv_blocks(moving[0], moving[1], [] if layout.pass_q else moving[2:])
-            out, lse = run_tiles_forward(q, kv, layout.plan.kv[src], *args, out, lse)
-            if layout.pass_q:
-                q_src = moving[-1]
-                o_t, l_t = travel or (None, None)
-                prefix_blocks = {j: b for j, b in local.items() if j >= 0}
-                travel = list(
-                    run_tiles_forward(q_src, prefix_blocks, layout.plan.q[src], *args, o_t, l_t)
-                )
-        if travel:  # the partial results of the previous rank's queries go home
-            _STATS.add("prefix", travel)
-            o_t, l_t = _ring_shift(travel, cp)
-            out, lse = merge(out, lse, o_t, l_t)
-        result = out.to(q.dtype)
+    def forward(ctx, q, k, v, layout: RingLayout, entries, *prefix):
+        result, lse = ring_forward(q, k, v, prefix, layout)
         ctx.layout, ctx.entries = layout, entries
         ctx.save_for_backward(q, k, v, result, lse, *prefix)
         ctx.set_materialize_grads(False)  # an LSE nobody reads has no gradient: None
@@ -165,74 +273,9 @@ class _CPAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, *prefix = ctx.saved_tensors
-        layout: _Layout = ctx.layout
-        cp, wide = layout.cp, accumulator_dtype(q)
-        # what travels must have one shape on every rank: zeros where nothing came back
-        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.contiguous()
-        if not layout.return_lse:
-            grad_lse = None
-        elif grad_lse is None:
-            grad_lse = torch.zeros_like(lse)
-        dkv: dict[int, list[torch.Tensor]] = {}
-        local = kv_blocks(k, v, prefix)
-        args = (layout.spec, layout.scale, layout.kernels)
-        n_kv = 2 + (0 if layout.pass_q else len(prefix))
-        moving = [k, v] + ([] if layout.pass_q else list(prefix))
-        if layout.pass_q:
-            moving += [q, grad_out, out, lse] + ([] if grad_lse is None else [grad_lse])
-        pending = _start(moving, cp) if cp.size > 1 else None
-        dq = run_tiles_backward(grad_out, q, out, lse, local, layout.plan.local, *args, None, dkv,
-                                grad_lse=grad_lse)  # fmt: skip
-        kv_ids = [-1, *range((n_kv - 2) // 2)]
-        accs: list[torch.Tensor] = []  # gradient accumulators of the visiting blocks / queries
-        for hop in range(1, cp.size):
-            assert pending is not None
-            moving, src = pending.wait(), (cp.rank - hop) % cp.size
-            pending = _start(moving, cp) if hop < cp.size - 1 else None
-            held: list[torch.Tensor] = []
-            if accs:  # accumulated so far for these blocks / queries (computed last hop)
-                _STATS.add("own_kv", accs[:2])
-                _STATS.add("prefix", accs[2:])
-                held = _ring_shift(accs, cp)
-            kv = kv_blocks(moving[0], moving[1], moving[2:n_kv])
-            got: dict[int, list[torch.Tensor]] = {}
-            dq = run_tiles_backward(grad_out, q, out, lse, kv, layout.plan.kv[src], *args, dq,
-                                    got, grad_lse=grad_lse)  # fmt: skip
-            accs = []
-            for i, block in enumerate(kv_ids):
-                for which in (0, 1):
-                    g = (
-                        got[block][which]
-                        if block in got
-                        else torch.zeros_like(kv[block][which], dtype=wide)
-                    )
-                    accs.append(g + held[2 * i + which] if held else g)
-            if layout.pass_q:
-                q_src, do_src, o_src, lse_src, *glse_src = moving[n_kv:]
-                dq_src = held[-1] if held else None
-                prefix_blocks = {j: b for j, b in local.items() if j >= 0}
-                dq_src = run_tiles_backward(
-                    do_src, q_src, o_src, lse_src, prefix_blocks, layout.plan.q[src], *args,
-                    dq_src, dkv, grad_lse=glse_src[0] if glse_src else None,
-                )  # fmt: skip
-                accs.append(dq_src)
-        if accs:  # every accumulator returns to its owner
-            _STATS.add("own_kv", accs[:2])
-            _STATS.add("prefix", accs[2:])
-            home = _ring_shift(accs, cp)
-            for i, block in enumerate(kv_ids):
-                pair = dkv.setdefault(
-                    block, [torch.zeros_like(home[2 * i]), torch.zeros_like(home[2 * i + 1])]
-                )
-                pair[0] += home[2 * i]
-                pair[1] += home[2 * i + 1]
-            if layout.pass_q:
-                dq += home[-1]
-        own = dkv.get(-1)
-        dk = None if own is None else own[0].to(k.dtype)
-        dv = None if own is None else own[1].to(v.dtype)
+        dq, dk, dv, dkv = ring_backward(grad_out, grad_lse, q, k, v, out, lse, prefix, ctx.layout)
         accumulate_cache_grads(ctx.entries, dkv)
-        return (dq.to(q.dtype), dk, dv, None, None, *((None,) * len(prefix)))
+        return (dq, dk, dv, None, None, *((None,) * len(prefix)))
 
 
 def _prefix_by_queries(mode: str, info: SegmentInfo, used: Sequence[int], q, k) -> bool:
@@ -247,6 +290,40 @@ def _prefix_by_queries(mode: str, info: SegmentInfo, used: Sequence[int], q, k) 
     bounds = info.bounds
     prefix_len = sum(bounds[j + 1] - bounds[j] for j in used)
     return info.length * q.shape[1] <= prefix_len * k.shape[1]
+
+
+def ring_layout(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    info: SegmentInfo,
+    prefix: CachedPrefix,
+    groups: RowGroups,
+    spec: MaskSpec,
+    scale: float,
+    kernels: tuple[str, Any, Any],
+    skip: bool,
+    return_lse: bool = False,
+) -> RingLayout:
+    """The ring plan of one segment on this CP rank: pass-Q or pass-KV for the cached
+    ``prefix``, and the tiles of every hop (the same decisions on every CP rank)."""
+    cp = info.cp
+    assert cp is not None
+    bounds, used = info.bounds, prefix.used
+    pass_q = _prefix_by_queries(cp.prefix, info, used, q, k)
+    docs = info.documents
+    q_runs = tuple(cp.runs(info.start, info.end, r, docs) for r in range(cp.size))
+    prefix_runs = tuple(
+        tuple(cp.runs(bounds[j], bounds[j + 1], r, docs) for j in used) for r in range(cp.size)
+    )
+    return RingLayout(
+        cp=cp,
+        plan=plan_ring(q_runs, prefix_runs, cp.rank, groups, spec, skip, pass_q),
+        spec=spec,
+        pass_q=pass_q,
+        scale=scale,
+        kernels=kernels,
+        return_lse=return_lse,
+    )
 
 
 def cp_attention(
@@ -267,23 +344,6 @@ def cp_attention(
     ``prefix`` blocks it reads (``skip``: plan only the tiles with a visible pair; False is the
     mask-alone baseline). ``return_lse``: ``(out, lse)``, the LSE of this rank's queries over
     every key they see (ring and cached segments), with a gradient."""
-    cp = info.cp
-    assert cp is not None
-    bounds, used = info.bounds, prefix.used
-    pass_q = _prefix_by_queries(cp.prefix, info, used, q, k)
-    docs = info.documents
-    q_runs = tuple(cp.runs(info.start, info.end, r, docs) for r in range(cp.size))
-    prefix_runs = tuple(
-        tuple(cp.runs(bounds[j], bounds[j + 1], r, docs) for j in used) for r in range(cp.size)
-    )
-    layout = _Layout(
-        cp=cp,
-        plan=plan_ring(q_runs, prefix_runs, cp.rank, groups, spec, skip, pass_q),
-        spec=spec,
-        pass_q=pass_q,
-        scale=scale,
-        kernels=kernels,
-        return_lse=return_lse,
-    )
+    layout = ring_layout(q, k, info, prefix, groups, spec, scale, kernels, skip, return_lse)
     out, lse = _CPAttention.apply(q, k, v, layout, prefix.entries, *prefix.tensors())
     return (out, lse) if return_lse else out

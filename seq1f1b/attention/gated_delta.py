@@ -18,6 +18,11 @@ the unit lower-triangular system ``(I + A) U = beta V - beta e^{G} K S_0`` with
 ``A_ts = beta_t e^{G_t - G_s} k_t.k_s`` (s < t); the outputs are
 ``O = e^{G} Q S_0 + (Q K^T * D) U`` with ``D_ts = e^{G_t - G_s}`` (s <= t), and the chunk's
 final state ``e^{G_C} S_0 + (K e^{G_C - G})^T U``. Every exponent is <= 0 (decays are <= 1).
+
+The state after any position is affine in the initial state, ``S_t = P_t S_0 + B_t`` with
+``P_t`` a (key dim x key dim) product of ``a_s (I - beta_s k_s^T k_s)``:
+:func:`gated_delta_rule_affine` returns that map over a run of positions (for the scan over
+context-parallel ranks, :mod:`seq1f1b.attention.carried_cp`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from .carried import Piece
 __all__ = [
     "chunk_gated_delta_rule",
     "gated_delta_rule",
+    "gated_delta_rule_affine",
     "gated_delta_rule_pieces",
     "recurrent_gated_delta_rule",
 ]
@@ -195,3 +201,40 @@ def gated_delta_rule_pieces(
     keys = sorted(rows)
     out = torch.cat([torch.cat(rows[key], 1) for key in keys], 0)
     return out, torch.cat([finals[key] for key in keys], 0)
+
+
+def _uses_fla(q: torch.Tensor, backend: str) -> bool:
+    return backend == "fla" or (backend == "auto" and _fla_available(q))
+
+
+def gated_delta_rule_affine(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    pieces: Sequence[Piece],
+    *,
+    l2norm: bool = True,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gated_delta_rule_pieces` from an initial state ``S`` not yet known, as affine
+    maps of it: ``(o0, qp, trans, add)`` with output ``o0 + qp S`` (``o0`` (B, L, H, dv),
+    ``qp`` (B, L, H, dk), per row and head) and final state ``trans S + add`` (``trans``
+    (B, H, dk, dk), ``add`` (B, H, dk, dv)). One call: the values get ``dk`` zero columns
+    whose initial state is the identity, so the state's extra columns are ``P_t`` and their
+    outputs ``q_t P_t`` (pieces that open a document start from zeros: their part of
+    ``qp`` and their rows' ``trans`` are zero). The outputs are in the compute dtype (fp32;
+    FLA's kernel: ``v``'s)."""
+    b, length, h, dk = k.shape
+    dv = v.shape[-1]
+    fla = _uses_fla(q, backend)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    dtype = v.dtype if fla else torch.promote_types(v.dtype, torch.float32)
+    ext = torch.cat([v.to(dtype), v.new_zeros((b, length, h, dk), dtype=dtype)], -1)
+    eye = torch.eye(dk, dtype=compute, device=q.device).expand(b, h, dk, dk)
+    init = torch.cat([eye.new_zeros(b, h, dk, dv), eye], -1)
+    out, final = gated_delta_rule_pieces(
+        q, k, ext, g, beta, init, pieces, l2norm=l2norm, backend=backend
+    )
+    return out[..., :dv], out[..., dv:], final[..., dv:], final[..., :dv]

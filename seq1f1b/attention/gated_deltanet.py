@@ -4,7 +4,9 @@ The layer projects queries, keys, values, an output gate and the two gating sign
 short causal convolution over the q/k/v channels, the gated delta rule, a gated RMSNorm and
 the output projection. Under a Seq1F1B schedule it carries two states from segment to segment
 of a sample (:mod:`seq1f1b.attention.carried`): the convolution's last inputs and the
-delta-rule state; a packed row restarts both at each document. Model adapters that keep their
+delta-rule state; a packed row restarts both at each document. Under context parallelism
+both also pass from CP rank to CP rank within a segment, by a scan over the ranks
+(:mod:`seq1f1b.attention.carried_cp`). Model adapters that keep their
 own projections call :func:`gated_deltanet_core` with them instead.
 
 Under torch.compile the core is one opaque custom op pair, as the compiled attention is
@@ -27,9 +29,10 @@ from torch import nn
 
 from .. import _runtime as rt
 from .attention_op import LAYER_KEY, add_layer_key, layer_key_of
-from .carried import carried_state
-from .causal_conv import causal_conv1d
-from .gated_delta import gated_delta_rule_pieces
+from .carried import CarriedState, carried_state
+from .carried_cp import affine_scan, scan_layout
+from .causal_conv import causal_conv1d, tail_transition
+from .gated_delta import gated_delta_rule_affine, gated_delta_rule_pieces
 
 __all__ = ["ChunkAwareGatedDeltaNet", "gated_deltanet_core"]
 
@@ -82,20 +85,96 @@ def _core(
     anchor: torch.Tensor,
     backend: str,
 ) -> torch.Tensor:
-    n_k, dk, n_v, dv = head_dims
     b, length, _ = qkv.shape
     carry = carried_state(key)
-    pieces = carry.pieces(b, length)
     init = carry.initial(anchor)
     tail, state = (None, None) if init is None else init
+    if carry.context_parallel() is not None:
+        return _core_cp(carry, qkv, conv_weight, g, beta, head_dims, tail, state, backend)
+    pieces = carry.pieces(b, length)
     mixed, new_tail = causal_conv1d(qkv, conv_weight, tail, pieces)
-    q, k, v = mixed.split((n_k * dk, n_k * dk, n_v * dv), dim=-1)
-    q, k = q.view(b, length, n_k, dk), k.view(b, length, n_k, dk)
-    v = v.reshape(b, length, n_v, dv)
-    if n_v != n_k:
-        q, k = q.repeat_interleave(n_v // n_k, dim=2), k.repeat_interleave(n_v // n_k, dim=2)
+    q, k, v = _split_heads(mixed, head_dims)
     out, final = gated_delta_rule_pieces(q, k, v, g, beta, state, pieces, backend=backend)
     return carry.keep(out, new_tail, final)
+
+
+def _split_heads(
+    mixed: torch.Tensor, head_dims: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The convolved channels as q, k (repeated to the value heads) and v, heads apart."""
+    n_k, dk, n_v, dv = head_dims
+    b, length, _ = mixed.shape
+    q, k, v = mixed.split((n_k * dk, n_k * dk, n_v * dv), dim=-1)
+    q, k = q.view(b, length, n_k, dk), k.view(b, length, n_k, dk)
+    if n_v != n_k:
+        q, k = q.repeat_interleave(n_v // n_k, dim=2), k.repeat_interleave(n_v // n_k, dim=2)
+    return q, k, v.reshape(b, length, n_v, dv)
+
+
+def _core_cp(
+    carry: CarriedState,
+    qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    head_dims: Sequence[int],
+    tail: torch.Tensor | None,
+    state: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    """:func:`_core` on this rank's shard of a context-parallel segment: its runs of
+    positions start from the convolution tail and the delta-rule state the runs before them
+    (on other ranks) end with, passed by :func:`seq1f1b.attention.carried_cp.affine_scan`
+    (the convolution's tails first, then the delta rule's states)."""
+    _, dk, n_v, _ = head_dims
+    b = qkv.shape[0]
+    assert carry.unit is not None
+    layout = scan_layout(carry.unit.info)
+    docs = carry.unit.info.documents
+    parts = [(layout.runs[j].lo, layout.runs[j].lo + layout.runs[j].length) for j in layout.mine]
+    pieces = [layout.pieces(j, b, docs) for j in layout.mine]
+    width = conv_weight.shape[-1]
+    tails = [
+        tail_transition(qkv[:, lo:hi], p, width) for (lo, hi), p in zip(parts, pieces, strict=True)
+    ]
+    x, starts, new_tail = affine_scan(
+        layout, qkv, None if tail is None else tail.unsqueeze(1),
+        [(m.unsqueeze(1), e.unsqueeze(1)) for m, e in tails],
+    )  # fmt: skip
+    mixed = torch.cat(
+        [
+            causal_conv1d(x[:, lo:hi], conv_weight, t.squeeze(1), p)[0]
+            for (lo, hi), t, p in zip(parts, starts, pieces, strict=True)
+        ],
+        1,
+    )
+    q, k, v = _split_heads(mixed, head_dims)
+    wide = torch.promote_types(v.dtype, torch.float32)
+    outs, maps, pairs = [], [], []
+    for j, (lo, hi), p in zip(layout.mine, parts, pieces, strict=True):
+        sl = (slice(None), slice(lo, hi))
+        if j > 0 and any(piece.continues for piece in p):
+            o0, qp, trans, add = gated_delta_rule_affine(
+                q[sl], k[sl], v[sl], g[sl], beta[sl], p, backend=backend
+            )
+        else:  # the segment's first run starts from the carried state, which every rank
+            # holds; a run whose rows all open a document here depends on no start state
+            o0, add = gated_delta_rule_pieces(
+                q[sl], k[sl], v[sl], g[sl], beta[sl], state if j == 0 else None, p,
+                backend=backend,
+            )  # fmt: skip
+            qp, trans = None, add.new_zeros((b, n_v, dk, dk))
+        outs.append(o0.to(wide))
+        maps.append(qp)
+        pairs.append((trans, add))
+    o0, starts, final = affine_scan(layout, torch.cat(outs, 1), state, pairs)
+    out = []
+    for (lo, hi), qp, s in zip(parts, maps, starts, strict=True):
+        o = o0[:, lo:hi]
+        if qp is not None:
+            o = o + torch.einsum("blhk,bhkv->blhv", qp.to(s.dtype), s).to(wide)
+        out.append(o)
+    return carry.keep(torch.cat(out, 1).to(v.dtype), new_tail.squeeze(1), final)
 
 
 def _out_shape(qkv: torch.Tensor, g: torch.Tensor, head_dims: Sequence[int]) -> torch.Tensor:
@@ -208,7 +287,8 @@ class ChunkAwareGatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, length, _ = x.shape
         _, _, n_v, dv = self.head_dims
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        wide = torch.promote_types(x.dtype, torch.float32)  # fp32, fp64 for an fp64 model
+        g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)
         beta = torch.sigmoid(self.in_proj_b(x))
         out = gated_deltanet_core(
             self, self.in_proj_qkv(x), self.conv.weight, g, beta, self.head_dims, anchor=x

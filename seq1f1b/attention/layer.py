@@ -215,8 +215,8 @@ def chunk_aware_attention(
     runs the tiles), or "auto": flex on CUDA, tiles elsewhere.
 
     Under ``torch.compile`` the call is the custom op of :mod:`seq1f1b.attention.attention_op`
-    (tiles, no context parallelism yet); ``layer`` must then carry a key buffer (ChunkAwareAttention
-    does; :func:`seq1f1b.add_layer_key` gives one to any module).
+    (tiles, or the context-parallel ring run inside the op); ``layer`` must then carry a key
+    buffer (ChunkAwareAttention does; :func:`seq1f1b.add_layer_key` gives one to any module).
     """
     if mask_backend not in ("auto", "tiles", "flex"):
         raise ValueError(f"mask_backend={mask_backend!r}: use 'auto', 'tiles' or 'flex'")

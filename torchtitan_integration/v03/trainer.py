@@ -40,15 +40,20 @@ from .validate import check_torch_for_parallelism, loss_with_chunks, validate_be
 def _parallelize_chunk_aware(parallelize_fn: Any, family: ModelFamily | None) -> Any:
     """torchtitan's parallelize_fn, after making the attention chunk-aware the ``family``'s
     way (PP = 1 and Seq1F1B stages; None: torch's schedules, unchanged; selective AC then
-    saves it too), with gloo-compatible FSDP reductions."""
+    saves it too), with gloo-compatible FSDP reductions; under the schedule's context
+    parallelism through the family's ``parallelize_under_cp`` where it has one."""
 
     @functools.wraps(parallelize_fn)
     def wrapped(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+        fn = parallelize_fn
         if family is not None:
             family.make_chunk_aware(model)
             if "ac_config" in kwargs:
                 kwargs["ac_config"] = saving_chunk_aware_attention(kwargs["ac_config"])
-        model = parallelize_fn(model, **kwargs)
+            dims = kwargs.get("parallel_dims")
+            if family.parallelize_under_cp is not None and dims is not None and dims.cp_enabled:
+                fn = family.parallelize_under_cp(parallelize_fn)
+        model = fn(model, **kwargs)
         fsdp_reductions_for_gloo(model)
         return model
 

@@ -159,6 +159,9 @@ class ModelFamily:
     latent_kv: Callable[[nn.Module], int] | None = None
     #: why the family does not run with context parallelism (None: it does)
     no_context_parallel: str | None = None
+    #: wraps torchtitan's parallelize_fn when the Seq1F1B schedule runs the context
+    #: parallelism and torchtitan's own function would refuse it (None: called as it is)
+    parallelize_under_cp: Callable[[Any], Any] | None = None
     #: what torchtitan's own tensor parallelism (``spmd_types`` backend) gets wrong in this
     #: family, warned at start-up on every rank (None: nothing known)
     tensor_parallel_note: str | None = None

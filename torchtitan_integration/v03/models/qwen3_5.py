@@ -9,8 +9,10 @@ inputs of its q/k/v convolutions and the delta-rule state (value heads x key dim
 dim); its forward becomes :func:`chunk_aware_deltanet_forward`, torchtitan's own projections,
 convolution weights, gates and norm around Seq1F1B's kernels (FLA's chunked kernel with an
 initial and a final state on CUDA, the pure-torch chunked form on CPU), with packed documents
-restarting both states. The text-only language model trains; the vision encoder is not part
-of a pipeline stage (torchtitan's ``pipeline_vlm`` puts it on the first stage, for images).
+restarting both states. Under context parallelism both states also pass from CP rank to CP
+rank within each segment (a scan over the ranks, :mod:`seq1f1b.attention.carried_cp`).
+The text-only language model trains; the vision encoder is not part of a pipeline stage
+(torchtitan's ``pipeline_vlm`` puts it on the first stage, for images).
 ``debugmodel_cpu`` is Seq1F1B's own: torchtitan's ``debugmodel`` with its 248,320-token
 vocabulary cut to 2,048 (the shipped tokenizer's), for a 2-core CPU.
 """
@@ -18,6 +20,8 @@ vocabulary cut to 2,048 (the shipped tokenizer's), for a 2-core CPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -111,6 +115,48 @@ def hybrid_shape(config: Any) -> ModelShape:
     return dataclasses.replace(decoder_shape(config), linear_attention=linear)
 
 
+class _PastTheCPRefusal:
+    """torchtitan's ``parallel_dims`` for one ``parallelize_qwen3_5`` call whose first read of
+    ``cp_enabled`` (the refusal) says False; every later read (the FSDP mesh over the CP
+    ranks, under the ``spmd_types`` backend) and every other name are the real object's."""
+
+    def __init__(self, dims: Any) -> None:
+        self._dims = dims
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dims, name)
+
+    @property
+    def cp_enabled(self) -> bool:
+        self.reads += 1
+        return self.reads > 1 and bool(self._dims.cp_enabled)
+
+
+def parallelize_under_cp(parallelize_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torchtitan 0.3's ``parallelize_qwen3_5`` under the Seq1F1B schedule's context
+    parallelism. It refuses CP first thing, because torchtitan's own CP would all-gather the
+    whole sequence for the Gated DeltaNet layers; here the schedule runs the CP (the ring for
+    attention, the state's scan for Gated DeltaNet) and torchtitan's function only has to
+    shard over the CP mesh (FSDP), so its refusal is shown ``cp_enabled = False``
+    (:class:`_PastTheCPRefusal`; checked against torchtitan 0.3.0: a release that reads it
+    nowhere fails here, not silently)."""
+
+    @functools.wraps(parallelize_fn)
+    def call(model: nn.Module, *, parallel_dims: Any, **kwargs: Any) -> nn.Module:
+        view = _PastTheCPRefusal(parallel_dims)
+        out = parallelize_fn(model, parallel_dims=view, **kwargs)
+        if view.reads == 0:
+            raise RuntimeError(
+                "Seq1F1B: torchtitan's parallelize_qwen3_5 no longer reads "
+                "parallel_dims.cp_enabled, so the refusal this integration steps past "
+                "(checked against torchtitan 0.3.0) has changed: check what it does under CP"
+            )
+        return out
+
+    return call
+
+
 def cpu_sized(model_config: Any) -> list[str]:
     """``debugmodel`` with the shipped tokenizer's 2,048-token vocabulary."""
     vocab = 2048
@@ -128,9 +174,5 @@ FAMILY = ModelFamily(
     shape=hybrid_shape,
     resized={"debugmodel_cpu": Resized("debugmodel", cpu_sized)},
     debug_flavor="debugmodel_cpu",
-    no_context_parallel=(
-        "its Gated DeltaNet layers carry a recurrent state from segment to segment, and a "
-        "context-parallel rank holds two chunks of each segment: the state would need a scan "
-        "over the CP ranks, which Seq1F1B does not run yet"
-    ),
+    parallelize_under_cp=parallelize_under_cp,
 )
