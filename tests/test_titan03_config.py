@@ -128,8 +128,9 @@ QWEN3_5 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_cpu"]
           "--parallelism.context_parallel_degree", "2"], "so it needs pipeline parallelism"),
         (["--parallelism.pipeline_parallel_schedule", "BitPipe",
           "--parallelism.context_parallel_degree", "2"], "does not shard them over the cp mesh"),
-        ([*QWEN3_5, "--parallelism.context_parallel_degree", "2"],
-         "carry a recurrent state from segment to segment"),
+        (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--seq1f1b.kv_cache",
+          "latent", "--parallelism.context_parallel_degree", "2"],
+         "kv_cache = 'latent' runs without context parallelism"),
     ],
 )  # fmt: skip
 def test_bad_settings_are_refused_before_start(args: list[str], message: str) -> None:
