@@ -12,6 +12,9 @@ schedules, so machine noise falls on all alike.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 from ..harness.measured import RunSpec, Setting, measure
 from ..harness.presets import PRESETS
@@ -23,28 +26,33 @@ SPECS = (
 )
 
 
+def paired_rows(
+    specs: Sequence[RunSpec], seq_len: int, model: Any, steps: int, **setting: Any
+) -> list[tuple[RunSpec, dict[str, Any], dict[str, Any]]]:
+    """Each of ``specs`` eager and compiled, measured in one run at pp=2, M=2 (the timed steps
+    of all of them interleaved): ``(spec, eager row, compiled row)``; ``setting``: more of
+    :class:`~benchmarks.harness.measured.Setting`'s fields (``cp``, ``warmup_steps``)."""
+    both = tuple(replace(s, compiled=c) for c in (False, True) for s in specs)
+    rows = {r["label"]: r for r in measure(Setting(2, 2, seq_len, model, both,
+                                                   timed_steps=steps, keep_trace=False,
+                                                   **setting))}  # fmt: skip
+    return [(s, rows[s.label], rows[replace(s, compiled=True).label]) for s in specs]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=tuple(PRESETS), default="quick")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per schedule")
     ap.add_argument("--seq-len", type=int, default=4096)
     args = ap.parse_args(argv)
-    preset = PRESETS[args.preset]
-    specs = tuple(RunSpec(s.schedule, s.seq_chunks, s.split, compiled=c)
-                  for c in (False, True) for s in SPECS)  # fmt: skip
-    setting = Setting(2, 2, args.seq_len, preset.model, specs, timed_steps=args.steps,
-                      keep_trace=False)  # fmt: skip
-    rows = {r["label"]: r for r in measure(setting)}
+    pairs = paired_rows(SPECS, args.seq_len, PRESETS[args.preset].model, args.steps)
     print(f"preset {args.preset}: pp=2, M=2, {args.seq_len} tokens, {args.steps} timed steps")
     print("| schedule | eager s | compiled s | compiled / eager | vs 1F1B eager | "
           "vs 1F1B compiled |")  # fmt: skip
     print("|---|---|---|---|---|---|")
-    base = {c: rows[RunSpec("1F1B", compiled=c).label]["step_time_s"] for c in (False, True)}
-    for spec in SPECS:
-        eager = rows[spec.label]["step_time_s"]
-        comp = rows[RunSpec(spec.schedule, spec.seq_chunks, spec.split, compiled=True).label][
-            "step_time_s"
-        ]
+    base = {False: pairs[0][1]["step_time_s"], True: pairs[0][2]["step_time_s"]}  # 1F1B
+    for spec, eager_row, comp_row in pairs:
+        eager, comp = eager_row["step_time_s"], comp_row["step_time_s"]
         print(f"| {spec.label} | {eager:.3f} | {comp:.3f} | {comp / eager:.3f} | "
               f"{eager / base[False]:.3f} | {comp / base[True]:.3f} |")  # fmt: skip
 

@@ -20,8 +20,9 @@ import argparse
 import statistics
 from typing import Any
 
-from ..harness.measured import RunSpec, Setting, measure
+from ..harness.measured import RunSpec
 from ..harness.presets import PRESETS
+from .compiled import paired_rows
 
 #: uniform splits: a CP segment must be a multiple of 2 * cp tokens
 CP1_SPECS = (RunSpec("1F1B"), RunSpec("Seq1F1B", 4, "uniform"), RunSpec("ZBVSeq1F1B", 4, "uniform"))
@@ -41,19 +42,10 @@ def _compute_cpu_s(row: dict[str, Any]) -> float:
 def _ratios(cp: int, specs: tuple[RunSpec, ...], args: argparse.Namespace) -> list[tuple]:
     """(label, eager s, compiled s, eager CPU s, compiled CPU s) of each spec at this CP
     degree."""
-    preset = PRESETS[args.preset]
-    both = tuple(RunSpec(s.schedule, s.seq_chunks, s.split, compiled=c)
-                 for c in (False, True) for s in specs)  # fmt: skip
-    setting = Setting(2, 2, args.seq_len, preset.model, both, timed_steps=args.steps,
-                      keep_trace=False, cp=cp, warmup_steps=1)  # fmt: skip
-    rows = {r["label"]: r for r in measure(setting)}
-    out = []
-    for spec in specs:
-        eager = rows[spec.label]
-        comp = rows[RunSpec(spec.schedule, spec.seq_chunks, spec.split, compiled=True).label]
-        out.append((spec.label, eager["step_time_s"], comp["step_time_s"],
-                    _compute_cpu_s(eager), _compute_cpu_s(comp)))  # fmt: skip
-    return out
+    pairs = paired_rows(specs, args.seq_len, PRESETS[args.preset].model, args.steps, cp=cp,
+                        warmup_steps=1)  # fmt: skip
+    return [(spec.label, eager["step_time_s"], comp["step_time_s"], _compute_cpu_s(eager),
+             _compute_cpu_s(comp)) for spec, eager, comp in pairs]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
