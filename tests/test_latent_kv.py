@@ -1,14 +1,17 @@
 """The latent K/V cache (:func:`seq1f1b.latent_attention`): multi-head latent attention's
 earlier segments cached as the compressed latent, re-expanded by each later segment, equal to
 the unpipelined model (and to the expanded cache) with and without checkpointing, compiled
-included, in a fraction of the expanded cache's bytes."""
+included, with context parallelism, in a fraction of the expanded cache's bytes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from dist_utils import run_ranks
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 import seq1f1b
 from benchmarks.memory.latent_cache import MLA, MLAWidths, run_segments
@@ -63,6 +66,44 @@ def test_latent_cache_under_torch_compile() -> None:
             stage.layers[i] = torch.compile(layer, backend="aot_eager")
     report = seq1f1b.verify_model(stages, *_batch(), _loss, seq_chunks=3)
     assert report.ok, report
+
+
+def _latent_on_the_ring(rank: int, world: int) -> None:
+    """Both layers' latent caches under CP = ``world`` (one stage, the ranks a ring), each
+    cache mode of the ring, with checkpointing: loss and every gradient (averaged over the
+    ring by the schedule) equal the whole model's in one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "cp"))
+    torch.manual_seed(1)  # the same batch on every rank
+    x, y = (t.repeat(1, 2) for t in _batch())  # 96 tokens: K = 3 segments of 32 = 8 * 2 * cp
+    for prefix, ckpt in (("pass_kv", False), ("pass_q", True), ("auto", False)):
+        torch.manual_seed(0)
+        ref = Stage(True, True, latent=True, ckpt=ckpt)
+        want = _loss(ref(x), y)
+        want.backward()
+        torch.manual_seed(0)
+        model = Stage(True, True, latent=True, ckpt=ckpt)
+        stage = PipelineStage(model, 0, 1, torch.device("cpu"), group=mesh["pp"].get_group())
+        cp = seq1f1b.ContextParallelConfig(mesh["cp"].get_group(), prefix)
+        losses: list[torch.Tensor] = []
+        seq1f1b.ScheduleSeq1F1B([stage], 2, 3, _loss, context_parallel=cp).step(
+            x, target=y, losses=losses
+        )
+        got = torch.stack(losses).mean()
+        dist.all_reduce(got)  # each CP rank's loss is its share of the tokens
+        got, want = float(got) / world, float(want)
+        assert abs(got - want) <= 1e-5 * abs(want), (prefix, got, want)
+        for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+            err = float((p.grad - r.grad).norm() / r.grad.norm())
+            assert err <= 1e-5, (prefix, name, err)
+
+
+def test_latent_cache_with_context_parallelism_matches_the_whole_model() -> None:
+    """The latent cache on a CP ring: each CP rank caches the latent of its own shard of an
+    earlier segment's positions and expands it for the ring's tiles (pass-KV sends the
+    expanded K/V, pass-Q the queries), and the gradients come back through the expansion."""
+    run_ranks(_latent_on_the_ring, 2)
 
 
 def _peak_and_grads(latent: bool, lengths: list[int]) -> tuple[int, list[torch.Tensor]]:

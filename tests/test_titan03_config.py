@@ -128,9 +128,6 @@ QWEN3_5 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_cpu"]
           "--parallelism.context_parallel_degree", "2"], "so it needs pipeline parallelism"),
         (["--parallelism.pipeline_parallel_schedule", "BitPipe",
           "--parallelism.context_parallel_degree", "2"], "does not shard them over the cp mesh"),
-        (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--seq1f1b.kv_cache",
-          "latent", "--parallelism.context_parallel_degree", "2"],
-         "kv_cache = 'latent' runs without context parallelism"),
     ],
 )  # fmt: skip
 def test_bad_settings_are_refused_before_start(args: list[str], message: str) -> None:
@@ -170,11 +167,15 @@ def test_gpt_oss_tensor_parallel_is_warned_on_every_rank(caplog) -> None:
 
 def test_compiled_context_parallelism_is_accepted() -> None:
     """``--compile.enable`` with context_parallel_degree = 2 under the Seq1F1B schedules: the
-    ring runs inside the compiled attention's custom ops (tests/test_compile.py)."""
+    ring runs inside the compiled attention's custom ops (tests/test_compile.py); and
+    DeepSeek-V3's latent K/V cache on the ring (tests/test_latent_kv.py)."""
     for schedule in ("Seq1F1B", "ZBVSeq1F1B"):
         validate_before_start(build_config(DEBUG, [
             "--compile.enable", "--parallelism.context_parallel_degree", "2",
             "--parallelism.pipeline_parallel_schedule", schedule]))  # fmt: skip
+    validate_before_start(build_config(DEBUG, [
+        "--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--seq1f1b.kv_cache",
+        "latent", "--parallelism.context_parallel_degree", "2"]))  # fmt: skip
 
 
 def test_bitpipe_settings_that_can_run_are_accepted() -> None:

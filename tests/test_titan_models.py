@@ -164,19 +164,29 @@ def test_deepseek_v3_mla_moe_matches_unpipelined(deepseek_seed, deepseek_referen
     assert_same_curve(latent, ref, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
 
 
+#: the latent cache's PP 2 runs against the one PP=1 run: under TP 2, and under CP 2 (FSDP
+#: over the CP ranks)
+LATENT_RUNS = {
+    "tp2": ["--parallelism.tensor_parallel_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "1"],
+    "cp2": ["--parallelism.context_parallel_degree", "2"],
+}  # fmt: skip
+
+
 @needs_sharding
-def test_deepseek_v3_latent_cache_x_tp2_matches_unpipelined(
-    deepseek_seed, deepseek_reference, tmp_path
+@pytest.mark.parametrize("variant", ["tp2", "cp2"])
+def test_deepseek_v3_latent_cache_x_tp2_or_cp2_matches_unpipelined(
+    deepseek_seed, deepseek_reference, tmp_path, variant: str
 ) -> None:
     """The latent K/V cache under tensor parallelism (PP 2 x TP 2): MLA's latent and RoPE key
     come out of the replicated ``wkv_a`` and ``kv_norm``, so every TP rank caches the same
     576-wide latent and each later segment expands its own heads with its column shard of
     ``wkv_b``; the latent's gradient, summed over the TP ranks by ``wkv_a``'s replicated
-    backward, reaches both shards' weights."""
+    backward, reaches both shards' weights. Under context parallelism (PP 2 x CP 2) each CP
+    rank caches the latent of its own shard of positions (RoPE'd at their absolute
+    positions) and expands it for the ring's tiles."""
     run = run_titan(4, *PP2, *DEEPSEEK, *deepseek_seed, "--seq1f1b.kv_cache", "latent",
-                    "--parallelism.tensor_parallel_degree", "2",
-                    "--parallelism.data_parallel_shard_degree", "1",
-                    dump=tmp_path / "latent_tp2")  # fmt: skip
+                    *LATENT_RUNS[variant], dump=tmp_path / f"latent_{variant}")  # fmt: skip
     assert "Seq1F1B: deepseek_v3: latent K/V cache on" in run.output, run.output[-3000:]
     assert_same_curve(run, deepseek_reference, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
 

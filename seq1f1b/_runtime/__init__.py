@@ -159,6 +159,7 @@ from .fake import (
     outside_fake_mode,
     schedule_stages,
     set_static_metadata,
+    swapped_out_kept,
 )
 from .ir import (
     ACTION_CONTEXT_HOOK,
@@ -339,6 +340,7 @@ __all__ = [
     "small_buffers_kept",
     "split_tensor",
     "stand_in_stages",
+    "swapped_out_kept",
     "tree_flatten",
     "tree_unflatten",
     "unflatten_dense_tensors",

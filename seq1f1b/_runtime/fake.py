@@ -36,6 +36,10 @@ place.
 | DTensor._op_dispatcher.sharding_propagator       | the global-shape fake tensors DTensor's    |
 |   ._propagate_tensor_meta_non_cached (an         |   sharding propagation makes under the dry |
 |   instance attribute while the tracker is on)    |   run's own fake mode are not counted      |
+| torch.utils.swap_tensors (public; wrapped while  | the fake local tensor a DTensor parameter  |
+|   a dry run builds its rank: ``swapped_out_kept``)|   swaps out in ``to_empty`` lives as long  |
+|                                                  |   as the parameter (its early free corrupts|
+|                                                  |   the heap on 2.15: ``swapped_out_kept``)  |
 
 Checked on 2.13.0, 2.14.1 and 2.15.0; the dry run itself needs 2.15 (``HAS_WARMUP_P2P``
 false): 2.13/2.14's stages vote on a P2P warm-up whose result a fake tensor does not hold.
@@ -74,6 +78,7 @@ __all__ = [
     "outside_fake_mode",
     "schedule_stages",
     "set_static_metadata",
+    "swapped_out_kept",
 ]
 
 
@@ -189,6 +194,33 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def swapped_out_kept() -> Iterator[list[torch.Tensor]]:
+    """While a dry run builds and runs its rank: the fake local tensor of each DTensor that
+    ``nn.Module._apply`` swaps out (``to_empty`` after ``fully_shard``, through
+    ``torch.utils.swap_tensors``) is kept until the context exits.
+
+    Freed at once, as torch frees it, that fake tensor (on the meta device, no storage)
+    corrupts the heap on torch 2.15 now and then: a segmentation fault, or a garbled device
+    or storage error, in FSDP's lazy initialisation or the first forward (torchtitan's
+    trainer, a rank of two stages: 4 runs in 6 at debug size). Kept, it costs a Python
+    object per parameter. Upstream hook that would remove this: the use after free found and
+    fixed in torch (``swap_tensors`` of wrapper subclasses over fake tensors)."""
+    swap = torch.utils.swap_tensors
+    kept: list[torch.Tensor] = []
+
+    def keeping(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        swap(t1, t2)
+        if isinstance(t2, DTensor):
+            kept.append(t2._local_tensor)
+
+    torch.utils.swap_tensors = keeping
+    try:
+        yield kept
+    finally:
+        torch.utils.swap_tensors = swap
 
 
 def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:

@@ -41,7 +41,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .kv import CachedPrefix, ContextParallel, SegmentInfo, accumulate_cache_grads
+from .kv import (
+    CachedPrefix,
+    ContextParallel,
+    SegmentInfo,
+    accumulate_cache_grads,
+    reexpanded_prefix,
+    saved_prefix,
+    send_through_expansions,
+)
 from .masks import MaskSpec, RingPlan, RowGroups, plan_ring
 from .tiles import accumulator_dtype, kv_blocks, merge, run_tiles_backward, run_tiles_forward
 
@@ -260,21 +268,24 @@ def ring_backward(
 class _CPAttention(torch.autograd.Function):
     """The eager form of :func:`ring_forward` / :func:`ring_backward`: returns the output and
     the merged LSE (the LSE's gradient is used when ``layout.return_lse``); the cached
-    prefix's gradients go onto its cache entries."""
+    prefix's gradients go onto its cache entries (a latent cache's through its re-expansion,
+    as in the unsharded attention)."""
 
     @staticmethod
     def forward(ctx, q, k, v, layout: RingLayout, entries, *prefix):
         result, lse = ring_forward(q, k, v, prefix, layout)
         ctx.layout, ctx.entries = layout, entries
-        ctx.save_for_backward(q, k, v, result, lse, *prefix)
+        ctx.save_for_backward(q, k, v, result, lse, *saved_prefix(entries, prefix))
         ctx.set_materialize_grads(False)  # an LSE nobody reads has no gradient: None
         return result, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, *prefix = ctx.saved_tensors
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        prefix, graphs = reexpanded_prefix(ctx.entries, saved)
         dq, dk, dv, dkv = ring_backward(grad_out, grad_lse, q, k, v, out, lse, prefix, ctx.layout)
         accumulate_cache_grads(ctx.entries, dkv)
+        send_through_expansions(graphs, dkv)
         return (dq, dk, dv, None, None, *((None,) * len(prefix)))
 
 

@@ -43,6 +43,9 @@ __all__ = [
     "current_segment",
     "current_unit",
     "packed_documents",
+    "reexpanded_prefix",
+    "saved_prefix",
+    "send_through_expansions",
 ]
 
 
@@ -365,6 +368,35 @@ class StageKVState:
         return not self._cache
 
 
+def saved_prefix(entries: Sequence[Any], prefix: Sequence[torch.Tensor]) -> list[Any]:
+    """The prefix tensors an attention's forward saves: an :class:`ExpandedKV` entry's K and V
+    are not kept (None; :func:`reexpanded_prefix` makes them again in the backward)."""
+    return [None if isinstance(entries[i // 2], ExpandedKV) else t for i, t in enumerate(prefix)]
+
+
+def reexpanded_prefix(
+    entries: Sequence[Any], prefix: Sequence[Any]
+) -> tuple[list[torch.Tensor], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """An attention backward's prefix tensors: what :func:`saved_prefix` kept, and each
+    expanded entry's K and V expanded again (detached), with the graphs of those expansions
+    by block (for :func:`send_through_expansions`)."""
+    prefix = list(prefix)
+    graphs = {j: e.with_graph() for j, e in enumerate(entries) if isinstance(e, ExpandedKV)}
+    for j, (k, v) in graphs.items():
+        prefix[2 * j], prefix[2 * j + 1] = k.detach(), v.detach()
+    return prefix, graphs
+
+
+def send_through_expansions(
+    graphs: dict[int, tuple[torch.Tensor, torch.Tensor]], dkv: dict[int, list[torch.Tensor]]
+) -> None:
+    """The K/V gradients of expanded entries back through their expansion: into the
+    latent's ``.grad`` and the up-projection's weights."""
+    for j, (k, v) in graphs.items():
+        if j in dkv:
+            torch.autograd.backward((k, v), (dkv[j][0].to(k.dtype), dkv[j][1].to(v.dtype)))
+
+
 def accumulate_cache_grads(entries: Sequence[SegmentKV], dkv: dict[int, list[torch.Tensor]]):
     """Add cached K/V gradients (``dkv[j]`` for ``entries[j]``) into the entries' ``.grad``.
 
@@ -470,8 +502,13 @@ class CachedPrefix:
         return tuple((e.start, end) for e, end in zip(self.entries, self.ends, strict=True))
 
     def tensors(self) -> list[torch.Tensor]:
-        """``k, v`` of every entry, in order (the attention's prefix inputs)."""
-        return [t for e in self.entries for t in (e.k, e.v)]
+        """``k, v`` of every entry, in order (the attention's prefix inputs; an
+        :class:`ExpandedKV` entry's expanded without a graph)."""
+        return [
+            t
+            for e in self.entries
+            for t in (e.tensors() if isinstance(e, ExpandedKV) else (e.k, e.v))
+        ]
 
 
 def attend_cache(

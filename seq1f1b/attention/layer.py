@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -45,6 +46,9 @@ from .kv import (
     attention_call,
     current_unit,
     inferring_metadata,
+    reexpanded_prefix,
+    saved_prefix,
+    send_through_expansions,
 )
 from .masks import MaskSpec, RowGroups, plan_segment
 from .tiles import (
@@ -146,20 +150,15 @@ class _SegmentAttention(torch.autograd.Function):
         out = out_acc.to(q.dtype)
         ctx.scale, ctx.kernels, ctx.plan, ctx.spec = scale, kernels, plan, spec
         ctx.entries = entries
-        kept = [
-            None if isinstance(entries[i // 2], ExpandedKV) else t for i, t in enumerate(prefix)
-        ]
-        ctx.save_for_backward(q, k, v, out, lse_acc, *kept)  # a latent's K/V: re-expanded
+        ctx.save_for_backward(q, k, v, out, lse_acc, *saved_prefix(entries, prefix))
         ctx.set_materialize_grads(False)  # an LSE nobody reads has no gradient: None
         return out, lse_acc
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, *prefix = ctx.saved_tensors
+        q, k, v, out, lse, *saved = ctx.saved_tensors
         dkv: dict[int, list[torch.Tensor]] = {}
-        graphs = {j: e.with_graph() for j, e in enumerate(ctx.entries) if isinstance(e, ExpandedKV)}
-        for j, kv in graphs.items():
-            prefix[2 * j], prefix[2 * j + 1] = kv[0].detach(), kv[1].detach()
+        prefix, graphs = reexpanded_prefix(ctx.entries, saved)  # a latent's K/V: expanded again
         blocks = kv_blocks(k, v, prefix)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
@@ -171,9 +170,7 @@ class _SegmentAttention(torch.autograd.Function):
         dk = None if own is None else own[0].to(k.dtype)
         dv = None if own is None else own[1].to(v.dtype)
         accumulate_cache_grads(ctx.entries, dkv)
-        for j, (kx, vx) in graphs.items():  # into the latent's .grad and the up-projection
-            if j in dkv:
-                torch.autograd.backward((kx, vx), (dkv[j][0].to(kx.dtype), dkv[j][1].to(vx.dtype)))
+        send_through_expansions(graphs, dkv)
         nones = (None,) * len(prefix)
         return (dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None, *nones)
 
@@ -283,8 +280,10 @@ def latent_attention(
     re-expansion's matmuls.
 
     ``latent``: two ``(batch, seq, width)`` tensors; ``expand`` maps them (any run of positions)
-    to ``(batch, heads, seq, head_dim)`` K and V with the layer's own modules. Context
-    parallelism is not supported; under ``torch.compile`` the call runs eagerly."""
+    to ``(batch, heads, seq, head_dim)`` K and V with the layer's own modules. Under context
+    parallelism each CP rank caches the latent of its own shard of an earlier segment's
+    positions and expands it for the ring (which passes expanded K/V or the queries, as for
+    the expanded cache); under ``torch.compile`` the call runs eagerly."""
     for t in latent:
         if t.dim() != 3:
             raise ValueError(
@@ -297,24 +296,22 @@ def latent_attention(
         return chunk_aware_attention(q, k, v, layer=layer, scale=scale, window=window,
                                      sinks=sinks, documents=documents,
                                      return_lse=return_lse)  # fmt: skip
-    if ctx.info.cp is not None:
-        raise NotImplementedError(
-            "the latent K/V cache (kv_cache = 'latent') does not run with context parallelism: "
-            "use the expanded cache, or context_parallel_degree = 1"
-        )
     spec = MaskSpec(window, sinks)
     call = attention_call(ctx, documents, spec, q.shape[0], q.shape[-2], layer)
     skip = ctx.state.skip_invisible or call.plain
-    c, rope, prefix = attend_cache(ctx, layer, *latent, call.groups, spec, skip)
+    c, rope, cached = attend_cache(ctx, layer, *latent, call.groups, spec, skip)
     k, v = expand(c, rope)
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"q has {q.shape[1]} heads and the expanded k {k.shape[1]}")
-    entries = tuple(ExpandedKV(e, expand) for e in prefix.entries)
-    tensors = [t for e in entries for t in e.tensors()]
-    plan = plan_segment(call.start, call.end, prefix.key_runs(), call.groups, spec, skip)
+    prefix = replace(cached, entries=tuple(ExpandedKV(e, expand) for e in cached.entries))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out, lse = _SegmentAttention.apply(q, k, v, scale, block_attention_kernels(q), plan, spec,
-                                       call.start, entries, None, *tensors)  # fmt: skip
+    kernels = block_attention_kernels(q)
+    if ctx.info.cp is not None:  # each CP rank caches the latent of its own shard of positions
+        return cp_attention(q, k, v, ctx.info, prefix, call.groups, spec, scale, kernels, skip,
+                            return_lse)  # fmt: skip
+    plan = plan_segment(call.start, call.end, prefix.key_runs(), call.groups, spec, skip)
+    out, lse = _SegmentAttention.apply(q, k, v, scale, kernels, plan, spec, call.start,
+                                       prefix.entries, None, *prefix.tensors())  # fmt: skip
     return (out, lse) if return_lse else out
 
 

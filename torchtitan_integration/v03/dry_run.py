@@ -205,10 +205,10 @@ def _rank_report_or_trace(argv: Sequence[str], rank: int) -> RankReport | str:
         return traceback.format_exc()
 
 
-#: tries per rank: torch 2.15's fake tensors corrupt the heap now and then while torchtitan
-#: builds a rank of two or more stages (a segmentation fault, or a garbled device or storage
-#: error, at a different op each time; docs/dry_run.md), so a failed process is run again
-DRY_RUN_ATTEMPTS = 5
+#: tries per rank: a rank's process that dies (a signal sends no traceback) is run again,
+#: saying so. Torch 2.15's fake tensors corrupted the heap in 4 builds of 6 of a two-stage
+#: rank until the swapped-out parameters were kept (``seq1f1b._runtime.swapped_out_kept``)
+DRY_RUN_ATTEMPTS = 3
 
 
 def _run_rank(argv: list[str], rank: int) -> RankReport:

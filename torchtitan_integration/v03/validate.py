@@ -92,12 +92,6 @@ def validate_before_start(config: Any) -> None:
             f"context_parallel_degree = {cp} with {model_family.name}: not supported yet, "
             f"{model_family.no_context_parallel}. Set context_parallel_degree = 1"
         )
-    if config.seq1f1b.kv_cache == "latent" and par.context_parallel_degree > 1:
-        raise ValueError(
-            "[seq1f1b] kv_cache = 'latent' runs without context parallelism "
-            f"(context_parallel_degree = {par.context_parallel_degree}): set it to 1, or "
-            "kv_cache = 'expanded'"
-        )
     shape = model_family.shape(config.model_spec.model)
     check_config(
         config,  # (the whole config: check_config also reads [compile])

@@ -244,7 +244,11 @@ def dry_run_rank(
             "(scripts/setup_env.sh .venv 2.15.0)"
         )
     spec = gpu_spec(gpu) if isinstance(gpu, str) else gpu
-    with rt.fake_world(rank, world_size), rt.FakeTensorMode(allow_non_fake_inputs=True):
+    with (
+        rt.fake_world(rank, world_size),
+        rt.FakeTensorMode(allow_non_fake_inputs=True),
+        rt.swapped_out_kept(),  # torch 2.15's use after free in to_empty (see the seam)
+    ):
         step = build(rank)
         schedule = step.schedule
         if getattr(schedule, "_split_backward", False) and not schedule._whole_backward:
