@@ -53,7 +53,7 @@ def test_shipped_toml_maps_and_validates(path: Path, caplog: pytest.LogCaptureFi
     ac = config.activation_checkpoint
     assert (ac is None) == (mode == "none") and isinstance(ac, FullAC.Config) == (mode == "full")
     with caplog.at_level(logging.WARNING, logger="torchtitan_integration"):
-        validate_before_start(config)  # the Seq1F1B split of the real model's shape
+        validate_before_start(config)  # the split of the real model's shape, its RoPE length
     # a shipped config never warns about its own segments (the debug ones are 58-72 tokens
     # on debug-sized models, which the warning knows)
     assert "segments as short as" not in caplog.text, caplog.text
@@ -128,6 +128,9 @@ QWEN3_5 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_cpu"]
           "--parallelism.context_parallel_degree", "2"], "so it needs pipeline parallelism"),
         (["--parallelism.pipeline_parallel_schedule", "BitPipe",
           "--parallelism.context_parallel_degree", "2"], "does not shard them over the cp mesh"),
+        (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.seq_len",
+          "32768"], "exceeds the RoPE table of deepseek_v3 debugmodel (16384 positions): set "
+         "[model] max_seq_len = 32768"),
     ],
 )  # fmt: skip
 def test_bad_settings_are_refused_before_start(args: list[str], message: str) -> None:

@@ -199,6 +199,19 @@ def _optimizer(opts: Mapping[str, Any], current: Any) -> Any:
     )  # fmt: skip
 
 
+def set_rope_length(model: Any, length: int) -> None:
+    """``[model] max_seq_len``: the RoPE table's length in every attention layer of a 0.3
+    model config. torchtitan's flavors fix it (DeepSeek-V3's at 16,384, its YaRN scaling
+    made for 4,096 x 40) and refuse a longer ``seq_len`` at start-up; the table's
+    frequencies do not depend on its length, so a longer one only holds more positions."""
+    if length < 1:
+        raise TomlKeyError(f"[model] max_seq_len = {length} must be >= 1")
+    for layer in model.layers:
+        attention = getattr(layer, "attention", None)
+        if attention is not None and getattr(attention, "rope", None) is not None:
+            attention.rope = dataclasses.replace(attention.rope, max_seq_len=length)
+
+
 def build_config(toml_path: str | Path | None, argv: Iterable[str] = ()) -> Any:
     """The 0.3 ``Seq1F1BTrainer.Config`` for a 0.2.2 TOML plus ``--section.key`` overrides."""
     try:
@@ -219,6 +232,8 @@ def build_config(toml_path: str | Path | None, argv: Iterable[str] = ()) -> Any:
         config = seq1f1b_model(name, flavor)
     except ValueError as err:  # an unknown family or flavor, named with the supported ones
         raise TomlKeyError(str(err)) from None
+    if "model.max_seq_len" in values:
+        set_rope_length(config.model_spec.model, int(values.pop("model.max_seq_len")))
     for key in [k for k in values if k in ACCEPTED]:
         values.pop(key)
     optimizer = {

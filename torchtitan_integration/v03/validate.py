@@ -56,6 +56,19 @@ def check_torch_for_parallelism(par: Any, world: int | None = None) -> None:
         )
 
 
+def _check_rope_length(config: Any) -> None:
+    """torchtitan's own check (the model's ``update_from_config``), made before any rank
+    builds: a ``seq_len`` past the RoPE table the flavor fixes, with the key that lengthens it."""
+    rope_len = getattr(config.model_spec.model, "max_seq_len", None)
+    seq_len = config.training.seq_len
+    if isinstance(rope_len, int) and seq_len > rope_len:
+        raise ValueError(
+            f"[training] seq_len = {seq_len} exceeds the RoPE table of {config.model_spec.name} "
+            f"{config.model_spec.flavor} ({rope_len} positions): set [model] max_seq_len = "
+            f"{seq_len} (a longer table of the same frequencies) or a shorter seq_len"
+        )
+
+
 def validate_before_start(config: Any) -> None:
     """Refuse settings that cannot run, naming the config key and the fix, on every rank."""
     par = config.parallelism
@@ -70,6 +83,7 @@ def validate_before_start(config: Any) -> None:
             "all_to_all_single runs on gloo), or expert_parallel_degree = 1"
         )
     _warn_tensor_parallel(config)
+    _check_rope_length(config)
     if par.pipeline_parallel_degree <= 1:
         if cp > 1:
             raise ValueError(
