@@ -116,9 +116,11 @@ def compiled_reference(seed, tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 
 @pytest.mark.titan_grid
+@pytest.mark.grid_script  # the grid's rows run both compiled too (CI: the selective-AC run below)
 # (Seq1F1B compiled: the selective-AC run below, against the same reference; ZBVSeq1F1B
 # compiled: tests/test_compile.py's library run, and end to end ZBV with Qwen3 x TP and GPT-OSS
-# in tests/test_titan_models.py, ZBSeq1F1B's split backward compiled here)
+# in tests/test_titan_models.py, ZBSeq1F1B's split backward compiled here and in
+# tests/test_compile.py)
 @pytest.mark.parametrize("schedule", ["ZBSeq1F1B", "BitPipe"])
 def test_compiled_blocks_match_compiled_unpipelined(seed, compiled_reference, tmp_path, schedule):
     """``--compile.enable`` under the Seq1F1B schedules (the chunk-aware attention is one

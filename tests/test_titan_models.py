@@ -92,6 +92,7 @@ def test_qwen3_zbv_x_tp2_matches_unpipelined(qwen3_seed, qwen3_reference, tmp_pa
     assert_same_curve(run, qwen3_reference, steps=STEPS)
 
 
+@pytest.mark.grid_script  # the grid's rows: Qwen3 compiled, compiled interleaved, compiled full AC
 def test_qwen3_compiled_interleaved_matches_unpipelined(qwen3_seed, qwen3_reference, tmp_path):
     """InterleavedSeq1F1B with each Qwen3 block compiled (``fullgraph=True``) and fully
     checkpointed, against the eager PP=1 run (compiling changes no number at fp32's 1e-4)."""
