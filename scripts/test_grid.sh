@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The combination grid's long part (tests/combination_grid.py): its 26 rows, each a torchtitan
+# The combination grid's long part (tests/combination_grid.py): its 31 rows, each a torchtitan
 # 0.3 PP=2 run against PP=1 in the same configuration (about an hour on 2 cores; CI runs the
 # grid's covering and start-up checks, and the hand-written runs of tests/test_titan*.py but
 # those marked grid_script, which run here after the rows).

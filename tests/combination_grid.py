@@ -21,7 +21,7 @@ __all__ = ["FACTORS", "REFUSED", "Row", "reference_key", "refusal_rows", "row_ar
 #: each setting and its values, the first value of each the plain default (BitPipe pipelines
 #: whole microbatches: its rows run the split and K as accepted settings it does not use)
 FACTORS: dict[str, tuple[str, ...]] = {
-    "model": ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss"),
+    "model": ("llama3", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_5"),
     "schedule": ("Seq1F1B", "InterleavedSeq1F1B", "ZBSeq1F1B", "ZBVSeq1F1B", "BitPipe"),
     "parallel": ("none", "fsdp", "tp", "cp", "dp_replicate"),
     "compile": ("eager", "compiled"),
@@ -91,12 +91,14 @@ def _complete(seed: Row, order: list[str], uncovered: set[Pair]) -> Row:
 
 
 def _latin_square() -> list[Row]:
-    """The first three factors, when they have the same number n of values, in n * n rows
-    holding every pair among them (value i, value j, value (i + j) mod n): the fewest rows
-    that any covering set of them needs."""
+    """The first three factors, when the second and third have the same number n of values
+    and the first at least n, in n * n rows holding every pair among the second and third and
+    the first's first n values (value i, value j, value (i + j) mod n): the fewest rows that
+    any covering set of them needs. The first factor's later values (a family added after the
+    square, such as qwen3_5) come in the greedy rows after it, so the square's rows stay."""
     a, b, c = list(FACTORS)[:3]
-    n = len(FACTORS[a])
-    if not len(FACTORS[b]) == len(FACTORS[c]) == n:
+    n = len(FACTORS[b])
+    if len(FACTORS[c]) != n or len(FACTORS[a]) < n:
         return []
     return [
         {a: FACTORS[a][i], b: FACTORS[b][j], c: FACTORS[c][(i + j) % n]}
@@ -153,6 +155,8 @@ MODELS: dict[str, list[str]] = {
                     "--training.seq_len", "128"],
     "gpt_oss": ["--model.name", "gpt_oss", "--model.flavor", "debugmodel_cpu",
                 "--training.seq_len", "256"],
+    "qwen3_5": ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_cpu",
+                "--training.seq_len", "128"],
 }
 #: K = 4 segments of each length, uneven
 EXPLICIT = {"128": "40,32,32,24", "256": "80,64,64,48"}

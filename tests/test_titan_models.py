@@ -288,6 +288,7 @@ def test_qwen3_5_context_parallel_matches_unpipelined(
     assert_same_curve(run, qwen3_5_reference, steps=MOE_STEPS)
 
 
+@pytest.mark.grid_script  # the grid's Qwen3.5 row: compiled interleaved x FSDP in bf16
 def test_qwen3_5_fsdp_compiled_bf16_matches_unpipelined(tmp_path) -> None:
     """The mix users run, on Qwen3.5: PP=2 x FSDP=2 with compiled blocks in bf16 equals
     PP=1 x FSDP=2 in the same configuration (bf16: losses 1e-3, grad norms 1e-2)."""
