@@ -494,3 +494,20 @@ def test_help_lists_the_seq1f1b_keys_and_torchtitans(monkeypatch, capsys) -> Non
                 "--job.dump_folder -> --dump_folder"):  # fmt: skip
         assert key in out, key
     assert "K: segments each sample's sequence is cut into" in out  # the field's docstring
+
+
+def test_the_shared_core_reads_0_3s_own_config() -> None:
+    """The pipelining function hands the shared core 0.3's trainer config itself, or, where
+    torchtitan passed replaced parallelism/training sections (``pipeline_vlm``), a copy of
+    that config holding them: never a view in 0.2.2's shape."""
+    import dataclasses
+
+    from torchtitan_integration.v03.pipeline import with_sections
+
+    config = build_config(DEBUG)
+    assert with_sections(config) is config
+    assert with_sections(config, config.parallelism, config.training) is config
+    par = dataclasses.replace(config.parallelism, pipeline_parallel_degree=4)
+    copy = with_sections(config, par)
+    assert type(copy) is type(config) and copy.parallelism is par
+    assert copy.training is config.training and copy.seq1f1b is config.seq1f1b

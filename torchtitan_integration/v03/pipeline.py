@@ -12,6 +12,7 @@ one, through the seam (:mod:`._titan`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -34,16 +35,16 @@ from . import _titan
 from .models import family_of
 
 
-def config_view(trainer_config: Any, parallelism: Any = None, training: Any = None) -> Any:
-    """The trainer config with the parallelism/training sections torchtitan passed in (they
-    may be replaced copies, e.g. ``pipeline_vlm``'s)."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(
-        parallelism=parallelism or trainer_config.parallelism,
-        training=training or trainer_config.training,
-        seq1f1b=trainer_config.seq1f1b,
-    )
+def with_sections(trainer_config: Any, parallelism: Any = None, training: Any = None) -> Any:
+    """0.3's trainer config as 0.3 writes it (the shared core reads its ``parallelism``,
+    ``training`` and ``seq1f1b`` sections by their 0.3 names), with the parallelism/training
+    sections torchtitan passed in where those are replaced copies (``pipeline_vlm``'s): then
+    a copy of the config holding them, checked by 0.3's own ``__post_init__``."""
+    parallelism = parallelism or trainer_config.parallelism
+    training = training or trainer_config.training
+    if parallelism is trainer_config.parallelism and training is trainer_config.training:
+        return trainer_config
+    return dataclasses.replace(trainer_config, parallelism=parallelism, training=training)
 
 
 def pipeline_seq1f1b(
@@ -88,7 +89,7 @@ def pipeline_seq1f1b(
             parallelize_fn=parallelize_fn,
             loss_fn=loss_fn,
         )
-    config = config_view(trainer_config, parallelism, training)
+    config = with_sections(trainer_config, parallelism, training)
     pp, tp, cp = parallel_dims.pp, parallel_dims.tp, parallel_dims.cp
     n_layers = len(model_config.layers)
     model_family = family_of(trainer_config.model_spec)
