@@ -120,8 +120,9 @@ def document_cp_layout(start: int, end: int, size: int, documents: RowGroups) ->
     :data:`CP_LAYOUT_TOLERANCE` of the best is taken (fewer, larger tiles). Integer work and
     fixed tie rules: every rank computes the same layout from the documents alone."""
     zigzag = tuple(zigzag_runs(start, end, r, size) for r in range(size))
-    work = attention_work(documents, start, end)
-    prefix = torch.cat([work.new_zeros(1), work.cumsum(0)]).tolist()
+    with outside_fake_mode():  # host data, read as such (real in a dry run too)
+        work = attention_work(documents, start, end)
+        prefix = torch.cat([work.new_zeros(1), work.cumsum(0)]).tolist()
 
     def load(runs: Runs) -> int:
         return sum(prefix[b - start] - prefix[a - start] for a, b in runs)
