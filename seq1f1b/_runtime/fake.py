@@ -37,9 +37,9 @@ place.
 |   ._propagate_tensor_meta_non_cached (an         |   sharding propagation makes under the dry |
 |   instance attribute while the tracker is on)    |   run's own fake mode are not counted      |
 | torch.utils.swap_tensors (public; wrapped while  | the fake local tensor a DTensor parameter  |
-|   a dry run builds its rank: ``swapped_out_kept``)|   swaps out in ``to_empty`` lives as long  |
-|                                                  |   as the parameter (its early free corrupts|
-|                                                  |   the heap on 2.15: ``swapped_out_kept``)  |
+|   a dry run builds and runs its rank:            |   swaps out in ``to_empty`` lives until the|
+|   ``swapped_out_kept``)                          |   rank is done (its early free corrupts the|
+|                                                  |   heap on 2.15)                            |
 
 Checked on 2.13.0, 2.14.1 and 2.15.0; the dry run itself needs 2.15 (``HAS_WARMUP_P2P``
 false): 2.13/2.14's stages vote on a P2P warm-up whose result a fake tensor does not hold.
@@ -197,7 +197,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def swapped_out_kept() -> Iterator[list[torch.Tensor]]:
+def swapped_out_kept() -> Iterator[None]:
     """While a dry run builds and runs its rank: the fake local tensor of each DTensor that
     ``nn.Module._apply`` swaps out (``to_empty`` after ``fully_shard``, through
     ``torch.utils.swap_tensors``) is kept until the context exits.
@@ -218,7 +218,7 @@ def swapped_out_kept() -> Iterator[list[torch.Tensor]]:
 
     torch.utils.swap_tensors = keeping
     try:
-        yield kept
+        yield  # ``kept`` lives until here
     finally:
         torch.utils.swap_tensors = swap
 
