@@ -19,6 +19,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from seq1f1b import ScheduleSeq1F1B, ScheduleZBSeq1F1B
 from seq1f1b._runtime import HAS_WARMUP_P2P, PipelineMemTracker
+from seq1f1b.attention.gated_deltanet import ChunkAwareGatedDeltaNet
 from seq1f1b.planning.dryrun import RankStep, dry_run_rank, static_stage
 from seq1f1b.planning.dryrun.tables import format_reports
 from seq1f1b.testing import TinyConfig, build_stages
@@ -71,8 +72,13 @@ def _build(kind: str, cfg: str = "llama"):
 
 def _real(rank: int, world: int, kind: str, out: str, cfg: str = "llama") -> None:
     """The real run: step 1 warms up (shapes, first-step check, optimizer state), step 2 is
-    measured with the same tracker the dry run uses."""
+    measured with the same tracker the dry run uses. Gated DeltaNet layers run the delta rule
+    as the opaque op a dry run takes (the fused kernel's footprint: inputs saved, no chunk
+    temporaries), so both sides hold the same tensors."""
     mods = build_stages(CFGS[cfg], world, seed=0)
+    for layer in mods[rank].modules():
+        if isinstance(layer, ChunkAwareGatedDeltaNet):
+            layer.backend = "op"
     stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
     opt = torch.optim.AdamW(mods[rank].parameters())
     schedule = _schedule(kind, stage)

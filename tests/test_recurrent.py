@@ -21,6 +21,7 @@ from seq1f1b.attention.carried import Piece, document_pieces
 from seq1f1b.attention.causal_conv import causal_conv1d, tail_transition
 from seq1f1b.attention.gated_delta import (
     chunk_gated_delta_rule,
+    gated_delta_rule,
     gated_delta_rule_affine,
     gated_delta_rule_pieces,
     recurrent_gated_delta_rule,
@@ -70,6 +71,57 @@ def test_chunked_delta_rule_equals_the_recurrence(chunk: int) -> None:
         _close(a, b)
     for a, b in zip(_grads(out, inputs), _grads(ref, inputs), strict=True):
         _close(a, b)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("with_state", [True, False])
+def test_the_opaque_op_equals_the_chunks_and_is_what_a_dry_run_takes(with_state: bool) -> None:
+    """``backend="op"`` (one custom op pair, inputs kept, the rest recomputed) equals the
+    pure-torch chunks: outputs, final state, every gradient (the initial state's when there
+    is one). Over fake tensors ``"auto"`` takes it: a handful of ops, not the chunks' hundreds,
+    shapes and dtypes as the chunks give them, and FLOPs counted by torch's counter."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from seq1f1b import _runtime as rt
+
+    *qkvgb, s0 = inputs = _inputs()
+    init = s0 if with_state else None
+    every = inputs if with_state else qkvgb
+    ref = chunk_gated_delta_rule(*qkvgb, init)
+    got = gated_delta_rule(*qkvgb, init, backend="op")
+    for a, b in zip(got, ref, strict=True):
+        assert a.dtype == b.dtype
+        _close(a, b)
+    for a, b in zip(_grads(got, every), _grads(ref, every), strict=True):
+        _close(a, b)
+
+    class Count(rt.TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.namespace != "prim":  # ``t.device`` reads
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    plain = [t.detach() for t in every]
+    with rt.FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t).requires_grad_() for t in plain]
+        count, flops = Count(), FlopCounterMode(display=False)
+        with count, flops:
+            out, final = gated_delta_rule(*fake[:5], fake[5] if with_state else None)
+            (out.sum() + final.sum()).backward()
+    assert "seq1f1b.gated_delta_rule.default" in count.ops
+    assert "seq1f1b.gated_delta_rule_backward.default" in count.ops
+    assert len(count.ops) < 20, count.ops
+    assert (out.shape, out.dtype, final.shape, final.dtype) == (
+        ref[0].shape, ref[0].dtype, ref[1].shape, ref[1].dtype,
+    )  # fmt: skip
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in fake)
+    # forward plus a backward of twice its FLOPs: 3x the forward's count
+    forward = B * H * L * (4 * L * DK + 3 * L * DV + 6 * DK * DV)
+    assert flops.get_total_flops() == 3 * forward
 
 
 @pytest.mark.fast

@@ -23,6 +23,14 @@ The state after any position is affine in the initial state, ``S_t = P_t S_0 + B
 ``P_t`` a (key dim x key dim) product of ``a_s (I - beta_s k_s^T k_s)``:
 :func:`gated_delta_rule_affine` returns that map over a run of positions (for the scan over
 context-parallel ranks, :mod:`seq1f1b.attention.carried_cp`).
+
+``backend="op"`` runs the recurrence as one opaque op pair, ``seq1f1b::gated_delta_rule``
+and its backward, which keep only their inputs for the backward and recompute the rest, as
+FLA's fused kernel does. A dry run (fake tensors, :mod:`seq1f1b.planning.dryrun`) takes it
+under ``"auto"``: its fake kernels give the shapes at once where the pure-torch chunks would
+dispatch some 30 fake ops a chunk (512 chunks a 32k sequence), and the memory it shows is the
+fused kernel's a GPU holds, not the chunked graph's. Its FLOPs are priced by
+:func:`_delta_rule_flops` (torch's ``flop_counter`` registry).
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
+from .. import _runtime as rt
 from .carried import Piece
 
 __all__ = [
@@ -132,6 +142,114 @@ def chunk_gated_delta_rule(
     return out.transpose(1, 2).to(v.dtype), s
 
 
+def _state_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(q.dtype, torch.float32)
+
+
+@torch.library.custom_op("seq1f1b::gated_delta_rule", mutates_args=())
+def gated_delta_rule_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_gated_delta_rule` as one op: the output (``v``'s dtype) and the final
+    state (fp32, fp64 for fp64 inputs)."""
+    with torch.no_grad():
+        out, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state, l2norm=l2norm)
+    return out.contiguous(), final.contiguous()
+
+
+@gated_delta_rule_op.register_fake
+def _(q, k, v, g, beta, initial_state, l2norm):
+    b, _, h, dk = k.shape
+    return torch.empty_like(v), q.new_empty((b, h, dk, v.shape[-1]), dtype=_state_dtype(q))
+
+
+@torch.library.custom_op("seq1f1b::gated_delta_rule_backward", mutates_args=())
+def gated_delta_rule_backward_op(
+    grad_out: torch.Tensor,
+    grad_final: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    l2norm: bool,
+) -> list[torch.Tensor]:
+    """The gradients of :func:`gated_delta_rule_op` for ``q, k, v, g, beta`` and the
+    initial state (zeros when there is none), recomputed from its inputs."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, g, beta)]
+    init = None if initial_state is None else initial_state.detach().requires_grad_()
+    with torch.enable_grad(), rt.autograd_inside_custom_op():
+        out, final = chunk_gated_delta_rule(*leaves, init, l2norm=l2norm)
+        inputs = leaves + ([] if init is None else [init])
+        grads = torch.autograd.grad((out, final), inputs, (grad_out, grad_final), allow_unused=True)
+    grads = [
+        torch.zeros_like(t) if d is None else d.to(t.dtype)
+        for t, d in zip(inputs, grads, strict=True)
+    ]
+    if init is None:
+        grads.append(grad_final.new_zeros(()))
+    return [d.contiguous() for d in grads]
+
+
+@gated_delta_rule_backward_op.register_fake
+def _(grad_out, grad_final, q, k, v, g, beta, initial_state, l2norm):
+    state = grad_final.new_zeros(()) if initial_state is None else torch.empty_like(initial_state)
+    return [torch.empty_like(t) for t in (q, k, v, g, beta)] + [state]
+
+
+def _setup_context(ctx: object, inputs: tuple, output: tuple) -> None:
+    q, k, v, g, beta, initial_state, l2norm = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state)  # type: ignore[attr-defined]
+    ctx.l2norm = l2norm  # type: ignore[attr-defined]
+
+
+def _backward(ctx: object, grad_out: torch.Tensor, grad_final: torch.Tensor) -> tuple:
+    q, k, v, g, beta, initial_state = ctx.saved_tensors  # type: ignore[attr-defined]
+    if grad_out is None:
+        grad_out = torch.zeros_like(v)
+    if grad_final is None:
+        b, _, h, dk = k.shape
+        grad_final = q.new_zeros((b, h, dk, v.shape[-1]), dtype=_state_dtype(q))
+    l2norm: bool = ctx.l2norm  # type: ignore[attr-defined]
+    *grads, d_init = gated_delta_rule_backward_op(
+        grad_out, grad_final, q, k, v, g, beta, initial_state, l2norm
+    )
+    return (*grads, None if initial_state is None else d_init, None)
+
+
+gated_delta_rule_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _delta_rule_flops(q_shape, k_shape, v_shape, *_: object, backward: bool = False) -> int:
+    """The chunked algorithm's FLOPs (module docstring), per chunk of ``C`` positions and
+    head: ``K K^T`` and ``Q K^T`` (``2 C^2 dk`` each), the triangular solve (``C^2 dv``),
+    ``K S_0``, ``Q S_0``, the state update (``2 C dk dv`` each) and ``(Q K^T * D) U``
+    (``2 C^2 dv``); the backward counted as twice the forward, as for a matrix product."""
+    b, length, h, dk = k_shape
+    dv = v_shape[-1]
+    c = min(CHUNK, length)
+    per_position = 4 * c * dk + 3 * c * dv + 6 * dk * dv
+    return (2 if backward else 1) * b * h * length * per_position
+
+
+@register_flop_formula(torch.ops.seq1f1b.gated_delta_rule)
+def _(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    return _delta_rule_flops(q_shape, k_shape, v_shape)
+
+
+@register_flop_formula(torch.ops.seq1f1b.gated_delta_rule_backward)
+def _(grad_out_shape, grad_final_shape, q_shape, k_shape, v_shape, *args, out_shape=None,
+      **kwargs) -> int:  # fmt: skip
+    return _delta_rule_flops(q_shape, k_shape, v_shape, backward=True)
+
+
 def _fla_available(t: torch.Tensor) -> bool:
     if t.device.type != "cuda":
         return False
@@ -155,7 +273,8 @@ def gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence with an initial state, returning the output and the final state:
     FLA's chunked kernel on CUDA when FLA is installed (``backend="auto"`` or ``"fla"``),
-    else :func:`chunk_gated_delta_rule` (``"torch"``)."""
+    the opaque op pair for fake tensors (``"auto"``) or when asked (``"op"``), else
+    :func:`chunk_gated_delta_rule` (``"torch"``)."""
     if backend == "fla" or (backend == "auto" and _fla_available(q)):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
@@ -164,8 +283,12 @@ def gated_delta_rule(
             use_qk_l2norm_in_kernel=l2norm,
         )  # fmt: skip
         return out, final
+    if backend == "op" or (backend == "auto" and rt.is_fake(q)):
+        return gated_delta_rule_op(q, k, v, g, beta, initial_state, l2norm)
     if backend not in ("auto", "torch"):
-        raise ValueError(f"gated_delta_rule(backend={backend!r}): use 'auto', 'fla' or 'torch'")
+        raise ValueError(
+            f"gated_delta_rule(backend={backend!r}): use 'auto', 'fla', 'op' or 'torch'"
+        )
     return chunk_gated_delta_rule(q, k, v, g, beta, initial_state, l2norm=l2norm)
 
 

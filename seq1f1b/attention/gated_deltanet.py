@@ -253,7 +253,8 @@ gated_deltanet_op.register_autograd(_backward, setup_context=_setup_context)
 class ChunkAwareGatedDeltaNet(nn.Module):
     """Gated DeltaNet on (B, L, dim) inputs, chunk-aware (see the module). ``n_key_heads``
     of ``key_dim`` for queries and keys, ``n_value_heads`` of ``value_dim`` for values (a
-    multiple of the key heads), a convolution of ``conv_width`` taps."""
+    multiple of the key heads), a convolution of ``conv_width`` taps. ``backend`` picks the
+    delta rule's kernel (see :func:`seq1f1b.attention.gated_delta.gated_delta_rule`)."""
 
     def __init__(
         self,
@@ -264,6 +265,7 @@ class ChunkAwareGatedDeltaNet(nn.Module):
         value_dim: int,
         conv_width: int = 4,
         eps: float = 1e-6,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         if n_value_heads % n_key_heads:
@@ -272,6 +274,7 @@ class ChunkAwareGatedDeltaNet(nn.Module):
                 f"n_key_heads={n_key_heads}"
             )
         self.head_dims = (n_key_heads, key_dim, n_value_heads, value_dim)
+        self.backend = backend
         channels = 2 * n_key_heads * key_dim + n_value_heads * value_dim
         self.in_proj_qkv = nn.Linear(dim, channels, bias=False)
         self.in_proj_z = nn.Linear(dim, n_value_heads * value_dim, bias=False)
@@ -291,7 +294,14 @@ class ChunkAwareGatedDeltaNet(nn.Module):
         g = -self.A_log.to(wide).exp() * F.softplus(self.in_proj_a(x).to(wide) + self.dt_bias)
         beta = torch.sigmoid(self.in_proj_b(x))
         out = gated_deltanet_core(
-            self, self.in_proj_qkv(x), self.conv.weight, g, beta, self.head_dims, anchor=x
+            self,
+            self.in_proj_qkv(x),
+            self.conv.weight,
+            g,
+            beta,
+            self.head_dims,
+            anchor=x,
+            backend=self.backend,
         )
         z = self.in_proj_z(x).view(b, length, n_v, dv)
         out = self.norm(out) * F.silu(z)

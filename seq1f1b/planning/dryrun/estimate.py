@@ -1,7 +1,8 @@
 """Device time of fake-tensor ops on a named GPU: a roofline per op, priced with the planner's
 GPU profiles, so the dry run's step time and the planner's speak of the same GPU.
 
-Each aten op costs ``max(FLOPs / (peak * efficiency), bytes / HBM bandwidth)``: FLOPs from
+Each aten op (and each custom op with a FLOP formula: the fused gated delta rule's) costs
+``max(FLOPs / (peak * efficiency), bytes / HBM bandwidth)``: FLOPs from
 torch's own formulas (:data:`torch.utils.flop_counter.flop_registry`), the efficiency the
 profile's fitted fraction for matrix products (``linear``) or attention (``attention``), the
 bytes those of the op's tensor inputs and outputs (views move none). torch's formula counts a
@@ -91,9 +92,9 @@ class DeviceTime(rt.TorchDispatchMode):
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.is_view or func.namespace != "aten":  # moves no bytes (views, ``t.device``)
-            return out
         packet = func._overloadpacket
+        if func.is_view or (func.namespace != "aten" and packet not in flop_registry):
+            return out  # moves no bytes (views, ``t.device``); priced custom ops count
         flops = 0.0
         if packet in flop_registry:
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
