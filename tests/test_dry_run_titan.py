@@ -25,12 +25,12 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _argv(dump: Path) -> list[str]:
+def _argv(dump: Path, *extra: str) -> list[str]:
     return ["--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
-            "--metrics.no_enable_tensorboard", "--seq1f1b.verify", "false"]  # fmt: skip
+            "--metrics.no_enable_tensorboard", "--seq1f1b.verify", "false", *extra]  # fmt: skip
 
 
-def _real(rank: int, world: int, dump: str, out: str) -> None:
+def _real(rank: int, world: int, dump: str, out: str, *extra: str) -> None:
     """The real trainer on this gloo rank: step 1 warms up (shapes, first-step check,
     optimizer state), step 2 is measured with the dry run's tracker, on the dry run's batch."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -38,7 +38,7 @@ def _real(rank: int, world: int, dump: str, out: str) -> None:
     from torchtitan_integration.v03.dry_run import step_arguments
     from torchtitan_integration.v03.train import parse
 
-    config = parse(_argv(Path(dump)))
+    config = parse(_argv(Path(dump), *extra))
     trainer = config.build()
     try:
 
@@ -77,6 +77,23 @@ def test_dry_run_matches_the_real_step_and_prints_its_table(tmp_path: Path) -> N
     assert "failed (try" not in out.stdout, out.stdout
     assert "rank 0" in out.stdout and "rank 1" in out.stdout and "fits h100-80gb" in out.stdout
     assert "ScheduleInterleavedSeq1F1B" in out.stdout
+
+
+def test_dry_run_under_context_parallelism_matches_the_real_step(tmp_path: Path) -> None:
+    """pp 2 x CP 2: FSDP over data shard x CP makes its flattened meshes inside the fake
+    build (refused there until ``real_mesh_tables``), and each rank holds its share of a
+    segment (the static metadata's ``1/cp``). Both pipeline coordinates (global ranks 0 and
+    2), dry against real within 5%, each dry rank in its own process as the command runs it
+    (one process's second CP rank finds the first one's meshes)."""
+    cp = ("--parallelism.context_parallel_degree", "2")
+    run_ranks(_real, 4, str(tmp_path / "real"), str(tmp_path), *cp)
+    from torchtitan_integration.v03.dry_run import dry_run
+
+    reports = dry_run(_argv(tmp_path / "dry", *cp))
+    for rank, report in zip((0, 2), reports, strict=True):
+        real = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert abs(report.peak.total - real) <= 0.05 * real, (rank, report.peak, real)
+        assert report.peak.kv_cache > 0 and report.n_units == 8
 
 
 def test_dry_run_ranks_names_pipeline_coordinates() -> None:

@@ -40,6 +40,10 @@ place.
 |   a dry run builds and runs its rank:            |   swaps out in ``to_empty`` lives until the|
 |   ``swapped_out_kept``)                          |   rank is done (its early free corrupts the|
 |                                                  |   heap on 2.15)                            |
+| DeviceMesh.__init__, .mesh (public, wrapped   | the rank tables of meshes made inside the  |
+|   while a dry run builds and runs its rank:      |   fake mode (FSDP's flattened dp shard x cp|
+|   ``real_mesh_tables``)                          |   mesh, its per-parameter concatenations)  |
+|                                                  |   are real: their ``nonzero`` has a size   |
 
 Checked on 2.13.0, 2.14.1 and 2.15.0; the dry run itself needs 2.15 (``HAS_WARMUP_P2P``
 false): 2.13/2.14's stages vote on a P2P warm-up whose result a fake tensor does not hold.
@@ -64,6 +68,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools import mod_tracker as _mod_tracker
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -76,6 +81,7 @@ __all__ = [
     "is_fake",
     "is_subclass_dispatch",
     "outside_fake_mode",
+    "real_mesh_tables",
     "schedule_stages",
     "set_static_metadata",
     "swapped_out_kept",
@@ -221,6 +227,35 @@ def swapped_out_kept() -> Iterator[None]:
         yield  # ``kept`` lives until here
     finally:
         torch.utils.swap_tensors = swap
+
+
+@contextlib.contextmanager
+def real_mesh_tables() -> Iterator[None]:
+    """While a dry run builds and runs its rank: a :class:`DeviceMesh` is made, and its rank
+    table (``mesh``) read, on real tensors, also inside the fake mode.
+
+    ``fully_shard(dp_mesh_dims=...)`` makes meshes itself, inside the trainer's fake build:
+    it flattens data-parallel shard x CP into one axis (a new process group from the rank
+    table's ``tolist``) and concatenates that with TP for each parameter (the table's
+    ``nonzero``). A fake table has neither values nor sizes. Upstream hook that would
+    remove this: a mesh whose rank coordinates come from its ``_MeshLayout`` (already
+    tensor-free) rather than from tensor ops."""
+    init, prop = DeviceMesh.__init__, DeviceMesh.mesh
+
+    def real_init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    def mesh(self: DeviceMesh) -> torch.Tensor:
+        with unset_fake_temporarily():
+            return prop.fget(self)
+
+    DeviceMesh.__init__ = real_init  # type: ignore[method-assign]
+    DeviceMesh.mesh = property(mesh, doc=prop.__doc__)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__, DeviceMesh.mesh = init, prop  # type: ignore[method-assign]
 
 
 def outside_fake_mode() -> contextlib.AbstractContextManager[Any]:

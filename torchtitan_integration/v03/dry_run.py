@@ -106,11 +106,13 @@ def _one_document(rows: int, seq_len: int) -> torch.Tensor:
 
 def _static_metadata(trainer: Any, config: Any) -> None:
     """Each local stage's metadata from its first unit: tokens into stage 0, the model's
-    hidden states (the compute dtype FSDP casts to) into the others."""
+    hidden states (the compute dtype FSDP casts to) into the others; under CP this rank's
+    share of the unit (``1/cp`` of it: one document per row shares equally)."""
     schedule = trainer.pp_schedule
     training = config.training
     mb = config.parallelism.pipeline_parallel_microbatch_size
-    unit = _first_unit_length(schedule, training.seq_len, mb)
+    cp = max(config.parallelism.context_parallel_degree, 1)
+    unit = _first_unit_length(schedule, training.seq_len, mb) // cp
     dtype = getattr(torch, training.mixed_precision_param)
     dim = trainer.model_config.dim
     for stage in rt.schedule_stages(schedule):

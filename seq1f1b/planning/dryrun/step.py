@@ -248,6 +248,7 @@ def dry_run_rank(
         rt.fake_world(rank, world_size),
         rt.FakeTensorMode(allow_non_fake_inputs=True),
         rt.swapped_out_kept(),  # torch 2.15's use after free in to_empty (see the seam)
+        rt.real_mesh_tables(),  # meshes FSDP makes in the fake build (dp shard x cp)
     ):
         step = build(rank)
         schedule = step.schedule
