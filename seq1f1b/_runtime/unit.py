@@ -432,14 +432,20 @@ class UnitRuntime(ScheduleRuntime):
                 stage, output, target_mbs[mb_index], mb_index, loss_kwargs
             )
 
-    if not LOSSES_BY_INDEX:  # before patch 1 torch indexed a list kept in completion order
-
-        def _maybe_get_loss(self, stage, mb_index):  # type: ignore[override]
-            if stage.is_last and self._loss_fn is not None:
-                if mb_index not in self._unit_losses:
-                    raise RuntimeError(f"no loss for microbatch {mb_index} yet")
-                return self._unit_losses[mb_index]
+    def _maybe_get_loss(self, stage, mb_index):  # type: ignore[override]
+        """The unit's loss for its backward, which is about to run; what the step keeps of
+        it for ``losses`` is detached. Kept with its graph (torch's runtime does), each
+        unit's autograd nodes would outlive their backward until the step ends, and with
+        them every leaf they reach: the last stage's received inputs and their gradients,
+        the K/V cache entries and theirs, one unit's worth more each unit. Before patch 1
+        torch indexed a list kept in completion order: this is also the lookup by index."""
+        if not (stage.is_last and self._loss_fn is not None):
             return None
+        if mb_index not in self._unit_losses:
+            raise RuntimeError(f"no loss for microbatch {mb_index} yet")
+        loss = self._unit_losses[mb_index]
+        self._unit_losses[mb_index] = loss.detach()
+        return loss
 
     if FORWARD_ONLY_EVAL:  # patch 3: the runtime asks for the forward-only order itself
 
