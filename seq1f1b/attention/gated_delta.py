@@ -211,12 +211,8 @@ def _setup_context(ctx: object, inputs: tuple, output: tuple) -> None:
 
 
 def _backward(ctx: object, grad_out: torch.Tensor, grad_final: torch.Tensor) -> tuple:
+    # torch materialises an unused output's gradient as zeros: neither is None here
     q, k, v, g, beta, initial_state = ctx.saved_tensors  # type: ignore[attr-defined]
-    if grad_out is None:
-        grad_out = torch.zeros_like(v)
-    if grad_final is None:
-        b, _, h, dk = k.shape
-        grad_final = q.new_zeros((b, h, dk, v.shape[-1]), dtype=_state_dtype(q))
     l2norm: bool = ctx.l2norm  # type: ignore[attr-defined]
     *grads, d_init = gated_delta_rule_backward_op(
         grad_out, grad_final, q, k, v, g, beta, initial_state, l2norm
