@@ -381,7 +381,9 @@ def test_seam_detects_this_release() -> None:
 
 def test_newer_runtime_options() -> None:
     if rt.RUNTIME_OPTIONS:
-        sched = ScheduleSeq1F1B(mock_stages(2, 2), 2, 2, max_active_stages=2)
+        # torch's placement of the backward sends' waits, to compare with torch's lowering
+        sched = ScheduleSeq1F1B(mock_stages(2, 2), 2, 2, max_active_stages=2,
+                                backward_send_waits="end")  # fmt: skip
         assert sched.lowering_options()["max_active_stages"] == 2
         expected = torch_ref.lowering(
             mock_stages(2, 2), sched.pipeline_order, 4, max_active_stages=2

@@ -12,6 +12,7 @@ import random
 from collections import deque
 
 import pytest
+from lowering_checks import unproven_send_waits
 from mockstages import MockStage, mock_stages
 from tiers import fast_at
 from torch.distributed.pipelining.schedules import (
@@ -21,9 +22,10 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+import seq1f1b._runtime as rt
 import seq1f1b._runtime.lowering as lowering
 import seq1f1b._runtime.replay as replay_mod
-from seq1f1b import ScheduleSeq1F1B
+from seq1f1b import ScheduleSeq1F1B, ScheduleZBSeq1F1B, ScheduleZBVSeq1F1B
 from seq1f1b._runtime import WAIT_REDUCE_GRAD, Action, ComputationType
 from seq1f1b._runtime import reference as torch_ref
 from seq1f1b._runtime.lowering import (
@@ -37,6 +39,10 @@ from seq1f1b.orders.order import OrderSpec, build_orders
 
 C = ComputationType
 FSDP = tuple(k for k in (C.UNSHARD, C.RESHARD, C.REDUCE_GRAD, WAIT_REDUCE_GRAD) if k is not None)
+
+
+#: torch's placement of each backward send's wait (the step's end), which these tests compare
+TORCH_WAITS = {"backward_send_waits": "end"}
 
 
 def _torch_lowering(
@@ -53,19 +59,71 @@ def test_every_rank_equals_torch_lowering(pp: int) -> None:
         expected = _torch_lowering(
             build_orders(OrderSpec(pp, spr, m, k)), mock_stages(pp, spr), m * k, False
         )
-        for rank in range(pp):
-            sched = ScheduleSeq1F1B(mock_stages(pp, spr, rank=rank), m, k)
+        for rank in range(pp):  # torch's placement of the backward sends' waits
+            sched = ScheduleSeq1F1B(mock_stages(pp, spr, rank=rank), m, k, **TORCH_WAITS)
             assert isinstance(sched.pipeline_order_with_comms, LoweredOrders)
             assert sched.pipeline_order_with_comms[rank] == expected[rank], (spr, m, k, rank)
         # the other ranks, lowered on access, equal torch's too
         assert dict(sched.pipeline_order_with_comms) == expected
-        deferred = ScheduleSeq1F1B(mock_stages(pp, spr), m, k, defer_pp_recv=True)
+        deferred = ScheduleSeq1F1B(mock_stages(pp, spr), m, k, defer_pp_recv=True,
+                                   **TORCH_WAITS)  # fmt: skip
         expected = _torch_lowering(deferred.pipeline_order, mock_stages(pp, spr), m * k, True)
         assert dict(deferred.pipeline_order_with_comms) == expected, (spr, m, k)
 
 
 def _v_stages(pp: int) -> list[MockStage]:
     return [MockStage(0, 2 * pp, pp, 0), MockStage(2 * pp - 1, 2 * pp, pp, 0)]
+
+
+def _held_sends(actions: list[Action]) -> int:
+    """Backward sends held, summed over the list's compute actions (a proxy for bytes x
+    time: each is one unit's input gradient)."""
+    pending = total = 0
+    for a in actions:
+        if a.computation_type == C.SEND_B:
+            pending += 1
+        elif a.computation_type == C.WAIT_SEND_B:
+            pending -= 1
+        elif a.computation_type in (C.FORWARD, C.FULL_BACKWARD, C.BACKWARD_INPUT):
+            total += pending
+    return total
+
+
+@pytest.mark.fast
+@pytest.mark.skipif(not rt.HAS_SEND_WAITS, reason="torch 2.15's WAIT_SEND actions")
+def test_backward_send_waits_move_only_where_the_gradient_was_received() -> None:
+    """``backward_send_waits="consumed"`` (the default): each backward send's wait moves from
+    the step's end to where the peer has provably received the gradient (vector clocks over
+    every rank's run), nothing else changes, and the sent gradients are held for less."""
+    cases = [(ScheduleSeq1F1B, pp, spr, m, k) for pp, spr, m, k in itertools.product(
+        (2, 3, 4), (1, 2), (1, 2, 5), (1, 2, 4))]  # fmt: skip
+    cases += [(ScheduleZBSeq1F1B, pp, 1, m, 4) for pp, m in itertools.product((2, 4), (1, 3))]
+    cases += [(ScheduleZBVSeq1F1B, pp, 2, m, 2) for pp, m in itertools.product((2, 3), (2, 4))]
+    fewer = 0
+    for cls, pp, spr, m, k in cases:
+        stages = _v_stages(pp) if cls is ScheduleZBVSeq1F1B else mock_stages(pp, spr)
+        ours, torchs = (dict(cls(stages, m, k, backward_send_waits=w).pipeline_order_with_comms)
+                        for w in ("consumed", "end"))  # fmt: skip
+        topology = StageTopology.chain(_stage_ranks(cls, pp, spr))
+        unproven = unproven_send_waits(ours, topology)  # and no deadlock
+        for rank, acts in ours.items():
+            tail = [a for a in torchs[rank] if a.computation_type == C.WAIT_SEND_B]
+            not_waits = [a for a in acts if a.computation_type != C.WAIT_SEND_B]
+            assert not_waits == [a for a in torchs[rank] if a.computation_type != C.WAIT_SEND_B]
+            moved = [a for a in acts if a.computation_type == C.WAIT_SEND_B and a not in
+                     acts[len(acts) - len(unproven[rank]):]]  # fmt: skip
+            assert not set(moved) & set(unproven[rank]), (cls, pp, m, k, rank)
+            assert len(moved) + len(unproven[rank]) == len(tail)
+            assert acts[len(acts) - len(unproven[rank]):] == unproven[rank]  # left at the end
+            assert _held_sends(acts) <= _held_sends(torchs[rank])
+            fewer += _held_sends(acts) < _held_sends(torchs[rank])
+    assert fewer > len(cases)  # more than one rank a case, on average, holds fewer
+
+
+def _stage_ranks(cls: type, pp: int, spr: int) -> list[int]:
+    if cls is ScheduleZBVSeq1F1B:  # V: stage s on rank min(s, 2pp-1-s)
+        return [min(s, 2 * pp - 1 - s) for s in range(2 * pp)]
+    return [s % pp for s in range(pp * spr)]
 
 
 @pytest.mark.fast

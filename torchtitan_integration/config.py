@@ -83,6 +83,12 @@ class Seq1F1B:
     """Stages per rank for InterleavedSeq1F1B (ignored when
     parallelism.pipeline_parallel_layers_per_stage is set)."""
 
+    backward_send_waits: str = "consumed"
+    """Where each unit's input gradient sent upstream is waited for, and freed: "consumed"
+    (right after the first action that proves the peer received it; no stall) or "end"
+    (torch 2.15's placement: held to the step's end, one unit's input gradient per unit on
+    every stage but the first). torch 2.13/2.14 wait for sends their own way."""
+
     dry_run: bool = False
     """Train nothing: one step of each distinct pipeline rank at the configuration's real size
     and world size, in one CPU process under fake tensors and the fake process group (NGPU
@@ -101,6 +107,11 @@ class Seq1F1B:
     """The pipeline ranks the dry run runs, comma-separated (e.g. "0,7": the first, which
     holds the most activations and the embedding, and the last, the head and the loss);
     '' = every pipeline rank. Each takes minutes at real size."""
+
+    dry_run_holders: int = 0
+    """Under each dry-run rank's row, the largest groups of tensors alive at its peak (this
+    many; 0 = none), each named by its kind, shape and dtype and the op and module that made
+    it: where the activations and temporaries go."""
 
 
 @dataclass

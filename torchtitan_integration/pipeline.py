@@ -258,6 +258,7 @@ def build_schedule(
         context_parallel=ContextParallelConfig(cp_group, reduce_grads=False),
         scale_grads=False,  # the loss divides by the global token count
         check_attention=config.seq1f1b.first_step_check,
+        backward_send_waits=config.seq1f1b.backward_send_waits,
     )
     logger.info(
         "Seq1F1B: pp=%d stages/rank=%d M=%d K=%d cp=%d segments=%s (%s split, model %s)",

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 
 from seq1f1b.planning.dryrun import dry_run_rank
-from seq1f1b.planning.dryrun.tables import format_reports, plot_memory
+from seq1f1b.planning.dryrun.tables import format_holders, format_reports, plot_memory
 from seq1f1b.registry import lookup
 
 from .model_ranks import SHAPES, build_rank, dry_run_isolated
@@ -43,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ranks", default="0", help="comma-separated pipeline ranks, or 'all'")
     ap.add_argument("--gpu", default="h100-80gb")
     ap.add_argument("--picture", default=None, help="PNG of each rank's memory along its order")
+    ap.add_argument("--holders", type=int, default=0,
+                    help="under each table, this many of the largest groups of tensors alive "
+                    "at each rank's peak, named by the op and module that made them")
     args = ap.parse_args(argv)
     cfg = SHAPES[args.shape]
     ranks = range(args.pp) if args.ranks == "all" else [int(r) for r in args.ranks.split(",")]
@@ -54,18 +57,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         if args.tp > 1:  # one process per rank (see dry_run_isolated); reported as pp ranks
             reports = dry_run_isolated([(build_args, {}, r * args.tp, args.pp * args.tp,
-                                         args.gpu) for r in ranks])  # fmt: skip
+                                         args.gpu, args.holders > 0) for r in ranks])  # fmt: skip
             for r, report in zip(ranks, reports, strict=True):
                 report.rank = r
         else:
             build = build_rank(*build_args)
-            reports = [dry_run_rank(build, r, args.pp, args.gpu) for r in ranks]
+            reports = [dry_run_rank(build, r, args.pp, args.gpu, args.holders > 0) for r in ranks]
         runs[name] = reports
         k = args.seq_chunks if lookup(name).seq_chunked else 1
         print(format_reports(reports, f"{name}: {args.shape}, {args.seq_len} tokens, pp "
                              f"{args.pp} x v {args.stages_per_rank} x tp {args.tp}, M "
                              f"{args.microbatches}, K {k} (dry run "
                              f"{time.perf_counter() - start:.0f} s)"))  # fmt: skip
+        for report in reports if args.holders else ():
+            print(format_holders(report, args.holders))
         print()
     if args.picture:
         print("picture:", plot_memory(runs, args.picture))

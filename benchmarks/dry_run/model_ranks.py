@@ -204,16 +204,17 @@ def build_rank(cfg: TinyConfig, name: str, pp: int, v: int, m: int, k: int, seq_
     return build
 
 
-def _run_one(build_args: tuple, build_kwargs: dict, rank: int, world: int, gpu: str) -> RankReport:
+def _run_one(build_args: tuple, build_kwargs: dict, rank: int, world: int, gpu: str,
+             holders: bool = False) -> RankReport:  # fmt: skip
     try:
-        return dry_run_rank(build_rank(*build_args, **build_kwargs), rank, world, gpu)
+        return dry_run_rank(build_rank(*build_args, **build_kwargs), rank, world, gpu, holders)
     except Exception as e:  # torch's exceptions do not all pickle: hand back the traceback
         raise RuntimeError(f"the dry run of rank {rank} failed:\n{traceback.format_exc()}") from e
 
 
-def dry_run_isolated(jobs: Sequence[tuple[tuple, dict, int, int, str]],
+def dry_run_isolated(jobs: Sequence[tuple],
                      workers: int = 1) -> list[RankReport]:  # fmt: skip
-    """Each job ``(build_rank's args, its kwargs, rank, world, gpu)`` dry-run in a fresh
+    """Each job ``(build_rank's args, its kwargs, rank, world, gpu[, holders])`` dry-run in a fresh
     process of its own (spawned; ``workers`` at a time), in order. Under tensor parallelism
     a process dry-runs one rank: DTensor's sharding caches keep the first fake world's device
     mesh, whose process groups are gone once the next rank's world is made."""

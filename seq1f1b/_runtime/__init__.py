@@ -150,6 +150,7 @@ Each workaround names the upstream hook that would remove it in ``docs/upstream_
 from .failures import StepFailures, raised_on_every_rank
 from .fake import (
     FakeTensorMode,
+    Holder,
     PipelineMemTracker,
     TorchDispatchMode,
     fake_world,
@@ -286,6 +287,7 @@ __all__ = [
     "ComputationType",
     "DTensorMeta",
     "FakeTensorMode",
+    "Holder",
     "PipelineContext",
     "PipelineMemTracker",
     "PipelineStageBase",

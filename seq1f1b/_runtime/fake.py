@@ -33,6 +33,9 @@ place.
 |   mod_tracker.register_multi_grad_hook (swapped  |   (``_ReleasingModTracker``: they form an  |
 |   for the call), Variable._execution_engine      |   uncollectable cycle that kept autograd   |
 |   .queue_callback                                |   nodes, and what they hold, alive)        |
+| MemTracker._WINFO, ._curr_mem_snap,             | what holds the memory at the peak: each    |
+|   ._update_peak_stats, _WeakRefInfo (.reftype,   |   storage's kind, size and the op, module  |
+|   .mem_consumed)                                 |   and shape that made it (``holders=True``)|
 | DTensor._op_dispatcher.sharding_propagator       | the global-shape fake tensors DTensor's    |
 |   ._propagate_tensor_meta_non_cached (an         |   sharding propagation makes under the dry |
 |   instance attribute while the tracker is on)    |   run's own fake mode are not counted      |
@@ -61,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,9 +75,11 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "FakeTensorMode",
+    "Holder",
     "PipelineMemTracker",
     "TorchDispatchMode",
     "fake_world",
@@ -89,6 +95,20 @@ __all__ = [
 
 
 _DEVICE = torch.ops.prim.device.default
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Storages of one kind made by one op in one module (``made_by``: ``"aten.mm in
+    layers.3.attention.wq (backward)"``, or ``""`` for those tracked from outside: parameters,
+    gradients, optimizer state), of one shape and dtype, all alive at the same moment."""
+
+    kind: str  # MemTracker's: Parameter, Buffer, Gradient, Activation, Temp, Optstate
+    made_by: str
+    shape: tuple[int, ...]
+    dtype: str
+    count: int
+    nbytes: int
 
 
 class _ReleasingModTracker(_mod_tracker.ModTracker):
@@ -142,10 +162,57 @@ class PipelineMemTracker(MemTracker):
     the propagation always entering a fake mode of its own.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, holders: bool = False) -> None:
         super().__init__()
         self._mod_tracker = _ReleasingModTracker()
         self._propagating = 0  # inside DTensor's sharding propagation: nothing is counted
+        # with ``holders``: each storage's maker, and the storages held on the climb to the
+        # peak (taken each time the total passes the last taking by 1%: a few hundred takes)
+        self._holders = holders
+        self._held_at: int = 0
+        self._holders_at: list[Holder] = []
+
+    def holders_at_peak(self) -> tuple[int, list[Holder]]:
+        """(bytes held then, what held them, largest first): the storages alive when the
+        total last passed its previous taking by 1% on its way to the peak (within 1% of the
+        peak). Needs ``holders=True``."""
+        if not self._holders:
+            raise RuntimeError("PipelineMemTracker(holders=True) records what holds the peak")
+        return self._held_at, sorted(self._holders_at, key=lambda h: -h.nbytes)
+
+    def _label(self, func: Any, out: Any) -> None:
+        """Name the storages ``func`` made (the first maker of a storage names it)."""
+        parents = self._mod_tracker.parents - {"Global"}
+        where = max(parents, key=len) if parents else "(no module)"
+        phase = "backward" if self._mod_tracker.is_bw else "forward"
+        if self._in_opt:
+            phase = "optimizer"
+        made_by = f"{func.overloadpacket} in {where} ({phase})"
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+                continue
+            winfo, _ = self._WINFO.get(t.untyped_storage(), (None, None))
+            if winfo is not None and not hasattr(winfo, "made_by"):
+                winfo.made_by = (made_by, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        super()._update_peak_stats(peak_state)
+        if not self._holders:
+            return
+        total = sum(snap.get("Total", 0) for snap in self._curr_mem_snap.values())
+        if total <= self._held_at * 1.01:
+            return
+        groups: dict[tuple, list[int]] = {}
+        for winfo, _ in list(self._WINFO.values()):
+            if winfo.mem_consumed <= 0:
+                continue
+            made_by, shape, dtype = getattr(winfo, "made_by", ("", (winfo.size,), ""))
+            key = (str(winfo.reftype.value), made_by, shape, dtype)
+            group = groups.setdefault(key, [0, 0])
+            group[0] += 1
+            group[1] += winfo.mem_consumed
+        self._held_at = total
+        self._holders_at = [Holder(*key, *group) for key, group in groups.items()]
 
     def __enter__(self) -> PipelineMemTracker:
         if self._depth == 0:
@@ -172,7 +239,14 @@ class PipelineMemTracker(MemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func is _DEVICE or self._propagating:  # ``t.device``, metadata only: not tracked
             return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        if not self._holders:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        # name what the op made before the peak's taking sees it (the base class tracks the
+        # outputs and updates the peak in one call): named here, taken at the next op's update
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is not NotImplemented:
+            self._label(func, out)
+        return out
 
     def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
         tracker = self._mod_tracker

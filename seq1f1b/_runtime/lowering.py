@@ -51,6 +51,7 @@ _SEND_F = rt.SEND_F
 _RECV_F = rt.RECV_F
 _SEND_B = rt.SEND_B
 _RECV_B = rt.RECV_B
+_WAIT_SEND_B = rt.WAIT_SEND_B
 
 # torch's default for torch_add_unshard_reshard, which is what its runtime uses
 _MAX_ACTIVE_STAGES = 3
@@ -63,7 +64,13 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "unshard_lookahead": "full",
     "defer_reduce_grad_wait": False,
     "max_outstanding_sends": None,
+    # not torch's: "end" is its placement of a backward send's wait (the step's end),
+    # "consumed" waits once the peer provably received it (:meth:`SendRecvLowering.lower`)
+    "backward_send_waits": "end",
 }
+
+#: where a backward send's wait goes (``backward_send_waits``)
+BACKWARD_SEND_WAITS = ("end", "consumed")
 
 
 def fast_path_supported(
@@ -167,6 +174,13 @@ class SendRecvLowering:
         self.ranks = list(actions)
         self.topology = topology
         self._defer_recv = bool(opts["defer_recv"])
+        if opts["backward_send_waits"] not in BACKWARD_SEND_WAITS:
+            raise ValueError(
+                f"backward_send_waits={opts['backward_send_waits']!r}: one of "
+                f"{BACKWARD_SEND_WAITS} ('end': torch's, each backward send waited at the "
+                "step's end; 'consumed': once the peer provably received it)"
+            )
+        self._early_waits = opts["backward_send_waits"] == "consumed" and rt.HAS_SEND_WAITS
         self._stage_rank = list(topology.rank_of)
         # per stage: the stage an F / a B-or-I sends to on another rank (-1: none)
         self._send_f = [topology.sends_forward(s) for s in range(topology.num_stages)]
@@ -316,10 +330,94 @@ class SendRecvLowering:
                 out.append(send)
         out.extend(item[2] for item in incoming[j:])
         out = rt.add_wait_send(out)  # 2.15: every SEND retired by a WAIT_SEND (torch's pass)
+        if self._early_waits:
+            out = self._backward_send_waits_moved(rank, out)
         if self._defer_recv:
             out = rt.defer_recv_ops(rank, out, self.topology.stage_to_rank)
         rt.validate_send_waits({rank: out})
         return out
+
+
+    def _consumed_after(self, rank: int) -> dict[tuple[int, int], tuple[int, Any, int]]:
+        """For each backward send of ``rank`` (stage, unit): the compute action of ``rank``
+        after which the peer has provably received it, where one exists.
+
+        The peer's backward of that unit waits for the gradient before it runs; any message
+        the peer posts after that backward, once ``rank`` has waited for it (at the action
+        that consumes it), proves the gradient was received, so a wait there cannot stall.
+        Sends to one peer also complete in the order posted on one NCCL stream, so the wait
+        is free on a GPU as well. Sends with no such message keep torch's wait at the end."""
+        rank_of = self._stage_rank
+        mine = self._lists[rank]
+
+        def compute_key(a: Action) -> tuple[int, bool, int] | None:
+            ct = a.computation_type
+            if ct is _F:
+                return (a.stage_index, True, a.microbatch_index)
+            if ct is _B or ct is _I:
+                return (a.stage_index, False, a.microbatch_index)
+            return None
+
+        my_pos: dict[tuple[int, bool, int], int] = {}
+        for i, a in enumerate(mine):
+            key = compute_key(a)
+            if key is not None:
+                my_pos.setdefault(key, i)  # a unit's first backward half (B or I) consumes
+        peers: dict[int, list[tuple[int, int, int]]] = {}  # rank -> (index, stage, peer stage)
+        for i, a in enumerate(mine):
+            key = compute_key(a)
+            if key is not None and not key[1] and self._send_b[a.stage_index] >= 0:
+                peer = self._send_b[a.stage_index]
+                peers.setdefault(rank_of[peer], []).append((i, a.stage_index, peer))
+        out: dict[tuple[int, int], tuple[int, Any, int]] = {}
+        for q, sends in peers.items():
+            theirs = self._lists[q]
+            q_pos: dict[tuple[int, bool, int], int] = {}
+            for j, a in enumerate(theirs):
+                key = compute_key(a)
+                if key is not None:
+                    q_pos.setdefault(key, j)
+            # from each index of q's list: the index in mine of the action that consumes the
+            # next message q sends to me (-1: none comes)
+            next_msg = [-1] * (len(theirs) + 1)
+            for j in range(len(theirs) - 1, -1, -1):
+                next_msg[j] = next_msg[j + 1]
+                key = compute_key(theirs[j])
+                if key is None:
+                    continue
+                x, fwd, u = key
+                dst = self._send_f[x] if fwd else self._send_b[x]
+                if dst >= 0 and rank_of[dst] == rank:
+                    next_msg[j] = my_pos.get((dst, fwd, u), -1)
+            for i, stage, peer in sends:
+                u = mine[i].microbatch_index
+                j = q_pos.get((peer, False, u))
+                k = next_msg[j + 1] if j is not None else -1
+                if k > i:
+                    a = mine[k]
+                    out[(stage, u)] = (a.stage_index, a.computation_type, a.microbatch_index)
+        return out
+
+    def _backward_send_waits_moved(self, rank: int, out: list[Action]) -> list[Action]:
+        """``out`` with each backward send's wait moved from the step's end (torch's
+        ``_add_wait_send``) to just after the action of :meth:`_consumed_after`: the sent
+        gradient is freed there, not held to the step's end (a unit's input gradient on
+        every stage but the first; upstream: ``_add_wait_send`` placing them so)."""
+        after = self._consumed_after(rank)
+        if not after:
+            return out
+        waits: dict[tuple[int, Any, int], list[Action]] = {}
+        for (stage, u), key in after.items():
+            waits.setdefault(key, []).append(Action(stage, _WAIT_SEND_B, u))
+        moved: list[Action] = []
+        for a in out:
+            ct = a.computation_type
+            if ct is _WAIT_SEND_B and (a.stage_index, a.microbatch_index) in after:
+                continue
+            moved.append(a)
+            if ct is _F or ct is _B or ct is _I:
+                moved.extend(waits.pop((a.stage_index, ct, a.microbatch_index), ()))
+        return moved
 
 
 class LoweredOrders(MutableMapping[int, list[Action]]):

@@ -292,6 +292,8 @@ class UnitRuntime(ScheduleRuntime):
             "unshard_lookahead": getattr(self, "_unshard_lookahead", "full"),
             "defer_reduce_grad_wait": bool(getattr(self, "_defer_reduce_grad_wait", False)),
             "max_outstanding_sends": getattr(self, "_max_outstanding_sends", None),
+            # ours (``SendRecvLowering``): torch's placement unless a schedule asks otherwise
+            "backward_send_waits": getattr(self, "backward_send_waits", "end"),
         }
 
     # ------------------------------------------------------------------ hooks for subclasses

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from seq1f1b import _runtime as rt
 from seq1f1b import packed_documents
 from seq1f1b.planning.dryrun import RankReport, RankStep, dry_run_rank, gpu_spec
-from seq1f1b.planning.dryrun.tables import format_reports, plot_memory
+from seq1f1b.planning.dryrun.tables import format_holders, format_reports, plot_memory
 from seq1f1b.registry import lookup
 
 from .. import assets
@@ -196,7 +196,8 @@ def rank_report(argv: Sequence[str], rank: int) -> RankReport:
     prepare(config)
     world = world_size_of(config.parallelism)
     os.environ["WORLD_SIZE"] = str(world)
-    return dry_run_rank(_build(config), rank, world, gpu_spec(config.seq1f1b.dry_run_gpu))
+    return dry_run_rank(_build(config), rank, world, gpu_spec(config.seq1f1b.dry_run_gpu),
+                        holders=config.seq1f1b.dry_run_holders > 0)  # fmt: skip
 
 
 def _rank_report_or_trace(argv: Sequence[str], rank: int) -> RankReport | str:
@@ -249,6 +250,8 @@ def dry_run(argv: Sequence[str], ranks: Sequence[int] | None = None) -> list[Ran
                          f"{world}, pp {par.pipeline_parallel_degree} tp "
                          f"{par.tensor_parallel_degree} cp {par.context_parallel_degree}, "
                          f"{entry.name} K {k}"), flush=True)  # fmt: skip
+    for report in reports if config.seq1f1b.dry_run_holders > 0 else ():
+        print(format_holders(report, config.seq1f1b.dry_run_holders), flush=True)
     if config.seq1f1b.dry_run_picture:
         print("picture:", plot_memory({entry.name: reports}, config.seq1f1b.dry_run_picture))
     return reports

@@ -105,6 +105,9 @@ class RankReport:
     device_s: float  # estimated device time of the whole step (actions and optimizer)
     host_s: float  # wall time of the whole step here
     n_units: int  # forward actions this rank ran
+    #: with ``dry_run_rank(holders=True)``: what held the memory within 1% of the peak
+    #: (bytes then, the storages grouped by kind, maker, shape and dtype, largest first)
+    holders: tuple[int, list[rt.Holder]] | None = None
 
     @property
     def fits(self) -> bool:
@@ -231,11 +234,18 @@ def steady_state(step: RankStep, checked: bool = True) -> None:
 
 
 def dry_run_rank(
-    build: Callable[[int], RankStep], rank: int, world_size: int, gpu: str | GpuSpec = "h100-80gb"
+    build: Callable[[int], RankStep],
+    rank: int,
+    world_size: int,
+    gpu: str | GpuSpec = "h100-80gb",
+    holders: bool = False,
 ) -> RankReport:
     """Build rank ``rank`` of ``world_size`` with ``build`` under fake tensors and the fake
     process group, and run one steady-state step (optimizer state already held, as from the
-    second step on): forward, backward and the optimizer's step."""
+    second step on): forward, backward and the optimizer's step. ``holders``: also record
+    what holds the memory at the peak, each storage named by the op and module that made it
+    (``RankReport.holders``; costs a walk over the live storages each time the total grows
+    1%)."""
     if rt.HAS_WARMUP_P2P:
         raise RuntimeError(
             f"the dry run needs torch 2.15 or newer (this is {torch.__version__}): torch "
@@ -261,7 +271,7 @@ def dry_run_rank(
             )
         steady_state(step)
         stages = list(step.stages)
-        mt = rt.PipelineMemTracker()
+        mt = rt.PipelineMemTracker(holders=holders)
         # torchtitan's OptimizersContainer holds one optimizer per model part: track those
         inner = getattr(step.optimizer, "optimizers", None) or [step.optimizer]
         mt.track_external(*step.modules, *(o for o in inner if o is not None),
@@ -278,7 +288,8 @@ def dry_run_rank(
         peak = mt.get_tracker_snapshot("peak")
     units = sum(s.label.split()[-1][0] == "F" for s in sampler.samples)
     return RankReport(rank, type(schedule).__name__, spec, _breakdown(peak, sampler),
-                      sampler.samples, clock.seconds, host, units)  # fmt: skip
+                      sampler.samples, clock.seconds, host, units,
+                      mt.holders_at_peak() if holders else None)  # fmt: skip
 
 
 def _breakdown(peak: dict, sampler: _Sampler) -> MemoryBreakdown:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 from .step import RankReport
 
-__all__ = ["UNSEEN", "format_reports", "plot_memory"]
+__all__ = ["UNSEEN", "format_holders", "format_reports", "plot_memory"]
 
 GIB = 2.0**30
 
@@ -47,6 +48,34 @@ def format_reports(reports: Sequence[RankReport], title: str = "") -> str:
     out += [line(head), *(line(r) for r in rows),
             f"(reserve {gpu.profile.reserve_gb:g} GB of {gpu.profile.memory_gb:g} GB; host time: "
             "this CPU running fake kernels, a bound on the Python per unit)", UNSEEN]  # fmt: skip
+    return "\n".join(out)
+
+
+_LAYER = re.compile(r"\.\d+(?=[. ]|$)")
+
+
+def format_holders(report: RankReport, top: int = 15) -> str:
+    """What held ``report``'s rank's memory at its peak (``dry_run_rank(holders=True)``): the
+    ``top`` largest groups of live storages, one kind, maker, shape and dtype each, a layer's
+    number read as ``*`` so that the same tensor of every layer is one row."""
+    if report.holders is None:
+        raise ValueError("this report holds no holders: dry_run_rank(..., holders=True)")
+    held, holders = report.holders
+    groups: dict[tuple, list[int]] = {}
+    for h in holders:
+        key = (h.kind, _LAYER.sub(".*", h.made_by), h.shape, h.dtype)
+        group = groups.setdefault(key, [0, 0])
+        group[0] += h.count
+        group[1] += h.nbytes
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+    small = held < GIB
+    unit, scale = ("MiB", 2.0**20) if small else ("GiB", GIB)
+    out = [f"rank {report.rank}: what held {held / scale:.2f} {unit} on the way to its peak "
+           f"({report.peak.total / scale:.2f} {unit}), the {len(rows)} largest groups:"]
+    for (kind, made_by, shape, dtype), (count, nbytes) in rows:
+        what = made_by or "(tracked from outside: the model's and the optimizer's tensors)"
+        out.append(f"  {nbytes / scale:9.2f} {unit}  {kind:<10} {count:5d} x "
+                   f"{tuple(shape)} {dtype}  {what}")  # fmt: skip
     return "\n".join(out)
 
 
