@@ -92,7 +92,7 @@ def _held_sends(actions: list[Action]) -> int:
 @pytest.mark.fast
 @pytest.mark.skipif(not rt.HAS_SEND_WAITS, reason="torch 2.15's WAIT_SEND actions")
 def test_backward_send_waits_move_only_where_the_gradient_was_received() -> None:
-    """``backward_send_waits="consumed"`` (the default): each backward send's wait moves from
+    """``backward_send_waits="consumed"``: each backward send's wait moves from
     the step's end to where the peer has provably received the gradient (vector clocks over
     every rank's run), nothing else changes, and the sent gradients are held for less."""
     cases = [(ScheduleSeq1F1B, pp, spr, m, k) for pp, spr, m, k in itertools.product(

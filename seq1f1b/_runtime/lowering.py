@@ -37,6 +37,7 @@ __all__ = [
     "LoweredOrders",
     "SendRecvLowering",
     "add_unshard_reshard",
+    "check_backward_send_waits",
     "fast_path_supported",
     "is_lowerable",
 ]
@@ -71,6 +72,17 @@ DEFAULT_OPTIONS: dict[str, Any] = {
 
 #: where a backward send's wait goes (``backward_send_waits``)
 BACKWARD_SEND_WAITS = ("end", "consumed")
+
+
+def check_backward_send_waits(value: str) -> str:
+    """``value`` if it names a placement of the backward sends' waits, else a ValueError."""
+    if value not in BACKWARD_SEND_WAITS:
+        raise ValueError(
+            f"backward_send_waits={value!r}: one of {BACKWARD_SEND_WAITS} ('end': torch's, "
+            "each backward send waited at the step's end; 'consumed': once the peer provably "
+            "received it)"
+        )
+    return value
 
 
 def fast_path_supported(
@@ -174,12 +186,7 @@ class SendRecvLowering:
         self.ranks = list(actions)
         self.topology = topology
         self._defer_recv = bool(opts["defer_recv"])
-        if opts["backward_send_waits"] not in BACKWARD_SEND_WAITS:
-            raise ValueError(
-                f"backward_send_waits={opts['backward_send_waits']!r}: one of "
-                f"{BACKWARD_SEND_WAITS} ('end': torch's, each backward send waited at the "
-                "step's end; 'consumed': once the peer provably received it)"
-            )
+        check_backward_send_waits(opts["backward_send_waits"])
         self._early_waits = opts["backward_send_waits"] == "consumed" and rt.HAS_SEND_WAITS
         self._stage_rank = list(topology.rank_of)
         # per stage: the stage an F / a B-or-I sends to on another rank (-1: none)

@@ -36,7 +36,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
 from .. import _runtime as rt
 from .._runtime import Action, PipelineStageBase
-from .._runtime.lowering import BACKWARD_SEND_WAITS
+from .._runtime.lowering import check_backward_send_waits as _waits
 from ..attention.kv import metadata_inference
 from ..orders.order import OrderSpec
 from ..orders.order_rules import check_order_rules
@@ -120,18 +120,10 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
         kwargs_seq_dims: Mapping[str, int | None] | None = None,
         check_attention: bool = True,
         skip_invisible: bool = True,
-        loss_reduction: Literal["mean", "sum"] = "mean",
-        backward_send_waits: Literal["consumed", "end"] = "consumed",
+        loss_reduction: Literal["mean", "sum"] = "mean", backward_send_waits: str = "end",
     ) -> None:
         stage_list = _check_stages(stages, self._placement)
-        if backward_send_waits not in BACKWARD_SEND_WAITS:
-            raise ValueError(
-                f"backward_send_waits={backward_send_waits!r}: 'consumed' (each backward "
-                "send waited once the peer provably received it) or 'end' (torch's: at the "
-                "step's end)"
-            )
-        self.backward_send_waits = backward_send_waits  # read by the lowering, below
-        self.loss_reduction = loss_reduction  # "sum": scale_grads off, each unit's sum as is
+        self.loss_reduction, self.backward_send_waits = loss_reduction, _waits(backward_send_waits)
         self.loss_checks, scale_grads = LossChecks.of_reduction(
             loss_fn, n_microbatches * seq_chunks, loss_reduction, scale_grads, context_parallel)
         rt.release_recv_meta_fns(stage_list)  # this schedule takes over their receive sizing
