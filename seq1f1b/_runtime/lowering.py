@@ -344,7 +344,6 @@ class SendRecvLowering:
         rt.validate_send_waits({rank: out})
         return out
 
-
     def _consumed_after(self, rank: int) -> dict[tuple[int, int], tuple[int, Any, int]]:
         """For each backward send of ``rank`` (stage, unit): the compute action of ``rank``
         after which the peer has provably received it, where one exists.
@@ -356,40 +355,23 @@ class SendRecvLowering:
         is free on a GPU as well. Sends with no such message keep torch's wait at the end."""
         rank_of = self._stage_rank
         mine = self._lists[rank]
-
-        def compute_key(a: Action) -> tuple[int, bool, int] | None:
-            ct = a.computation_type
-            if ct is _F:
-                return (a.stage_index, True, a.microbatch_index)
-            if ct is _B or ct is _I:
-                return (a.stage_index, False, a.microbatch_index)
-            return None
-
-        my_pos: dict[tuple[int, bool, int], int] = {}
-        for i, a in enumerate(mine):
-            key = compute_key(a)
-            if key is not None:
-                my_pos.setdefault(key, i)  # a unit's first backward half (B or I) consumes
+        my_pos = _first_positions(mine)
         peers: dict[int, list[tuple[int, int, int]]] = {}  # rank -> (index, stage, peer stage)
         for i, a in enumerate(mine):
-            key = compute_key(a)
+            key = _compute_key(a)
             if key is not None and not key[1] and self._send_b[a.stage_index] >= 0:
                 peer = self._send_b[a.stage_index]
                 peers.setdefault(rank_of[peer], []).append((i, a.stage_index, peer))
         out: dict[tuple[int, int], tuple[int, Any, int]] = {}
         for q, sends in peers.items():
             theirs = self._lists[q]
-            q_pos: dict[tuple[int, bool, int], int] = {}
-            for j, a in enumerate(theirs):
-                key = compute_key(a)
-                if key is not None:
-                    q_pos.setdefault(key, j)
+            q_pos = _first_positions(theirs)
             # from each index of q's list: the index in mine of the action that consumes the
             # next message q sends to me (-1: none comes)
             next_msg = [-1] * (len(theirs) + 1)
             for j in range(len(theirs) - 1, -1, -1):
                 next_msg[j] = next_msg[j + 1]
-                key = compute_key(theirs[j])
+                key = _compute_key(theirs[j])
                 if key is None:
                     continue
                 x, fwd, u = key
@@ -425,6 +407,27 @@ class SendRecvLowering:
             if ct is _F or ct is _B or ct is _I:
                 moved.extend(waits.pop((a.stage_index, ct, a.microbatch_index), ()))
         return moved
+
+
+def _compute_key(a: Action) -> tuple[int, bool, int] | None:
+    """(stage, forward?, unit) of an F, B or I; None for any other action."""
+    ct = a.computation_type
+    if ct is _F:
+        return (a.stage_index, True, a.microbatch_index)
+    if ct is _B or ct is _I:
+        return (a.stage_index, False, a.microbatch_index)
+    return None
+
+
+def _first_positions(actions: Sequence[Action]) -> dict[tuple[int, bool, int], int]:
+    """Each compute key's first index in ``actions`` (a unit's first backward half, B or I,
+    is the one that consumes the gradient it receives)."""
+    pos: dict[tuple[int, bool, int], int] = {}
+    for i, a in enumerate(actions):
+        key = _compute_key(a)
+        if key is not None:
+            pos.setdefault(key, i)
+    return pos
 
 
 class LoweredOrders(MutableMapping[int, list[Action]]):
