@@ -239,12 +239,10 @@ class PipelineMemTracker(MemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func is _DEVICE or self._propagating:  # ``t.device``, metadata only: not tracked
             return func(*args, **(kwargs or {}))
-        if not self._holders:
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        # name what the op made before the peak's taking sees it (the base class tracks the
-        # outputs and updates the peak in one call): named here, taken at the next op's update
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if out is not NotImplemented:
+        # with ``holders``, name what the op made (the base class tracks the outputs and
+        # updates the peak in one call: named here, taken at the next op's update)
+        if self._holders and out is not NotImplemented:
             self._label(func, out)
         return out
 
