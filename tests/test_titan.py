@@ -18,6 +18,7 @@ from titan_utils import (
     needs_sharding,
     only_titan,
     run_titan,
+    seed_checkpoint,
     titan_available,
 )
 
@@ -34,25 +35,8 @@ NO_PP = ["--parallelism.pipeline_parallel_degree", "1"]
 
 @pytest.fixture(scope="module")
 def seed(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    dump = tmp_path_factory.mktemp("seed")
-    run_titan(
-        1,
-        *NO_PP,
-        "--checkpoint.enable",
-        "--checkpoint.create_seed_checkpoint",
-        "--parallelism.data_parallel_shard_degree",
-        "1",
-        dump=dump,
-    )
-    step0 = dump / "checkpoint" / "step-0"
-    assert step0.is_dir()
-    return [
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_path",
-        str(step0),
-        "--checkpoint.interval",
-        "1000",
-    ]
+    return seed_checkpoint("--parallelism.data_parallel_shard_degree", "1",
+                           dump=tmp_path_factory.mktemp("seed"))
 
 
 @pytest.fixture(scope="module")

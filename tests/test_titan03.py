@@ -19,6 +19,7 @@ from titan_utils import (
     needs_sharding,
     parse_run,
     run_titan,
+    seed_checkpoint,
     titan_available,
 )
 
@@ -68,13 +69,7 @@ VALIDATE = ["--validation.enable", "--validation.freq", "2", "--validation.steps
 
 @pytest.fixture(scope="module")
 def seed(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    dump = tmp_path_factory.mktemp("seed03")
-    run_titan(1, "--parallelism.pipeline_parallel_degree", "1", "--checkpoint.enable",
-              "--checkpoint.create_seed_checkpoint", dump=dump)  # fmt: skip
-    step0 = dump / "checkpoint" / "step-0"
-    assert step0.is_dir()
-    return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(step0),
-            "--checkpoint.interval", "1000"]  # fmt: skip
+    return seed_checkpoint(dump=tmp_path_factory.mktemp("seed03"))
 
 
 @pytest.fixture(scope="module")

@@ -83,12 +83,11 @@ class Seq1F1B:
     """Stages per rank for InterleavedSeq1F1B (ignored when
     parallelism.pipeline_parallel_layers_per_stage is set)."""
 
-    backward_send_waits: str = "end"
-    """Where each unit's input gradient sent upstream is waited for, and freed: "end" (torch
-    2.15's placement: held to the step's end, one unit's input gradient per unit on every
-    stage but the first) or "consumed" (right after the first action that proves the peer
-    received it; opt-in until a NaN seen once under ZBVSeq1F1B x TP 2 is explained, see
-    docs/dry_run.md). torch 2.13/2.14 wait for sends their own way."""
+    backward_send_waits: str = "consumed"
+    """Where each unit's input gradient sent upstream is waited for, and freed: "consumed"
+    (right after the first action that proves the peer received it; no stall) or "end"
+    (torch 2.15's placement: held to the step's end, one unit's input gradient per unit on
+    every stage but the first). torch 2.13/2.14 wait for sends their own way."""
 
     dry_run: bool = False
     """Train nothing: one step of each distinct pipeline rank at the configuration's real size

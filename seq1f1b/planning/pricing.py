@@ -239,9 +239,11 @@ class _SettingModel:
                                      cached=j < k - 1 or not by_reader)  # fmt: skip
             return held + kv_added[j] * kv_bytes
 
-        # torch 2.15 holds each backward's sent input gradient to the step's end (the default
-        # backward_send_waits="end"; "consumed" frees it within a unit or two)
-        sent = dtype_bytes * shape.hidden / (setting.tp * c) if saved.backward_sends_held else 0.0
+        # torch 2.15 holds each backward's sent input gradient to the step's end; the Seq1F1B
+        # family waits for it once the peer has it (backward_send_waits="consumed", the
+        # default): freed within a unit or two, not priced
+        held_sends = saved.backward_sends_held and not (entry is not None and entry.seq_chunked)
+        sent = dtype_bytes * shape.hidden / (setting.tp * c) if held_sends else 0.0
 
         def after_backward(a: Action) -> float:
             j = (a.microbatch_index or 0) % k

@@ -77,8 +77,8 @@ class SavedTensors:
         backward_sends_held: torch 2.15's runtime waits for a backward's send only at the
             step's end (``_add_wait_send``: "backward sends ... wait at schedule end"), so
             each unit's input gradient a non-first stage sends, ``b*H/t`` per token, is held
-            from its backward to the end of the step (the schedules' default
-            ``backward_send_waits="end"``).
+            from its backward to the end of the step (torch's schedules; the Seq1F1B
+            family waits for each once the peer has it, ``backward_send_waits="consumed"``).
         kv_cache_by_reader: the K/V cache holds what later segments read only (not a sample's
             last segment's K/V), and the K/V gradients later segments leave on it are held
             from the sample's last segment's backward to each owning segment's backward (the

@@ -70,10 +70,10 @@ class ScheduleSeq1F1B(SequencePipelineSchedule):
             ``context_parallel``). A sum loss under "mean" (``reduction="sum"`` declared, or
             found at the first step: its value on a unit is the sum of its halves') is refused
             on every rank, never trained with gradients M*K times too small.
-        backward_send_waits: "consumed" (opt-in): each unit's input gradient sent upstream
+        backward_send_waits: "consumed" (default): each unit's input gradient sent upstream
             is waited for, and freed, right after the first action of this rank that
             consumes a message the peer sent after receiving it (no stall: its arrival is
-            proven); "end" (default): torch 2.15's placement, every backward send held to the step's
+            proven); "end": torch 2.15's placement, every backward send held to the step's
             end (a unit's input gradient per unit on every stage but the first). torch 2.13
             and 2.14 wait for sends in their own way; a ``max_outstanding_sends`` budget
             places the waits itself (torch's lowering).

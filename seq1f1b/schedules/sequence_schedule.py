@@ -120,7 +120,7 @@ class SequencePipelineSchedule(UpstreamSeq1F1B):
         kwargs_seq_dims: Mapping[str, int | None] | None = None,
         check_attention: bool = True,
         skip_invisible: bool = True,
-        loss_reduction: Literal["mean", "sum"] = "mean", backward_send_waits: str = "end",
+        loss_reduction: Literal["mean", "sum"] = "mean", backward_send_waits: str = "consumed",
     ) -> None:
         stage_list = _check_stages(stages, self._placement)
         self.loss_reduction, self.backward_send_waits = loss_reduction, _waits(backward_send_waits)
