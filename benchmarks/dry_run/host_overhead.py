@@ -47,18 +47,10 @@ from seq1f1b.testing import TinyConfig
 from .model_ranks import SHAPES, build_rank
 from .stack_sampler import ARTEFACTS, CAUSES, StackSampler, shares
 
-__all__ = ["EXCLUDED", "SCHEDULES", "Case", "Setting", "main", "measure", "miniature_config"]
+__all__ = ["SCHEDULES", "Case", "Setting", "main", "measure", "miniature_config"]
 
-#: the Seq1F1B family the dry run runs: sequence-chunked schedules with whole backwards
-SCHEDULES = tuple(e.name for e in REGISTRY if e.seq_chunked and not e.split_backward)
-#: the family's other schedules, and why they are left out
-EXCLUDED = {
-    e.name: "split backwards (zero bubble): the dry run cannot run them yet (MemTracker fails "
-    "in autograd.grad over a stage's received inputs); their forwards and input halves are "
-    "Seq1F1B's, their weight halves one more pass over the same layers"
-    for e in REGISTRY
-    if e.seq_chunked and e.split_backward
-}
+#: the Seq1F1B family: every sequence-chunked schedule, split backwards included
+SCHEDULES = tuple(e.name for e in REGISTRY if e.seq_chunked)
 #: what a GPU run pays per launched kernel beyond the miniature's tiny CPU kernel (cudaLaunch)
 LAUNCH_S = 5e-6
 
@@ -326,17 +318,8 @@ def report(results: Sequence[Result], setting: Setting) -> str:
         "a GPU run launches:",
         "",
         _table(fake_head, fake_rows),
-        "",
-        *(f"left out: {', '.join(names)}: {why}" for why, names in _by_reason().items()),
     ]
     return "\n".join(out)
-
-
-def _by_reason() -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for name, why in EXCLUDED.items():
-        out.setdefault(why, []).append(name)
-    return out
 
 
 def cases(schedules: Sequence[str], ks: Sequence[int], ranks: Sequence[int]) -> list[Case]:

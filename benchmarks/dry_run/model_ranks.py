@@ -168,7 +168,7 @@ def build_rank(cfg: TinyConfig, name: str, pp: int, v: int, m: int, k: int, seq_
             with rt.outside_fake_mode():  # the mesh's rank table holds values
                 mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
         pp_rank = rank // tp
-        mine = list(range(pp_rank, n_stages, pp))
+        mine = entry.stages_of(pp, pp_rank, v)  # looped, or V (ZBVSeq1F1B)
         mods = _stage_modules(cfg, n_stages, mine, checkpointing=ac == "full")
         stages: list[PipelineStage] = []
         for s in mine:

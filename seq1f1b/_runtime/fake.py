@@ -32,7 +32,10 @@ place.
 | ModTracker._fw_pre_hook, the module global       | its input hooks removed once they ran      |
 |   mod_tracker.register_multi_grad_hook (swapped  |   (``_ReleasingModTracker``: they form an  |
 |   for the call), Variable._execution_engine      |   uncollectable cycle that kept autograd   |
-|   .queue_callback                                |   nodes, and what they hold, alive)        |
+|   .queue_callback                                |   nodes, and what they hold, alive); an    |
+|                                                  |   "all" hook skips leaf inputs (a split    |
+|                                                  |   backward's autograd.grad cannot say if  |
+|                                                  |   a leaf's node runs)                      |
 | MemTracker._WINFO, ._curr_mem_snap,             | what holds the memory at the peak: each    |
 |   ._update_peak_stats, _WeakRefInfo (.reftype,   |   storage's kind, size and the op, module  |
 |   .mem_consumed)                                 |   and shape that made it (``holders=True``)|
@@ -123,7 +126,12 @@ class _ReleasingModTracker(_mod_tracker.ModTracker):
     entries and their gradients. A tracked Seq1F1B step held, per sample done, its earlier
     segments' K/V and K/V gradients (``2 (K-1)/K`` of the sample's K/V bytes) that an
     untracked step frees. Upstream hook that would remove this: ModTracker keeping (and
-    removing) the handles it registers."""
+    removing) the handles it registers.
+
+    Nor does that hook wait for a leaf input's gradient: in ``autograd.grad`` (a split
+    backward's input half, over a stage's received inputs) the engine cannot say whether a
+    leaf's node will run, and torch's hook raised there. Upstream hook: the same filter in
+    ``register_multi_grad_hook``, or the engine answering for a leaf that is an input."""
 
     def _fw_pre_hook(self, mod: Any, input: Any) -> None:
         register = _mod_tracker.register_multi_grad_hook
@@ -135,6 +143,13 @@ class _ReleasingModTracker(_mod_tracker.ModTracker):
                 fn(*args)
                 torch.autograd.Variable._execution_engine.queue_callback(handle.remove)
 
+            # an "all" hook asks the engine which of its tensors' nodes will run, which it
+            # cannot answer for a leaf inside autograd.grad (a split backward's input half,
+            # over a stage's received inputs): such a hook waits for the non-leaf tensors
+            # only, or, where all are leaves, fires at the first one's gradient
+            inner = [t for t in tensors if t.grad_fn is not None]
+            if mode == "all" and len(inner) < len(tensors):
+                tensors, mode = (inner, "all") if inner else (tensors, "any")
             handle = register(tensors, run, mode=mode)
             return handle
 

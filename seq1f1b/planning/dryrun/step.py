@@ -262,13 +262,6 @@ def dry_run_rank(
     ):
         step = build(rank)
         schedule = step.schedule
-        if getattr(schedule, "_split_backward", False) and not schedule._whole_backward:
-            raise NotImplementedError(
-                f"the dry run cannot run {type(schedule).__name__}'s split backwards yet: "
-                "torch's MemTracker (through its ModTracker) fails in autograd.grad over a "
-                "stage's received inputs. Dry-run the same setting under its whole-backward "
-                "form (ScheduleSeq1F1B; ScheduleInterleavedSeq1F1B for V) for the memory"
-            )
         steady_state(step)
         stages = list(step.stages)
         mt = rt.PipelineMemTracker(holders=holders)
