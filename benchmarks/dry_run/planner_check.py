@@ -1,5 +1,6 @@
 """``python -m benchmarks.dry_run.planner_check [--quick]``: the planner's peak memory against
-the dry run's, over a grid of schedules x K x activation checkpointing x tensor parallelism.
+the dry run's, over a grid of schedules (split backwards included) x K x activation
+checkpointing x tensor parallelism.
 
 Each cell is the direct API's Llama-style model (:mod:`seq1f1b.testing`) at a moderate width
 (:data:`GRID_CFG`), pipeline rank 0 (TP rank 0) dry-run in a process of its own
@@ -101,7 +102,8 @@ class Row:
 def grid(quick: bool = False) -> list[CheckCell]:
     """The grid: torch's 1F1B, Interleaved1F1B and GPipe (K = 1) and Seq1F1B,
     InterleavedSeq1F1B (K = 2, 4, 8) x AC (none, full, selective) x TP (1, 2, 4, with
-    sequence parallelism). ``quick``: five cells across the axes."""
+    sequence parallelism); ZBSeq1F1B and ZBVSeq1F1B (K = 4) x AC x TP (1, 2). ``quick``: five
+    cells across the axes."""
     if quick:
         return [
             CheckCell("1F1B", 1, "none", 1),
@@ -118,6 +120,10 @@ def grid(quick: bool = False) -> list[CheckCell]:
                 cells += [CheckCell("Seq1F1B", k, ac, tp),
                           CheckCell("InterleavedSeq1F1B", k, ac, tp, v=2)]  # fmt: skip
     cells += [CheckCell("GPipe", 1, "none", 2), CheckCell("LoopedBFS", 1, "none", 2, v=2)]
+    # the split backwards (zero bubble: each unit's weight half deferred), K = 4
+    for ac in ("none", "full", "selective"):
+        for tp in (1, 2):
+            cells += [CheckCell("ZBSeq1F1B", 4, ac, tp), CheckCell("ZBVSeq1F1B", 4, ac, tp, v=2)]
     # a longer sequence: the per-token formulas at 16k
     cells += [replace(c, seq_len=16384) for c in (CheckCell("1F1B", 1, "none", 4),
                                                   CheckCell("Seq1F1B", 4, "none", 4))]  # fmt: skip
