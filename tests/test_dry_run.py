@@ -202,3 +202,21 @@ def test_dry_run_refuses_an_initialized_process_group(tmp_path: Path) -> None:
             dry_run_rank(_build("1F1B"), 0, PP)
     finally:
         dist.destroy_process_group()
+
+
+@needs_215
+def test_a_split_backward_last_stage_under_tp_frees_each_unit() -> None:
+    """Found by the planner grid (ZBVSeq1F1B x TP 2 x full AC: 9.5 GiB against 0.5 planned):
+    the last stage kept what ``step()`` returns, each unit's output, with its graph, and under
+    a split backward (the input half retains the graph, the weight half frees only its own
+    path) every saved tensor off the weight path stayed alive to the step's end, a unit's
+    activations more each unit (none at TP 1 here). Rank 1 of pp 2 x TP 2 under ZBSeq1F1B
+    now holds the same after each sample's last weight half."""
+    from benchmarks.dry_run.model_ranks import dry_run_isolated
+
+    cfg = TinyConfig(vocab=2048, dim=256, n_heads=8, n_kv_heads=4, n_layers=8, ffn=704)
+    args = (cfg, "ZBSeq1F1B", PP, 1, 4, K, 2048, 4, 4, 2, "uniform")
+    (report,) = dry_run_isolated([(args, {"ac": "none"}, 2, 4, "h100-80gb")])
+    held = {a.label: a.memory for a in report.actions}
+    unit = held["F1"] - held["F0"]  # one unit's forward
+    assert held[f"W{2 * K}"] - held[f"W{K}"] < 0.25 * unit, (held, unit)  # sample 2 vs 1

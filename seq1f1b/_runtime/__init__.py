@@ -32,6 +32,8 @@ imports, its schedules refuse: ``PIPELINING_RUNTIME``):
 | utils._pytree.tree_flatten, tree_unflatten,   | patch 6's cutting and merging of a sample's      |
 |   _prims_common.make_contiguous_strides_for   |   leaves, its contiguous receive sizes (verbatim;|
 |                                               |   schedules/upstream.py's header binds them)     |
+| utils._pytree.tree_map_only (unit.py)         | the last stage's kept outputs detached (what     |
+|                                               |   ``step()`` returns holds no graph)             |
 | reference.py: schedules._add_send_recv,       | tests/benchmarks compare with torch's passes     |
 |   _simulate_comms_compute,                    |   only through reference.py: lowering and        |
 |   _add_unshard_reshard,                       |   deadlock replay ours must equal, the FSDP pass |

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 from torch.utils.hooks import RemovableHandle
 
 from .ir import (
@@ -433,6 +434,12 @@ class UnitRuntime(ScheduleRuntime):
             self._unit_losses[mb_index] = self.unit_loss(
                 stage, output, target_mbs[mb_index], mb_index, loss_kwargs
             )
+        if stage.is_last and stage.output_chunks and stage.output_chunks[-1] is output:
+            # what ``step()`` returns is values: kept with its graph, a split backward's input
+            # half (retain_graph) and weight half leave every saved tensor off the weight
+            # path alive until the step ends (found under TP: a step's activations on the
+            # last rank). The unit's backward has its own reference (the stage's fwd_cache).
+            stage.output_chunks[-1] = _detached(output)
 
     def _maybe_get_loss(self, stage, mb_index):  # type: ignore[override]
         """The unit's loss for its backward, which is about to run; what the step keeps of
@@ -632,3 +639,8 @@ def small_buffers_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
+
+
+def _detached(value: Any) -> Any:
+    """``value`` (a tensor or a tuple / list / dict of them) with every tensor detached."""
+    return tree_map_only(torch.Tensor, torch.Tensor.detach, value)
