@@ -220,3 +220,28 @@ def test_a_split_backward_last_stage_under_tp_frees_each_unit() -> None:
     held = {a.label: a.memory for a in report.actions}
     unit = held["F1"] - held["F0"]  # one unit's forward
     assert held[f"W{2 * K}"] - held[f"W{K}"] < 0.25 * unit, (held, unit)  # sample 2 vs 1
+
+
+@needs_215
+def test_a_split_backward_recomputes_a_checkpointed_block_once_per_weight_half() -> None:
+    """Found by the planner grid (ZBVSeq1F1B x full AC: the dry run 2.2x the planner): a block
+    checkpointed inside its forward (``torch.utils.checkpoint``, as Hugging Face models do;
+    the runtime cannot see it, so the backward is split) was recomputed by torch's weight half
+    once per group of weights, each ``autograd.grad`` call a recompute of its own, holding a
+    copy each (a Llama block: 9 groups). On rank 1 of ZBSeq1F1B, pp 2, checkpointing then
+    raised the peak above the uncheckpointed step's (1.24x) and each W cost 8 forwards more
+    than without it; the weight half now recomputes once (``checkpoints_recomputed_once``)."""
+    from benchmarks.dry_run.model_ranks import dry_run_isolated
+
+    cfg = TinyConfig(vocab=2048, dim=256, n_heads=8, n_kv_heads=4, n_layers=8, ffn=704)
+    args = (cfg, "ZBSeq1F1B", PP, 1, 4, K, 2048, 4, 4, 1, "uniform")
+    plain, ckpt = dry_run_isolated([(args, {"ac": ac}, 1, PP, "h100-80gb")
+                                    for ac in ("none", "functional")])  # fmt: skip
+
+    def seconds(report, kind: str) -> float:
+        return sum(a.device_s for a in report.actions if a.label.startswith(kind))
+
+    forwards = seconds(plain, "F")
+    assert seconds(ckpt, "W") - seconds(plain, "W") < 1.5 * forwards, (  # one recompute
+        seconds(ckpt, "W"), seconds(plain, "W"), forwards)  # fmt: skip
+    assert ckpt.peak.total < 0.6 * plain.peak.total, (ckpt.peak, plain.peak)  # was 1.24x

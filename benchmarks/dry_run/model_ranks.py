@@ -32,8 +32,8 @@ from seq1f1b.schedules.options import SequenceSplit
 from seq1f1b.schedules.partition import ModelShape, resolve_split
 from seq1f1b.testing import TinyConfig, TinyStage
 
-__all__ = ["AC_MODES", "SHAPES", "ParallelLoss", "build_rank", "dry_run_isolated", "model_shape",
-           "selective_ac", "tensor_parallel"]  # fmt: skip
+__all__ = ["AC_MODES", "SHAPES", "ParallelLoss", "build_rank", "dry_run_isolated", "full_ac",
+           "model_shape", "selective_ac", "tensor_parallel"]  # fmt: skip
 
 
 #: Llama 3's shapes (Meta's model cards), and the paper's 7B as a Llama (REFERENCE.md: 32
@@ -134,9 +134,19 @@ def selective_ac(mod: TinyStage) -> None:
     SelectiveAC(SelectiveAC.Config()).apply(mod)  # each of ``mod.layers`` wrapped
 
 
-#: activation checkpointing of :func:`build_rank`: none, full (each block recomputed from its
-#: input, ``torch.utils.checkpoint`` as torchtitan's full mode), or torchtitan's selective
-AC_MODES = ("none", "full", "selective")
+def full_ac(mod: TinyStage) -> None:
+    """Full activation checkpointing as torchtitan applies it: each block of ``mod`` wrapped in
+    a ``CheckpointWrapper``, recomputed from its input (zero-bubble orders then run each
+    backward whole, ``seq1f1b.schedules.sequence_schedule.unsplittable``)."""
+    for i, block in enumerate(mod.layers):
+        mod.layers[i] = rt.checkpoint_wrapper(block)
+
+
+#: activation checkpointing of :func:`build_rank`: none; full (each block recomputed from its
+#: input, wrapped as torchtitan's full mode wraps it); torchtitan's selective; or functional
+#: (``torch.utils.checkpoint`` called in the stage's forward, as Hugging Face models do: the
+#: runtime cannot see it, so zero-bubble orders split the backward)
+AC_MODES = ("none", "full", "selective", "functional")
 
 
 def build_rank(cfg: TinyConfig, name: str, pp: int, v: int, m: int, k: int, seq_len: int,
@@ -169,7 +179,7 @@ def build_rank(cfg: TinyConfig, name: str, pp: int, v: int, m: int, k: int, seq_
                 mesh = init_device_mesh("cpu", (pp, tp), mesh_dim_names=("pp", "tp"))
         pp_rank = rank // tp
         mine = entry.stages_of(pp, pp_rank, v)  # looped, or V (ZBVSeq1F1B)
-        mods = _stage_modules(cfg, n_stages, mine, checkpointing=ac == "full")
+        mods = _stage_modules(cfg, n_stages, mine, checkpointing=ac == "functional")
         stages: list[PipelineStage] = []
         for s in mine:
             mods[s].skip_head = True  # the chunked loss runs the head
@@ -177,6 +187,8 @@ def build_rank(cfg: TinyConfig, name: str, pp: int, v: int, m: int, k: int, seq_
                 tensor_parallel(mods[s], mesh["tp"])
             if ac == "selective":
                 selective_ac(mods[s])
+            elif ac == "full":
+                full_ac(mods[s])
             if s == 0:  # the first unit of a sample: a view of it, as the schedule cuts it
                 example = torch.zeros(batch // m, seq_len, dtype=torch.long)[:, :unit]
             else:  # a received activation (this rank's sequence shard): contiguous

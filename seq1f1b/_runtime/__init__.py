@@ -74,6 +74,11 @@ imports, its schedules refuse: ``PIPELINING_RUNTIME``):
 | algorithms._checkpoint.checkpoint_wrapper     | zero-bubble orders run checkpointed stages'      |
 |   .CheckpointWrapper                          |   backwards whole (split, every weight group's   |
 |                                               |   autograd.grad recomputes the block again)      |
+| torch._C._get_graph_exec_group                | a weight half's calls share one GraphExecGroup   |
+|   (with the public utils.checkpoint           |   (``checkpoints_recomputed_once``): a block     |
+|   .GraphExecGroup)                            |   checkpointed inside its forward, which the     |
+|                                               |   wrapper check cannot see, recomputes once per  |
+|                                               |   W, not once per weight group (pytorch#167251)  |
 | torch._C._is_key_in_tls, _get_obj_in_tls     | the contextvars snapshot torch's backward        |
 |   ("context")                                 |   launcher stashes for its worker threads        |
 |                                               |   (AutogradContextVar: the unit context seen in  |
@@ -213,6 +218,7 @@ from .ir import (
     backward_launch_context,
     broadcast_to_and_flatten,
     checkpoint_wrapper,
+    checkpoints_recomputed_once,
     compiled_modules,
     default_process_group,
     defer_recv_ops,
@@ -307,6 +313,7 @@ __all__ = [
     "backward_launch_context",
     "broadcast_to_and_flatten",
     "checkpoint_wrapper",
+    "checkpoints_recomputed_once",
     "compiled_modules",
     "default_process_group",
     "defer_recv_ops",

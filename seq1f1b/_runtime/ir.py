@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch._prims_common as _prims_common
 import torch.utils._pytree as _pytree
+import torch.utils.checkpoint
 from torch.distributed.pipelining import _utils as _pp_utils
 from torch.distributed.pipelining import microbatch as _microbatch
 from torch.distributed.pipelining import schedules as _schedules
@@ -260,6 +261,27 @@ def has_checkpointed_module(module: torch.nn.Module | None) -> bool:
     if not isinstance(module, torch.nn.Module):
         return False
     return any(isinstance(m, CheckpointWrapper) for m in module.modules())
+
+
+@contextlib.contextmanager
+def checkpoints_recomputed_once() -> Iterator[None]:
+    """Each non-reentrant checkpointed block the enclosed backward calls reach is recomputed at
+    most once (torch's ``GraphExecGroup``). Why: torch's weight half (``stage_backward_weight``)
+    differentiates each group of weights in an ``autograd.grad`` call of its own, and such a
+    block recomputes once per call, keeping each call's copy of the block's activations until
+    the half ends: a Llama block (9 weight groups) ran 9 times and held 9 copies (the dry run's
+    grid, a checkpoint called inside the block's forward, which ``has_checkpointed_module``
+    does not see). The groups touch disjoint saved tensors, as the context requires. Entered
+    only where no group is active (they do not nest) and torch has it. Upstream hook that
+    would remove it: ``stage_backward_weight`` running its calls in one group
+    (pytorch#167251, closed unmerged)."""
+    group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+    active = getattr(torch._C, "_get_graph_exec_group", None)
+    if group is None or active is None or active() is not None:
+        yield
+        return
+    with group():
+        yield
 
 
 @contextlib.contextmanager

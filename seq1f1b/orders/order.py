@@ -40,6 +40,7 @@ __all__ = [
     "sample_groups",
     "seq1f1b_warmup",
     "split_backward",
+    "whole_backwards",
 ]
 
 
@@ -176,6 +177,21 @@ def build_orders(spec: OrderSpec) -> dict[int, list[Action]]:
     why the warm-ups cannot deadlock).
     """
     return {r: rank_order(spec, r) for r in range(spec.pp)}
+
+
+def whole_backwards(order: Sequence[Action | None]) -> list[Action | None]:
+    """A compute order with each BACKWARD_INPUT run as a FULL_BACKWARD and no BACKWARD_WEIGHT
+    (the same gradient sends, at the same places): what a zero-bubble order runs on stages
+    whose backward cannot be split (compiled or checkpointed blocks,
+    :func:`seq1f1b.schedules.sequence_schedule.unsplittable`), and how the planner prices it."""
+    out: list[Action | None] = []
+    for action in order:
+        if action is not None and action.computation_type == W:
+            continue
+        if action is not None and action.computation_type == I:
+            action = Action(action.stage_index, B, action.microbatch_index)
+        out.append(action)
+    return out
 
 
 def split_backward(actions: Sequence[Action]) -> list[Action]:

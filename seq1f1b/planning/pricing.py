@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from .._runtime import ir as rt
 from .._runtime.ir import Action
+from ..orders.order import whole_backwards
 from ..schedules.partition import ModelShape, resolve_split, segment_multiple
 from .batch_simulate import OrderGraph
 from .costmodel import (
@@ -34,21 +35,40 @@ __all__ = ["Order", "kv_grad_deltas", "kv_prefix_deltas", "price"]
 Order = dict[int, list[Action | None]]
 
 
+def runs_whole(setting: Setting) -> bool:
+    """Whether the setting's zero-bubble order runs each backward whole: the Seq1F1B family's
+    split backwards on checkpointed blocks (full or selective AC, which torchtitan wraps per
+    block) run as full backwards (:func:`seq1f1b.orders.order.whole_backwards`)."""
+    entry = setting.entry
+    return bool(entry is not None and entry.seq_chunked and entry.split_backward
+                and (setting.recompute or setting.selective))  # fmt: skip
+
+
+def order_key(setting: Setting) -> tuple[str, int, int, int, int, bool]:
+    """What a setting's compute order depends on (the caches' key)."""
+    s, entry = setting, setting.entry
+    assert entry is not None
+    return (entry.name, s.pp, s.stages_per_rank, s.microbatches, s.seq_chunks, runs_whole(s))
+
+
 def _order(setting: Setting, cache: dict) -> Order | str | None:
-    """The setting's per-rank compute order (None without a pipeline), or why it has none."""
+    """The setting's per-rank compute order as it runs (None without a pipeline; whole
+    backwards where :func:`runs_whole`), or why it has none."""
     entry = setting.entry
     if entry is None:
         return None
-    s = setting
-    key = (entry.name, s.pp, s.stages_per_rank, s.microbatches, s.seq_chunks)
+    key = order_key(setting)
     if key not in cache:
         try:
-            cache[key] = entry.compute_orders(
+            order = entry.compute_orders(
                 setting.pp, setting.microbatches, setting.seq_chunks, setting.stages_per_rank
             )
         except (ValueError, AssertionError, RuntimeError) as exc:
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             cache[key] = f"no order ({text})"
+        else:
+            whole = runs_whole(setting)
+            cache[key] = {r: whole_backwards(o) for r, o in order.items()} if whole else order
     return cache[key]
 
 

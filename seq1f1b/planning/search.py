@@ -20,7 +20,7 @@ from ..schedules.partition import ModelShape, resolve_split, segment_multiple
 from .batch_simulate import OrderGraph, simulate_graphs
 from .costmodel import ActionCosts, Hardware
 from .plan_types import BF16, Candidate, Filters, Plan, Setting, Trainer, tie_groups
-from .pricing import Order, _order, _SettingModel
+from .pricing import Order, _order, _SettingModel, order_key, runs_whole
 
 __all__ = ["DEFAULT_CHUNKS", "STAGES_PER_RANK", "schedule_points", "search"]
 
@@ -276,8 +276,8 @@ class _Batch:
     def __init__(self, compile: bool) -> None:
         self.compile = compile
         self.group = 0
-        self.orders: dict[tuple[str, int, int, int, int], Order | str] = {}
-        self.graphs: dict[tuple[str, int, int, int, int], OrderGraph | None] = {}
+        self.orders: dict[tuple[str, int, int, int, int, bool], Order | str] = {}
+        self.graphs: dict[tuple[str, int, int, int, int, bool], OrderGraph | None] = {}
         self.plain: dict[OrderSpec, OrderGraph | None] = {}  # by _chunked_graph
         self.seconds: dict[tuple, Callable[[Action], float]] = {}  # _SettingModel's cost_tables
         self.jobs: list[tuple[OrderGraph, list[float], list[float]]] = []
@@ -288,10 +288,10 @@ class _Batch:
         """The setting's graph (None: price it through simulate) and, without one, its order
         (None without a pipeline) or why it has none. Each order is compiled once, from the
         order without split backwards where that applies (:meth:`_chunked_graph`)."""
-        entry, s = setting.entry, setting
+        entry = setting.entry
         if entry is None:
             return None, None
-        key = (entry.name, s.pp, s.stages_per_rank, s.microbatches, s.seq_chunks)
+        key = order_key(setting)
         if self.compile and key not in self.graphs:
             graph = self._chunked_graph(setting)
             if graph is None:
@@ -328,7 +328,7 @@ class _Batch:
             else:
                 self.plain[plain] = OrderGraph.build(order, **_classes(setting))
         graph = self.plain[plain]
-        if graph is None or not spec.split_backward:
+        if graph is None or not spec.split_backward or runs_whole(setting):
             return graph
         return graph.split_backward()
 

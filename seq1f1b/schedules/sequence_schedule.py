@@ -38,7 +38,7 @@ from .. import _runtime as rt
 from .._runtime import Action, PipelineStageBase
 from .._runtime.lowering import check_backward_send_waits as _waits
 from ..attention.kv import metadata_inference
-from ..orders.order import OrderSpec
+from ..orders.order import OrderSpec, whole_backwards
 from ..orders.order_rules import check_order_rules
 from .loss_checks import LossChecks
 from .microbatch import merge_unit_outputs
@@ -55,19 +55,6 @@ __all__ = ["SequencePipelineSchedule"]
 
 #: a step's packed documents: (batch, seq_len) ids, or one such tensor per sample
 DocumentIds = torch.Tensor | Sequence[torch.Tensor]
-
-
-def whole_backwards(order: Sequence[Action | None]) -> list[Action | None]:
-    """A compute order with each BACKWARD_INPUT run as a FULL_BACKWARD and no BACKWARD_WEIGHT
-    (the same gradient sends, at the same places)."""
-    out: list[Action | None] = []
-    for action in order:
-        if action is not None and action.computation_type == rt.BACKWARD_WEIGHT:
-            continue
-        if action is not None and action.computation_type == rt.BACKWARD_INPUT:
-            action = Action(action.stage_index, rt.FULL_BACKWARD, action.microbatch_index)
-        out.append(action)
-    return out
 
 
 def unsplittable(stages: Sequence[PipelineStageBase], cls: type) -> bool:

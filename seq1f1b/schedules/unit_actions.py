@@ -312,10 +312,11 @@ class UnitActions:
     @contextlib.contextmanager
     def _weight(self, stage: PipelineStageBase, unit: int) -> Iterator[None]:
         """Weight gradients from the intermediates BACKWARD_INPUT saved; checkpointing may
-        recompute the layer (and its attention, from the kept K/V cache) once more here."""
+        recompute the layer (and its attention, from the kept K/V cache) once more here, once
+        for all of torch's weight groups (``checkpoints_recomputed_once``)."""
         info, state = self.segment_info(unit), self.kv_states[stage.stage_index]
         with activate(UnitContext(state, info, "backward_weight", False)):
-            with self._eager_if_guarded(stage):
+            with self._eager_if_guarded(stage), rt.checkpoints_recomputed_once():
                 yield
         state.end_weight(info.microbatch, info.segment)
 
