@@ -3,7 +3,7 @@
     python -m benchmarks.planner_speed [--repeat N] [planner arguments]
 
 Default: the paper's 7B at 64k tokens on 32 A100s, as ``scripts/plan.sh --model paper-7b
---seq-len 65536 --gpus 32 --gpu a100-80gb`` searches it (torchtitan 0.3's trainer): 1848
+--seq-len 65536 --gpus 32 --gpu a100-80gb`` searches it (torchtitan 0.3's trainer): 1794
 settings, each priced by replaying its schedule's real order (seq1f1b/planning/batch_simulate.py
 replays them all in one batch). Any planner arguments replace the default problem.
 

@@ -46,6 +46,9 @@ class ScheduleEntry:
     replicas: int = 1
     seq_chunked: bool = False  # samples run as K sequence segments (the Seq1F1B family)
     split_backward: bool = False  # backwards as BACKWARD_INPUT + BACKWARD_WEIGHT
+    #: torch's own order splits backwards (its zero-bubble schedules): under checkpointing its
+    #: weight half recomputes each block once per weight group (docs/upstream_hooks.md 11)
+    torch_weight_half: bool = False
     ours: bool = False  # built by this library; otherwise torch's get_schedule_class(name)
     min_stages_per_rank: int = 1
     max_stages_per_rank: int | None = 1
@@ -161,9 +164,12 @@ REGISTRY: tuple[ScheduleEntry, ...] = (
         bubble_formula=_chain_bubble(lambda m, k, v: v * m),
     ),
     ScheduleEntry("LoopedBFS", 2, min_stages_per_rank=2, max_stages_per_rank=None),
-    ScheduleEntry("InterleavedZeroBubble", 2, min_stages_per_rank=2, max_stages_per_rank=None),
-    ScheduleEntry("ZBVZeroBubble", 2, "v", min_stages_per_rank=2, max_stages_per_rank=2),
-    ScheduleEntry("DualPipeV", 2, "v", min_stages_per_rank=2, max_stages_per_rank=2),
+    ScheduleEntry("InterleavedZeroBubble", 2, min_stages_per_rank=2, max_stages_per_rank=None,
+                  torch_weight_half=True),
+    ScheduleEntry("ZBVZeroBubble", 2, "v", min_stages_per_rank=2, max_stages_per_rank=2,
+                  torch_weight_half=True),
+    ScheduleEntry("DualPipeV", 2, "v", min_stages_per_rank=2, max_stages_per_rank=2,
+                  torch_weight_half=True),
     ScheduleEntry(
         "Seq1F1B",
         1,

@@ -138,6 +138,7 @@ def search(
     cands: list[Candidate | None] = []  # None: a slot _Batch.finish fills
     skipped: list[str] = []
     sac_on_ring = False  # selective AC asked for K > 1 with cp > 1 (not priced)
+    unpriced_ac: set[str] = set()  # torch's zero-bubble schedules asked with AC (not priced)
     batch = _Batch(compile=not blocking_p2p)
     for p in _divisors(hardware.gpus):
         if allowed_pp is not None and p not in allowed_pp:
@@ -185,6 +186,11 @@ def search(
                                 modes.append((False, True))
                             elif selective:
                                 sac_on_ring = True
+                            if entry is not None and entry.torch_weight_half:
+                                kept = [(rc, sel) for rc, sel in modes if not (rc or sel)]
+                                if len(kept) < len(modes):
+                                    unpriced_ac.add(entry.name)
+                                modes = kept
                             # MLA's latent K/V cache: K > 1, without TP and CP (as it runs)
                             caches = (
                                 (False, True)
@@ -219,6 +225,12 @@ def search(
                                 except ValueError as exc:  # blocking P2P: F and B orders only
                                     skipped.append(f"{setting.label()}: {exc}")
                                     break
+    for name in sorted(unpriced_ac):
+        skipped.append(
+            f"{name} with activation checkpointing: not priced (torch's weight half recomputes "
+            "each checkpointed block once per weight group, 5.1x the weight half and 1.29x "
+            "the uncheckpointed peak measured by the dry run; docs/upstream_hooks.md 11)"
+        )
     if sac_on_ring:
         skipped.append(
             "selective AC with K > 1 and cp > 1: not priced (the ring attention runs eager "
