@@ -511,3 +511,40 @@ def test_the_shared_core_reads_0_3s_own_config() -> None:
     copy = with_sections(config, par)
     assert type(copy) is type(config) and copy.parallelism is par
     assert copy.training is config.training and copy.seq1f1b is config.seq1f1b
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_the_dry_runs_planner_line_prices_the_config_as_it_runs(path: Path) -> None:
+    """``--seq1f1b.dry_run`` prints the planner's price of the same setting beside each rank
+    (torchtitan_integration/v03/plan_check.py): the setting it prices is the TOML's, key by
+    key (degrees, schedule, stages per rank, K, split, AC), or it says why it prices none."""
+    import tomllib
+
+    from torchtitan_integration.v03.dry_run import world_size_of
+    from torchtitan_integration.v03.plan_check import planned, planner_lines
+
+    raw = tomllib.loads(path.read_text())
+    config = build_config(path)
+    world = world_size_of(config.parallelism)
+    cand = planned(config, world)
+    par = raw["parallelism"]
+    pp = par.get("pipeline_parallel_degree", 1)
+    if isinstance(cand, str):  # torchtitan cuts 27 layers unevenly; the planner does not
+        assert "does not divide the 27 layers" in cand, cand
+        assert "deepseek_v3_16b" in path.name
+        return
+    s = cand.setting
+    assert (s.pp, s.tp, s.cp) == (pp, par.get("tensor_parallel_degree", 1),
+                                  par.get("context_parallel_degree", 1))  # fmt: skip
+    assert s.pp * s.tp * s.cp * s.fsdp == world
+    assert s.schedule == par.get("pipeline_parallel_schedule", "1F1B")
+    assert s.seq_chunks == raw["seq1f1b"]["seq_chunks"]
+    assert s.ac == raw.get("activation_checkpoint", {}).get("mode", "selective")
+    if s.seq_chunks > 1:
+        assert s.split == raw["seq1f1b"].get("seq_split", "compute")
+    # the interleaved and V schedules run two stages a rank here, the others one
+    two = s.schedule.startswith("Interleaved") or s.schedule.startswith("ZBV")
+    assert s.stages_per_rank == (2 if two else 1)
+    lines = planner_lines(config, world, {0: 2**32})
+    assert lines[1].startswith("  pipeline rank 0: planner ") and "dry run 4.00 GiB" in lines[1]
+    assert lines[1].endswith(f"planner / dry run {cand.peak_bytes[0] / 2**32:.3f}")

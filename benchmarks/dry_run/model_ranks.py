@@ -151,7 +151,8 @@ AC_MODES = ("none", "full", "selective", "functional")
 
 def build_rank(cfg: TinyConfig, name: str, pp: int, v: int, m: int, k: int, seq_len: int,
                batch: int, loss_chunks: int, tp: int = 1, seq_split: str = "uniform", *,
-               ac: str = "none") -> Callable[[int], RankStep]:  # fmt: skip
+               ac: str = "none",
+               return_outputs: bool = False) -> Callable[[int], RankStep]:  # fmt: skip
     """``build(rank)`` for :func:`~seq1f1b.planning.dryrun.dry_run_rank`: this rank's stages
     (looped placement, ``v`` per rank) of ``cfg`` under ``name``, one step of ``batch``.
 
@@ -159,7 +160,9 @@ def build_rank(cfg: TinyConfig, name: str, pp: int, v: int, m: int, k: int, seq_
     ``rank // tp``) and each stage :func:`tensor_parallel` over its ``tp`` row; segment lengths
     are then multiples of ``tp`` (sequence parallelism shards them). ``seq_split``: the
     Seq1F1B family's ("uniform", or "compute" for equal-FLOPs segments of ``cfg``). ``ac``:
-    activation checkpointing per block, one of :data:`AC_MODES`."""
+    activation checkpointing per block, one of :data:`AC_MODES`. ``return_outputs``: whether
+    the step returns the last stage's outputs (the direct API's default keeps every unit's);
+    False, as torchtitan steps and the planner prices."""
     if ac not in AC_MODES:
         raise ValueError(f"ac={ac!r}: use one of {', '.join(AC_MODES)}")
     n_stages = pp * v
@@ -211,7 +214,8 @@ def build_rank(cfg: TinyConfig, name: str, pp: int, v: int, m: int, k: int, seq_
         tokens = torch.zeros(batch, seq_len, dtype=torch.long)
         return RankStep(schedule, stages, list(mods.values()), opt,
                         (tokens,) if 0 in mine else (),
-                        tokens if n_stages - 1 in mine else None, seq_len=seq_len)  # fmt: skip
+                        tokens if n_stages - 1 in mine else None,
+                        {"return_outputs": return_outputs}, seq_len=seq_len)  # fmt: skip
 
     return build
 

@@ -39,6 +39,7 @@ from .. import assets
 from ..patches import applied
 from . import patches
 from .model import default_positions
+from .plan_check import planner_lines
 from .trainer import Seq1F1BTrainer
 
 __all__ = [
@@ -250,6 +251,9 @@ def dry_run(argv: Sequence[str], ranks: Sequence[int] | None = None) -> list[Ran
                          f"{world}, pp {par.pipeline_parallel_degree} tp "
                          f"{par.tensor_parallel_degree} cp {par.context_parallel_degree}, "
                          f"{entry.name} K {k}"), flush=True)  # fmt: skip
+    pp = max(par.pipeline_parallel_degree, 1)
+    peaks = {r.rank // (world // pp): r.peak.total for r in reports}
+    print("\n".join(planner_lines(config, world, peaks)), flush=True)
     for report in reports if config.seq1f1b.dry_run_holders > 0 else ():
         print(format_holders(report, config.seq1f1b.dry_run_holders), flush=True)
     if config.seq1f1b.dry_run_picture:
