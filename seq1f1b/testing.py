@@ -9,6 +9,7 @@ hybrid stack whose other layers are Gated DeltaNet (a recurrent state carried be
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,8 @@ class TinyConfig:
     #: hybrid stacks (Qwen3.5): layer i attends when i % full_attention_every is the last
     #: residue, the others are Gated DeltaNet (recurrent state carried across segments)
     full_attention_every: int = 1
+    #: every attention layer's ``mask_mod`` (:mod:`seq1f1b.attention.mask_mods`), or None
+    mask_mod: Any = None
 
 
 def rope_positions(x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +73,7 @@ class Block(nn.Module):
             self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
             local = cfg.window is not None and index % 2 == 0  # Gemma-style local/global
             self.attn = ChunkAwareAttention(
-                cfg.window if local else None, cfg.sinks if local else 0
+                cfg.window if local else None, cfg.sinks if local else 0, mask_mod=cfg.mask_mod
             )
         self.norm2 = nn.RMSNorm(cfg.dim)
         self.w1 = nn.Linear(cfg.dim, cfg.ffn, bias=False)

@@ -19,6 +19,7 @@ from seq1f1b import (
     packed_documents,
 )
 from seq1f1b.attention.kv import document_cp_layout, zigzag_runs
+from seq1f1b.attention.mask_mods import CausalBigBird, VisiblePrefix
 from seq1f1b.attention.masks import document_runs
 from seq1f1b.orders.order import OrderSpec
 from seq1f1b.registry import lookup
@@ -46,11 +47,22 @@ class Case:
     cp_prefix: str = "auto"
     memory_cap: float = 1.0  # seq_split="memory_capped" only
     hybrid: bool = False  # Qwen3.5's stack: three Gated DeltaNet layers, then one attention
+    mask: str | None = None  # every attention layer's mask_mod (MASK_MODS)
 
     @property
     def cfg(self) -> TinyConfig:
         every = 4 if self.hybrid else 1
-        return replace(CFG, window=self.window, sinks=self.sinks, full_attention_every=every)
+        mod = None if self.mask is None else MASK_MODS[self.mask]
+        return replace(CFG, window=self.window, sinks=self.sinks, full_attention_every=every,
+                       mask_mod=mod)  # fmt: skip
+
+
+#: mask_mods at the grid's size (blocks of 4 positions): BigBird made causal (2 global
+#: tokens, a window of 5, random earlier blocks), a shared prefix of 3 beside a window of 4
+MASK_MODS = {
+    "bigbird": CausalBigBird(global_tokens=2, window=5, density=0.3, seed=1, block=4),
+    "prefix": VisiblePrefix(prefix=3, window=4, block=4),
+}
 
 
 # one row per sample of a batch of 6 at 24 tokens: a document over three segments of 8, no
@@ -238,6 +250,30 @@ def zbv_grid() -> list[Case]:
         Case(2, 4, 2, docs=True, checkpointing=True, schedule=z),
         Case(2, 3, 2, docs=True, pad=True, schedule=z),
     ]
+
+
+def mask_mod_grid() -> list[Case]:
+    """Causal ``mask_mod``s (BigBird's global + window + random blocks, a visible prefix)
+    under every Seq1F1B-family schedule, with packed documents, checkpointing, uneven splits,
+    padding, and context parallelism (cp = 2, pp = 1: the ring plans the same tiles)."""
+    b, p = {"mask": "bigbird"}, {"mask": "prefix"}
+    return [
+        Case(1, 4, 2, **b),
+        Case(1, 3, 2, docs=True, split=(11, 8, 5), **b),
+        Case(1, 4, 2, checkpointing=True, **p),
+        Case(2, 3, 2, docs=True, schedule="InterleavedSeq1F1B", **b),
+        Case(2, 4, 1, checkpointing=True, pad=True, schedule="InterleavedSeq1F1B", **p),
+        Case(1, 4, 2, docs=True, schedule="ZBSeq1F1B", **b),
+        Case(1, 3, 2, checkpointing=True, schedule="ZBSeq1F1B", **p),
+        Case(2, 4, 2, docs=True, schedule="ZBVSeq1F1B", **b),
+        Case(2, 2, 3, checkpointing=True, schedule="ZBVSeq1F1B", **p),
+        Case(1, 4, 2, cp=2, seq_len=32, cp_prefix="pass_q", **b),
+        Case(1, 2, 2, cp=2, seq_len=32, docs=True, cp_prefix="pass_kv", checkpointing=True, **p),
+    ]
+
+
+def run_mask_mod_grid(rank: int, world: int) -> None:
+    run_cases(rank, world, mask_mod_grid())
 
 
 def hybrid_grid() -> list[Case]:

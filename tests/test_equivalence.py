@@ -14,6 +14,7 @@ from equivalence import (
     run_grid,
     run_hybrid_grid,
     run_mask_grid,
+    run_mask_mod_grid,
     run_wide_cp_grid,
     run_with_instance_override,
     run_zb_grid,
@@ -108,6 +109,14 @@ def test_zero_bubble_split_backward_matches_reference(world: int, stages_per_ran
     # ZBSeq1F1B: BACKWARD_INPUT / BACKWARD_WEIGHT with the cached K/V gradients; K in
     # {1,2,3,4}, uneven splits, checkpointing, documents + window
     run_ranks(run_zb_grid, world, stages_per_rank)
+
+
+def test_mask_mods_match_reference() -> None:
+    """Causal FlexAttention-style ``mask_mod``s (BigBird made causal, a visible prefix) equal
+    the unsegmented model under Seq1F1B, InterleavedSeq1F1B, ZBSeq1F1B, ZBVSeq1F1B and CP,
+    with documents, checkpointing and padding (the unsegmented model against dense
+    attention with the same mask: tests/test_masks.py)."""
+    run_ranks(run_mask_mod_grid, 2)
 
 
 def test_recurrent_state_matches_reference() -> None:

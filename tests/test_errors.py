@@ -4,6 +4,7 @@ order violations and split backward raise instead of producing wrong gradients."
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -353,3 +354,51 @@ def test_failures_name_the_failing_rank_on_every_rank() -> None:
     sum loss under mean scaling each fail both ranks, naming the failing rank and the cause;
     loss_reduction='sum' gives the gradients of the summed loss (issue 60)."""
     run_ranks(_failures_named_on_every_rank, 2)
+
+
+@dataclass(frozen=True)
+class _PrefixLM:
+    """A prefix LM's mask: the first ``prefix`` positions see each other both ways (looks
+    forward, so it cannot be cut into segments)."""
+
+    prefix: int
+
+    def __call__(self, b, h, q, k):
+        return (k <= q) | ((q < self.prefix) & (k < self.prefix))
+
+
+@dataclass(frozen=True)
+class _NextKeyFrom:
+    """Causal, except that queries from ``start`` on also see the next key."""
+
+    start: int
+
+    def __call__(self, b, h, q, k):
+        return (k <= q) | ((q >= self.start) & (k == q + 1))
+
+
+def _forward_looking_mask(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="mask_mod lets query 0 see key 1, a later position"):
+        build_stages(replace(CFG, mask_mod=_PrefixLM(prefix=5)), world)
+    # looking forward only far into the sequence: the first step that plans it fails, on
+    # the rank that found it with its message, on the other naming that rank
+    from equivalence import Case
+
+    mods = build_stages(replace(CFG, mask_mod=_NextKeyFrom(start=300)), world)
+    x, y = data(Case(1, 3, 2, seq_len=320, batch=2))
+    group = dist.new_group(list(range(world)))  # a failed step leaves its group unusable
+    stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"), group=group)
+    sched = ScheduleSeq1F1B([stage], 2, 3, loss_fn)
+    _, text = _raised(sched.step, *((x,) if rank == 0 else ()), target=y if rank else None)
+    assert "mask_mod lets query 300 see key 301, a later position" in text or (
+        rank == 1 and "pipeline rank 0 of 2 failed" in text), text  # fmt: skip
+
+
+def test_a_forward_looking_mask_mod_fails_on_every_rank() -> None:
+    """A mask_mod under which a query sees a later key (a bidirectional prefix) is refused on
+    every rank when its layers are built, naming the first such pair (docs/masks.md); one
+    that looks forward only beyond the positions checked then fails the first step that
+    plans it, on every rank, not a hang on the rank waiting for the one that raised."""
+    run_ranks(_forward_looking_mask, 2)

@@ -3,6 +3,7 @@ math reference, invisible blocks are neither computed nor cached, and bad masks 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import pairwise
 
 import pytest
@@ -18,6 +19,7 @@ from seq1f1b.attention.kv import (
     document_cp_layout,
     zigzag_runs,
 )
+from seq1f1b.attention.mask_mods import CausalBigBird, VisiblePrefix
 from seq1f1b.attention.masks import (
     MaskSpec,
     document_runs,
@@ -51,6 +53,8 @@ def visible(docs: torch.Tensor | None, spec: MaskSpec, b: int = 4) -> torch.Tens
         vis &= docs[:, :, None] == docs[:, None, :]
     if spec.window is not None:
         vis &= (i - j < spec.window) | (j < spec.sinks)
+    if spec.mask_mod is not None:  # FlexAttention's convention, on the dense grid
+        vis &= spec.mask_mod(0, 0, i, j)
     return vis
 
 
@@ -77,7 +81,8 @@ def segmented(q, k, v, lengths, docs, spec, skip: bool = True, backend: str = "t
         SegmentInfo(0, s, len(lengths), a, n, S, bounds, groups)
         for s, (a, n) in enumerate(zip(starts, lengths, strict=True))
     ]
-    kw = {"window": spec.window, "sinks": spec.sinks, "mask_backend": backend}
+    kw = {"window": spec.window, "sinks": spec.sinks, "mask_backend": backend,
+          "mask_mod": spec.mask_mod}  # fmt: skip
 
     def attend(info: SegmentInfo) -> torch.Tensor:
         a, e = info.start, info.end
@@ -92,6 +97,7 @@ def segmented(q, k, v, lengths, docs, spec, skip: bool = True, backend: str = "t
     return torch.cat(outs, dim=2), outs, infos, state, attend
 
 
+BIGBIRD = CausalBigBird(global_tokens=2, window=5, density=0.3, seed=1, block=4)
 SPECS = [
     MaskSpec(),
     MaskSpec(window=3),  # smaller than a segment of 8
@@ -99,10 +105,20 @@ SPECS = [
     MaskSpec(window=13),  # larger
     MaskSpec(window=5, sinks=2),
     MaskSpec(window=9, sinks=4),
+    # FlexAttention-style mask_mods, planned in blocks of 4: BigBird made causal (2 global
+    # tokens, a window of 5, random earlier blocks), a shared prefix, and one beside a window
+    MaskSpec(mask_mod=BIGBIRD),
+    MaskSpec(mask_mod=VisiblePrefix(prefix=3, window=4, block=4)),
+    MaskSpec(window=9, sinks=2, mask_mod=BIGBIRD),
 ]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"w{s.window}s{s.sinks}")
+def _id(spec: MaskSpec) -> str:
+    mod = "" if spec.mask_mod is None else type(spec.mask_mod).__name__
+    return f"w{spec.window}s{spec.sinks}{mod}"
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=_id)
 @pytest.mark.parametrize("docs", [None, DOCS], ids=["nodocs", "docs"])
 @pytest.mark.parametrize("lengths", [[24], [8, 8, 8], [11, 7, 6], [3, 5, 4, 12]])
 @pytest.mark.parametrize(
@@ -111,7 +127,7 @@ SPECS = [
     ids=["f64", "f32", "f64-noskip"],
 )
 def test_segments_equal_dense_mask_reference(spec, docs, lengths, dtype, tol, skip) -> None:
-    if docs is None and spec.window is None:
+    if docs is None and spec.plain:
         pytest.skip("plain causal: tests/test_attention.py")
     q, k, v = _qkv(dtype)
     vis = visible(docs, spec)
@@ -131,7 +147,7 @@ def test_segments_equal_dense_mask_reference(spec, docs, lengths, dtype, tol, sk
         assert ((t.grad - r).norm() / r.norm()).item() <= tol
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"w{s.window}s{s.sinks}")
+@pytest.mark.parametrize("spec", SPECS, ids=_id)
 @pytest.mark.parametrize("lengths", [[24], [11, 7, 6]])
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_flex_forward_backend_equals_reference(spec, lengths, dtype, tol) -> None:
@@ -280,6 +296,60 @@ def test_bad_masks_fail_with_the_fix() -> None:
     q, k, v = _qkv(torch.float32)
     with pytest.raises(ValueError, match="needs packed-document ids"):
         chunk_aware_attention(q, k, v, layer="x", documents=True)
+    with pytest.raises(ValueError, match="give a function mask_mod"):
+        MaskSpec(mask_mod=3)
+
+
+@dataclass(frozen=True)
+class _Bidirectional:
+    """A prefix LM's mask: the first ``prefix`` positions see each other both ways."""
+
+    prefix: int
+
+    def __call__(self, b, h, q, k):
+        return (k <= q) | ((q < self.prefix) & (k < self.prefix))
+
+
+@dataclass(frozen=True)
+class _Linformer:
+    """Linformer's keys are projections over the whole sequence: every query reads every
+    position, so as a mask it is all-visible."""
+
+    def __call__(self, b, h, q, k):
+        return torch.ones(torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool)
+
+
+@pytest.mark.parametrize(
+    ("mod", "pair"), [(_Bidirectional(prefix=6), "query 0 see key 1"),
+                      (_Linformer(), "query 0 see key 1")], ids=["prefix-lm", "linformer"]
+)  # fmt: skip
+def test_a_mask_that_looks_forward_is_refused_naming_the_positions(mod, pair) -> None:
+    """A mask under which a query sees a later key cannot be cut into segments (the key is
+    computed by a later segment): refused at the first attention call, whole sequence or
+    segment, naming the first such pair; the causal form of the same mask runs."""
+    q, k, v = _qkv(torch.float32)
+    with pytest.raises(ValueError, match=pair):
+        chunk_aware_attention(q, k, v, layer="x", mask_mod=mod)
+    state = StageKVState(0, 3)  # a unit's first segment of three: checked for the sample
+    info = SegmentInfo(0, 0, 3, 0, 8, S, (0, 8, 16, 24), None)
+    state.begin_forward(0, 0)
+    with activate(UnitContext(state, info, "forward", True)), pytest.raises(ValueError, match=pair):
+        chunk_aware_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], layer="y", mask_mod=mod)
+
+
+def test_blocks_a_mask_mod_hides_get_no_tile() -> None:
+    """A mask_mod's hidden blocks are never computed: BigBird at 512 positions in blocks of 32
+    (window 32, 2 global tokens, 10% random blocks) plans tiles over a fraction of the causal
+    triangle's pairs, and each tile holds a visible pair."""
+    mod = CausalBigBird(global_tokens=2, window=32, density=0.1, seed=3, block=32)
+    spec, n = MaskSpec(mask_mod=mod), 512
+    tiles = plan_tiles(0, n, 0, n, ((0, 1, ((0, n),)),), spec)
+    area = sum((t.q1 - t.q0) * (t.k1 - t.k0) for t in tiles)
+    assert area < 0.35 * n * (n + 1) / 2, area
+    i, j = torch.arange(n).unsqueeze(1), torch.arange(n).unsqueeze(0)
+    vis = mod(0, 0, i, j)
+    for t in tiles:
+        assert vis[t.q0 : t.q1, t.k0 : t.k1].any(), t
 
 
 # ---------------------------------------------------------- CP shards balanced for documents

@@ -594,7 +594,7 @@ def attention_call(
             "has none: pass step(..., document_ids=ids), or wrap the call in "
             "seq1f1b.packed_documents(ids) outside a pipeline step"
         )
-    plain = groups is None and spec.window is None
+    plain = groups is None and spec.plain
     alone = ctx is None or (ctx.info.cp is None and ctx.info.num_segments == 1)
     unit = None if alone else ctx
     if unit is None:

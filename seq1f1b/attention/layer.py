@@ -50,7 +50,7 @@ from .kv import (
     saved_prefix,
     send_through_expansions,
 )
-from .masks import MaskSpec, RowGroups, plan_segment
+from .masks import MASK_BLOCK, MaskMod, MaskSpec, RowGroups, check_causal, plan_segment
 from .tiles import (
     accumulator_dtype,
     kv_blocks,
@@ -103,13 +103,15 @@ def _flex_block_fwd(q, k, v, q0: int, k0: int, docs, spec: MaskSpec, scale: floa
     sinks at absolute offsets ``q0`` / ``k0``; rows that see nothing come back as -inf LSE."""
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
-    window, sinks = spec.window, spec.sinks
+    window, sinks, user = spec.window, spec.sinks, spec.mask_mod
 
     def mask_mod(b, h, qi, ki):
         qa, ka = qi + q0, ki + k0
         vis = (ka <= qa) & (docs[b, qa] == docs[b, ka])
         if window is not None:
             vis = vis & ((qa - ka < window) | (ka < sinks))
+        if user is not None:
+            vis = vis & user(0, 0, qa, ka)
         return vis
 
     lq, lk = q.shape[-2], k.shape[-2]
@@ -188,6 +190,7 @@ def chunk_aware_attention(
     documents: bool | None = None,
     mask_backend: str = "auto",
     return_lse: bool = False,
+    mask_mod: MaskMod | None = None,
 ) -> Any:
     """Causal attention over ``(batch, heads, seq, head_dim)`` tensors that Seq1F1B can chunk.
 
@@ -199,7 +202,10 @@ def chunk_aware_attention(
     ``sinks`` first positions always visible, per layer; packed documents come with the batch
     (``step(..., document_ids=...)``, or :func:`seq1f1b.packed_documents` outside a step).
     ``documents=True`` says this layer needs them (an error if the batch has none), ``False``
-    that it must ignore them. Outside a unit and without masks this is
+    that it must ignore them. ``mask_mod``: any causal pattern as a FlexAttention
+    ``mask_mod(b, h, q_idx, kv_idx)`` over absolute positions (docs/masks.md): its hidden
+    blocks are never computed, and cached blocks no later segment sees are freed; one that
+    looks forward is refused at its first step. Outside a unit and without masks this is
     ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``.
 
     ``return_lse``: return ``(out, lse)``, the log-sum-exp of every query's scores over all
@@ -214,10 +220,16 @@ def chunk_aware_attention(
     Under ``torch.compile`` the call is the custom op of :mod:`seq1f1b.attention.attention_op`
     (tiles, or the context-parallel ring run inside the op); ``layer`` must then carry a key
     buffer (ChunkAwareAttention does; :func:`seq1f1b.add_layer_key` gives one to any module).
+    A layer with a ``mask_mod`` runs eagerly there (a graph break per call: the op's schema
+    carries no function).
     """
     if mask_backend not in ("auto", "tiles", "flex"):
         raise ValueError(f"mask_backend={mask_backend!r}: use 'auto', 'tiles' or 'flex'")
     if torch.compiler.is_compiling():  # one opaque op: nothing of the unit is traced
+        if mask_mod is not None:
+            return _eager_attention(q, k, v, layer=layer, scale=scale, window=window,
+                                    sinks=sinks, documents=documents, mask_backend=mask_backend,
+                                    return_lse=return_lse, mask_mod=mask_mod)  # fmt: skip
         return compiled_attention(q, k, v, layer, scale, window, sinks, documents, return_lse)
     ctx = current_unit()
     n_rep = q.shape[1] // k.shape[1]
@@ -226,12 +238,14 @@ def chunk_aware_attention(
             f"q has {q.shape[1]} heads and k has {k.shape[1]}: the number of query heads must "
             "be a multiple of the number of K/V heads"
         )
-    spec = MaskSpec(window, sinks)
+    spec = MaskSpec(window, sinks, mask_mod)
     if q.device.type == "meta" or (ctx is None and inferring_metadata()):
         # the pipeline stage's shape inference: only shapes matter
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
         return (out, q.new_zeros(q.shape[:-1], dtype=torch.float32)) if return_lse else out
     call = attention_call(ctx, documents, spec, q.shape[0], q.shape[-2], layer)
+    if mask_mod is not None:
+        check_causal(mask_mod, call.seq_len)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     unit, plain, groups = call.unit, call.plain, call.groups
@@ -256,6 +270,10 @@ def chunk_aware_attention(
         q, k, v, scale, kernels, plan, spec, start, prefix.entries, docs, *prefix.tensors()
     )
     return (out, lse) if return_lse else out
+
+
+#: :func:`chunk_aware_attention` run eagerly under torch.compile (a ``mask_mod`` layer)
+_eager_attention = torch.compiler.disable(chunk_aware_attention, recursive=True)
 
 
 @torch.compiler.disable(recursive=True)  # eager under torch.compile: a graph break per call
@@ -328,13 +346,18 @@ class ChunkAwareAttention(nn.Module):
 
     ``forward(q, k, v, scale=None)`` with ``(batch, heads, seq, head_dim)`` tensors; the module
     itself is the layer key, so give every attention layer its own instance. ``window`` /
-    ``sinks``: this layer's sliding window (Mistral / Gemma local layers).
+    ``sinks``: this layer's sliding window (Mistral / Gemma local layers); ``mask_mod``: any
+    causal pattern, FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` (docs/masks.md).
     """
 
-    def __init__(self, window: int | None = None, sinks: int = 0, mask_backend: str = "auto"):
+    def __init__(self, window: int | None = None, sinks: int = 0, mask_backend: str = "auto",
+                 mask_mod: MaskMod | None = None):  # fmt: skip
         super().__init__()
-        MaskSpec(window, sinks)  # validate now, not at the first step
+        MaskSpec(window, sinks, mask_mod)  # validate now, not at the first step
+        if mask_mod is not None:  # a mask that looks forward early on: refused at build time
+            check_causal(mask_mod, 4 * getattr(mask_mod, "block", MASK_BLOCK))
         self.window, self.sinks, self.mask_backend = window, sinks, mask_backend
+        self.mask_mod = mask_mod
         add_layer_key(self)  # names the layer under torch.compile
 
     def forward(
@@ -349,4 +372,5 @@ class ChunkAwareAttention(nn.Module):
             window=self.window,
             sinks=self.sinks,
             mask_backend=self.mask_backend,
+            mask_mod=self.mask_mod,
         )

@@ -22,18 +22,22 @@ reads and what of its own K/V later segments read (the K/V cache, :mod:`seq1f1b.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 
 __all__ = [
+    "MASK_BLOCK",
+    "MaskMod",
     "MaskSpec",
     "PlanEntry",
     "RingPlan",
     "Runs",
     "Tile",
+    "check_causal",
     "document_runs",
     "first_seen",
     "place_tiles",
@@ -48,15 +52,44 @@ Runs = tuple[tuple[int, int], ...]  # absolute (start, end) runs: a row's docume
 RowGroups = tuple[tuple[int, int, Runs], ...]  # (first row, end row, runs) of equal rows
 
 
+#: a ``mask_mod``'s planning granularity: blocks of this many queries x keys are classified
+#: as hidden (no tile), fully visible or partly visible (a masked tile), as FlexAttention's
+#: block masks are
+MASK_BLOCK = 64
+
+#: FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor``, on absolute positions
+MaskMod = Callable[[Any, Any, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class MaskSpec:
-    """A layer's mask beyond causal: sliding ``window`` (keys per query, itself included) and
-    ``sinks`` (the first positions, visible to every later query of their document)."""
+    """A layer's mask beyond causal: sliding ``window`` (keys per query, itself included),
+    ``sinks`` (the first positions, visible to every later query of their document) and a
+    FlexAttention-style ``mask_mod`` (any causal pattern: BigBird's global, window and random
+    blocks, a visible prefix), all ANDed with causal masking and the packed documents.
+
+    A ``mask_mod`` is called with tensors of absolute query and key positions (batch and head
+    arguments 0: it must not depend on them) and must never look forward: a key after its
+    query is refused at the first step that plans it, naming the positions
+    (:func:`check_causal`). It is planned in blocks of its ``block`` attribute's positions
+    (default :data:`MASK_BLOCK`). It must be hashable and, for multi-process runs, picklable
+    (a frozen dataclass, :mod:`seq1f1b.attention.mask_mods`)."""
 
     window: int | None = None
     sinks: int = 0
+    mask_mod: MaskMod | None = None
+
+    @property
+    def plain(self) -> bool:
+        """No mask beyond causal (and the documents)."""
+        return self.window is None and self.mask_mod is None
 
     def __post_init__(self) -> None:
+        if self.mask_mod is not None and not callable(self.mask_mod):
+            raise ValueError(
+                f"mask_mod={self.mask_mod!r}: give a function mask_mod(b, h, q_idx, kv_idx) "
+                "returning a bool tensor (FlexAttention's convention), or None"
+            )
         if self.window is not None and (isinstance(self.window, bool) or self.window < 1):
             raise ValueError(
                 f"window={self.window!r}: a sliding window must be a positive number of keys per "
@@ -129,7 +162,39 @@ def tile_mask(t: Tile, spec: MaskSpec, device: torch.device | None = None) -> to
         visible &= doc_i == doc_j
     if spec.window is not None:
         visible &= (i - j < spec.window) | (j < spec.sinks)
+    if spec.mask_mod is not None:
+        visible &= _mask_mod(spec.mask_mod, i, j)
     return visible
+
+
+def _mask_mod(mask_mod: MaskMod, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """``mask_mod`` at query positions ``i`` x key positions ``j``, as a bool tensor of their
+    broadcast shape (batch and head 0)."""
+    out = torch.as_tensor(mask_mod(0, 0, i, j), device=i.device)
+    return out.to(torch.bool).expand(torch.broadcast_shapes(i.shape, j.shape))
+
+
+@lru_cache(maxsize=64)
+def check_causal(mask_mod: MaskMod, seq_len: int) -> None:
+    """Raise ValueError, naming the first pair, if ``mask_mod`` lets a query see a later key
+    within ``seq_len`` positions: a segment cannot attend to keys not computed yet, so such a
+    mask (a bidirectional prefix, Linformer's projection over the whole sequence) cannot be
+    chunked. Evaluated once per mask and length, in bands of :data:`MASK_BLOCK` queries."""
+    for r0 in range(0, seq_len, MASK_BLOCK):
+        r1 = min(seq_len, r0 + MASK_BLOCK)
+        i = torch.arange(r0, r1).unsqueeze(1)
+        j = torch.arange(r0 + 1, seq_len).unsqueeze(0)
+        if j.numel() == 0:
+            continue
+        ahead = _mask_mod(mask_mod, i, j) & (j > i)
+        if ahead.any():
+            q, k = (int(x) for x in ahead.nonzero()[0])
+            raise ValueError(
+                f"mask_mod lets query {r0 + q} see key {r0 + 1 + k}, a later position: a "
+                "Seq1F1B segment cannot attend to keys that later segments compute. Use a "
+                "mask that never looks forward (key <= query); a bidirectional prefix or a "
+                "projection over the whole sequence (Linformer) cannot be cut into segments"
+            )
 
 
 def plan_tiles(
@@ -141,13 +206,14 @@ def plan_tiles(
     whole rectangle, whatever it contains."""
     if not skip:
         return [Tile(r0, r1, q0, q1, k0, k1, "masked", runs) for r0, r1, runs in groups]
-    return list(_plan(q0, q1, k0, k1, groups, spec.window, spec.sinks))
+    return list(_plan(q0, q1, k0, k1, groups, spec.window, spec.sinks, spec.mask_mod))
 
 
 @lru_cache(maxsize=4096)
 def _plan(
-    q0: int, q1: int, k0: int, k1: int, groups: RowGroups, window: int | None, sinks: int
-) -> tuple[Tile, ...]:
+    q0: int, q1: int, k0: int, k1: int, groups: RowGroups, window: int | None, sinks: int,
+    mask_mod: MaskMod | None = None,
+) -> tuple[Tile, ...]:  # fmt: skip
     own = (q0, q1) == (k0, k1)
     out: list[Tile] = []
     for r0, r1, runs in groups:
@@ -157,9 +223,59 @@ def _plan(
                 continue
             if own:
                 ka, kb = qa, qb  # a document's keys in its own segment: a causal square
-            for a, b, c, d, kind in _window_split(qa, qb, ka, kb, own, window, sinks):
-                out.append(Tile(r0, r1, a, b, c, d, kind))
+            for piece in _window_split(qa, qb, ka, kb, own, window, sinks):
+                pieces = [piece] if mask_mod is None else _mask_split(
+                    *piece, mask_mod, window, sinks)  # fmt: skip
+                out += [Tile(r0, r1, a, b, c, d, kind) for a, b, c, d, kind in pieces]
     return tuple(out)
+
+
+def _mask_split(
+    qa: int, qb: int, ka: int, kb: int, kind: str, mask_mod: MaskMod, window: int | None,
+    sinks: int,
+) -> list[tuple[int, int, int, int, str]]:  # fmt: skip
+    """One piece of a same-document rectangle cut by a ``mask_mod`` into blocks of its
+    ``block`` (:data:`MASK_BLOCK`) queries x keys: a block it hides gets no tile, a fully
+    visible one is "full" (or "causal" on the diagonal), the rest "masked"; neighbouring
+    blocks of a row band with the same kind are one tile."""
+    out: list[tuple[int, int, int, int, str]] = []
+    step = getattr(mask_mod, "block", MASK_BLOCK)
+    for r0 in range(qa, qb, step):
+        r1 = min(qb, r0 + step)
+        i = torch.arange(r0, r1).unsqueeze(1)
+        j = torch.arange(ka, kb).unsqueeze(0)
+        base = j <= i
+        if window is not None:
+            base &= (i - j < window) | (j < sinks)
+        visible = _mask_mod(mask_mod, i, j) & base
+        band: list[tuple[int, int, str]] = []
+        for c0 in range(ka, kb, step):
+            c1 = min(kb, c0 + step)
+            block, allowed = visible[:, c0 - ka : c1 - ka], base[:, c0 - ka : c1 - ka]
+            if not block.any():
+                continue
+            if bool((block == allowed).all()) and bool(allowed.all()):
+                piece = "full"
+            elif kind == "causal" and (r0, r1) == (c0, c1) and bool((block == allowed).all()):
+                piece = "causal" if window is None or r1 - 1 - c0 < window else "masked"
+            else:
+                piece = "masked"
+            if band and band[-1][2] == piece == "full" and band[-1][1] == c0:
+                band[-1] = (band[-1][0], c1, piece)
+            elif band and band[-1][2] == piece == "masked" and band[-1][1] == c0:
+                band[-1] = (band[-1][0], c1, piece)
+            else:
+                band.append((c0, c1, piece))
+        for c0, c1, piece in band:
+            if piece == "masked":  # trimmed to its visible rows and columns: what the
+                # K/V cache keeps starts at a key some query sees (first_seen)
+                block = visible[:, c0 - ka : c1 - ka]
+                cols, rows = block.any(0).nonzero(), block.any(1).nonzero()
+                c0, c1 = c0 + int(cols[0]), c0 + int(cols[-1]) + 1
+                out.append((r0 + int(rows[0]), r0 + int(rows[-1]) + 1, c0, c1, piece))
+            else:
+                out.append((r0, r1, c0, c1, piece))
+    return out
 
 
 def _window_split(
