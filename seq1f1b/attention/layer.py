@@ -50,7 +50,15 @@ from .kv import (
     saved_prefix,
     send_through_expansions,
 )
-from .masks import MASK_BLOCK, MaskMod, MaskSpec, RowGroups, check_causal, plan_segment
+from .masks import (
+    CHECKED_POSITIONS,
+    MASK_BLOCK,
+    MaskMod,
+    MaskSpec,
+    RowGroups,
+    check_causal,
+    plan_segment,
+)
 from .tiles import (
     accumulator_dtype,
     kv_blocks,
@@ -245,7 +253,7 @@ def chunk_aware_attention(
         return (out, q.new_zeros(q.shape[:-1], dtype=torch.float32)) if return_lse else out
     call = attention_call(ctx, documents, spec, q.shape[0], q.shape[-2], layer)
     if mask_mod is not None:
-        check_causal(mask_mod, call.seq_len)
+        check_causal(mask_mod, min(call.seq_len, CHECKED_POSITIONS))
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     unit, plain, groups = call.unit, call.plain, call.groups

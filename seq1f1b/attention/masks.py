@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "CHECKED_POSITIONS",
     "MASK_BLOCK",
     "MaskMod",
     "MaskSpec",
@@ -70,10 +71,11 @@ class MaskSpec:
 
     A ``mask_mod`` is called with tensors of absolute query and key positions (batch and head
     arguments 0: it must not depend on them) and must never look forward: a key after its
-    query is refused at the first step that plans it, naming the positions
-    (:func:`check_causal`). It is planned in blocks of its ``block`` attribute's positions
-    (default :data:`MASK_BLOCK`). It must be hashable and, for multi-process runs, picklable
-    (a frozen dataclass, :mod:`seq1f1b.attention.mask_mods`)."""
+    query is refused, naming the positions: over the first :data:`CHECKED_POSITIONS` of the
+    first step's sequence (:func:`check_causal`), and within every segment as it is planned.
+    It is planned in blocks of its ``block`` attribute's positions (default
+    :data:`MASK_BLOCK`). It must be hashable and, for multi-process runs, picklable (a frozen
+    dataclass, :mod:`seq1f1b.attention.mask_mods`)."""
 
     window: int | None = None
     sinks: int = 0
@@ -174,16 +176,27 @@ def _mask_mod(mask_mod: MaskMod, i: torch.Tensor, j: torch.Tensor) -> torch.Tens
     return out.to(torch.bool).expand(torch.broadcast_shapes(i.shape, j.shape))
 
 
+#: the first step checks a ``mask_mod`` over this many positions of the sequence (every
+#: segment is also checked within itself as it is planned): the check evaluates every pair
+CHECKED_POSITIONS = 8192
+
+
 @lru_cache(maxsize=64)
 def check_causal(mask_mod: MaskMod, seq_len: int) -> None:
     """Raise ValueError, naming the first pair, if ``mask_mod`` lets a query see a later key
-    within ``seq_len`` positions: a segment cannot attend to keys not computed yet, so such a
-    mask (a bidirectional prefix, Linformer's projection over the whole sequence) cannot be
-    chunked. Evaluated once per mask and length, in bands of :data:`MASK_BLOCK` queries."""
-    for r0 in range(0, seq_len, MASK_BLOCK):
-        r1 = min(seq_len, r0 + MASK_BLOCK)
+    within the first ``seq_len`` positions: a segment cannot attend to keys not computed yet,
+    so such a mask (a bidirectional prefix, Linformer's projection over the whole sequence)
+    cannot be chunked. Evaluated once per mask and length."""
+    _refuse_ahead(mask_mod, 0, seq_len, seq_len)
+
+
+def _refuse_ahead(mask_mod: MaskMod, q0: int, q1: int, k_end: int) -> None:
+    """The check of :func:`check_causal` for queries ``[q0, q1)`` against the later keys
+    before ``k_end``, in bands of 1024 queries."""
+    for r0 in range(q0, q1, 1024):
+        r1 = min(q1, r0 + 1024)
         i = torch.arange(r0, r1).unsqueeze(1)
-        j = torch.arange(r0 + 1, seq_len).unsqueeze(0)
+        j = torch.arange(r0 + 1, k_end).unsqueeze(0)
         if j.numel() == 0:
             continue
         ahead = _mask_mod(mask_mod, i, j) & (j > i)
@@ -223,6 +236,8 @@ def _plan(
                 continue
             if own:
                 ka, kb = qa, qb  # a document's keys in its own segment: a causal square
+                if mask_mod is not None:  # a segment never sees its own later keys
+                    _refuse_ahead(mask_mod, qa, qb, qb)
             for piece in _window_split(qa, qb, ka, kb, own, window, sinks):
                 pieces = [piece] if mask_mod is None else _mask_split(
                     *piece, mask_mod, window, sinks)  # fmt: skip
@@ -237,42 +252,47 @@ def _mask_split(
     """One piece of a same-document rectangle cut by a ``mask_mod`` into blocks of its
     ``block`` (:data:`MASK_BLOCK`) queries x keys: a block it hides gets no tile, a fully
     visible one is "full" (or "causal" on the diagonal), the rest "masked"; neighbouring
-    blocks of a row band with the same kind are one tile."""
+    blocks of a row band with the same kind are one tile, a masked one trimmed to its visible
+    rows and keys (what the K/V cache keeps then starts at a key some query sees). Each row
+    band is classified in a few tensor reductions, not one per block."""
     out: list[tuple[int, int, int, int, str]] = []
     step = getattr(mask_mod, "block", MASK_BLOCK)
+    width = kb - ka
+    nb = -(-width // step)
+    j = torch.arange(ka, ka + nb * step).unsqueeze(0)
+    valid = (j < kb).view(1, nb, step)
     for r0 in range(qa, qb, step):
         r1 = min(qb, r0 + step)
         i = torch.arange(r0, r1).unsqueeze(1)
-        j = torch.arange(ka, kb).unsqueeze(0)
-        base = j <= i
+        base = (j <= i) & (j < kb)
         if window is not None:
             base &= (i - j < window) | (j < sinks)
         visible = _mask_mod(mask_mod, i, j) & base
+        vis3, base3 = visible.view(-1, nb, step), base.view(-1, nb, step)
+        seen = vis3.any(2).any(0).tolist()
+        same = ((vis3 == base3) | ~valid).all(2).all(0).tolist()
+        whole = (base3 | ~valid).all(2).all(0).tolist()
         band: list[tuple[int, int, str]] = []
-        for c0 in range(ka, kb, step):
-            c1 = min(kb, c0 + step)
-            block, allowed = visible[:, c0 - ka : c1 - ka], base[:, c0 - ka : c1 - ka]
-            if not block.any():
+        for b in range(nb):
+            if not seen[b]:
                 continue
-            if bool((block == allowed).all()) and bool(allowed.all()):
+            c0, c1 = ka + b * step, min(kb, ka + (b + 1) * step)
+            if same[b] and whole[b]:
                 piece = "full"
-            elif kind == "causal" and (r0, r1) == (c0, c1) and bool((block == allowed).all()):
+            elif kind == "causal" and (r0, r1) == (c0, c1) and same[b]:
                 piece = "causal" if window is None or r1 - 1 - c0 < window else "masked"
             else:
                 piece = "masked"
-            if band and band[-1][2] == piece == "full" and band[-1][1] == c0:
-                band[-1] = (band[-1][0], c1, piece)
-            elif band and band[-1][2] == piece == "masked" and band[-1][1] == c0:
+            if band and band[-1][2] == piece != "causal" and band[-1][1] == c0:
                 band[-1] = (band[-1][0], c1, piece)
             else:
                 band.append((c0, c1, piece))
         for c0, c1, piece in band:
-            if piece == "masked":  # trimmed to its visible rows and columns: what the
-                # K/V cache keeps starts at a key some query sees (first_seen)
+            if piece == "masked":
                 block = visible[:, c0 - ka : c1 - ka]
                 cols, rows = block.any(0).nonzero(), block.any(1).nonzero()
-                c0, c1 = c0 + int(cols[0]), c0 + int(cols[-1]) + 1
-                out.append((r0 + int(rows[0]), r0 + int(rows[-1]) + 1, c0, c1, piece))
+                out.append((r0 + int(rows[0]), r0 + int(rows[-1]) + 1,
+                            c0 + int(cols[0]), c0 + int(cols[-1]) + 1, piece))  # fmt: skip
             else:
                 out.append((r0, r1, c0, c1, piece))
     return out
