@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from seq1f1b import ScheduleSeq1F1B, ScheduleZBSeq1F1B
 from seq1f1b._runtime import HAS_WARMUP_P2P, PipelineMemTracker
 from seq1f1b.attention.gated_deltanet import ChunkAwareGatedDeltaNet
+from seq1f1b.attention.mask_mods import CausalBigBird
 from seq1f1b.planning.dryrun import RankStep, dry_run_rank, static_stage
 from seq1f1b.planning.dryrun.tables import format_holders, format_reports
 from seq1f1b.testing import TinyConfig, build_stages
@@ -33,7 +35,9 @@ CFG = TinyConfig(vocab=512, dim=128, n_heads=4, n_kv_heads=2, n_layers=4, ffn=25
 #: key buffer's address, 0 for every fake tensor)
 HYBRID = TinyConfig(vocab=512, dim=128, n_heads=4, n_kv_heads=2, n_layers=8, ffn=256,
                     window=48, sinks=4, full_attention_every=2)  # fmt: skip
-CFGS = {"llama": CFG, "hybrid": HYBRID}
+#: a mask_mod's tiles are planned from its values (outside the dry run's fake tensors)
+BIGBIRD = replace(CFG, mask_mod=CausalBigBird(global_tokens=4, window=64, density=0.1, block=32))
+CFGS = {"llama": CFG, "hybrid": HYBRID, "bigbird": BIGBIRD}
 PP, M, K, BATCH, SEQ = 2, 2, 4, 2, 512
 
 
@@ -103,7 +107,7 @@ def _real(rank: int, world: int, kind: str, out: str, cfg: str = "llama") -> Non
 
 @needs_215
 @pytest.mark.parametrize(("kind", "cfg"), [("Seq1F1B", "llama"), ("1F1B", "llama"),
-                                           ("Seq1F1B", "hybrid"),
+                                           ("Seq1F1B", "hybrid"), ("Seq1F1B", "bigbird"),
                                            ("ZBSeq1F1B", "llama")])  # fmt: skip
 def test_dry_run_peak_matches_the_real_step(kind: str, cfg: str, tmp_path: Path) -> None:
     run_ranks(_real, PP, kind, str(tmp_path), cfg)

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from .._runtime import outside_fake_mode
+
 __all__ = [
     "CHECKED_POSITIONS",
     "MASK_BLOCK",
@@ -192,7 +194,12 @@ def check_causal(mask_mod: MaskMod, seq_len: int) -> None:
 
 def _refuse_ahead(mask_mod: MaskMod, q0: int, q1: int, k_end: int) -> None:
     """The check of :func:`check_causal` for queries ``[q0, q1)`` against the later keys
-    before ``k_end``, in bands of 1024 queries."""
+    before ``k_end``, in bands of 1024 queries (real tensors: a dry run reads them too)."""
+    with outside_fake_mode():
+        _refuse_ahead_real(mask_mod, q0, q1, k_end)
+
+
+def _refuse_ahead_real(mask_mod: MaskMod, q0: int, q1: int, k_end: int) -> None:
     for r0 in range(q0, q1, 1024):
         r1 = min(q1, r0 + 1024)
         i = torch.arange(r0, r1).unsqueeze(1)
@@ -254,7 +261,16 @@ def _mask_split(
     visible one is "full" (or "causal" on the diagonal), the rest "masked"; neighbouring
     blocks of a row band with the same kind are one tile, a masked one trimmed to its visible
     rows and keys (what the K/V cache keeps then starts at a key some query sees). Each row
-    band is classified in a few tensor reductions, not one per block."""
+    band is classified in a few tensor reductions, not one per block; on real tensors (a dry
+    run plans from values too)."""
+    with outside_fake_mode():
+        return _mask_split_real(qa, qb, ka, kb, kind, mask_mod, window, sinks)
+
+
+def _mask_split_real(
+    qa: int, qb: int, ka: int, kb: int, kind: str, mask_mod: MaskMod, window: int | None,
+    sinks: int,
+) -> list[tuple[int, int, int, int, str]]:  # fmt: skip
     out: list[tuple[int, int, int, int, str]] = []
     step = getattr(mask_mod, "block", MASK_BLOCK)
     width = kb - ka
