@@ -230,7 +230,13 @@ def test_gpt_oss_sinks_and_windows_match_unpipelined(
     assert header in run.output, run.output[-3000:]
     verified = run.output.count("[seq1f1b] verify: Seq1F1B verify: OK")
     assert verified == (nproc if "--seq1f1b.verify" in extra else 0), run.output[-3000:]
-    assert_same_curve(run, gpt_oss_reference, steps=MOE_STEPS, grad_tol=MOE_GRAD_TOL)
+    # under CP the losses drift 1.1e-4 (relative) from PP = 1 by step 3: 8.40995 against
+    # 8.41091, measured on 2026-12-04 here and in a fresh clone, the same at d41d473, whose CI
+    # passed at 1e-4 the day before (so the environment's packages moved it, not the code).
+    # The experts route each token by its top scores, and the ring's summation order moves
+    # the near-ties; a sink or ring error moves the loss by 1e-2 or more. Grad norms: 1e-2
+    tol = 1e-3 if variant == "cp2" else 1e-4
+    assert_same_curve(run, gpt_oss_reference, steps=MOE_STEPS, tol=tol, grad_tol=MOE_GRAD_TOL)
 
 
 # Qwen3.5 at a CPU's size (debugmodel_cpu: torchtitan's debugmodel, 8 layers, Gated DeltaNet
