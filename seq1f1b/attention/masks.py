@@ -196,25 +196,21 @@ def _refuse_ahead(mask_mod: MaskMod, q0: int, q1: int, k_end: int) -> None:
     """The check of :func:`check_causal` for queries ``[q0, q1)`` against the later keys
     before ``k_end``, in bands of 1024 queries (real tensors: a dry run reads them too)."""
     with outside_fake_mode():
-        _refuse_ahead_real(mask_mod, q0, q1, k_end)
-
-
-def _refuse_ahead_real(mask_mod: MaskMod, q0: int, q1: int, k_end: int) -> None:
-    for r0 in range(q0, q1, 1024):
-        r1 = min(q1, r0 + 1024)
-        i = torch.arange(r0, r1).unsqueeze(1)
-        j = torch.arange(r0 + 1, k_end).unsqueeze(0)
-        if j.numel() == 0:
-            continue
-        ahead = _mask_mod(mask_mod, i, j) & (j > i)
-        if ahead.any():
-            q, k = (int(x) for x in ahead.nonzero()[0])
-            raise ValueError(
-                f"mask_mod lets query {r0 + q} see key {r0 + 1 + k}, a later position: a "
-                "Seq1F1B segment cannot attend to keys that later segments compute. Use a "
-                "mask that never looks forward (key <= query); a bidirectional prefix or a "
-                "projection over the whole sequence (Linformer) cannot be cut into segments"
-            )
+        for r0 in range(q0, q1, 1024):
+            r1 = min(q1, r0 + 1024)
+            i = torch.arange(r0, r1).unsqueeze(1)
+            j = torch.arange(r0 + 1, k_end).unsqueeze(0)
+            if j.numel() == 0:
+                continue
+            ahead = _mask_mod(mask_mod, i, j) & (j > i)
+            if ahead.any():
+                q, k = (int(x) for x in ahead.nonzero()[0])
+                raise ValueError(
+                    f"mask_mod lets query {r0 + q} see key {r0 + 1 + k}, a later position: a "
+                    "Seq1F1B segment cannot attend to keys that later segments compute. Use a "
+                    "mask that never looks forward (key <= query); a bidirectional prefix or a "
+                    "projection over the whole sequence (Linformer) cannot be cut into segments"
+                )
 
 
 def plan_tiles(
@@ -264,54 +260,47 @@ def _mask_split(
     band is classified in a few tensor reductions, not one per block; on real tensors (a dry
     run plans from values too)."""
     with outside_fake_mode():
-        return _mask_split_real(qa, qb, ka, kb, kind, mask_mod, window, sinks)
-
-
-def _mask_split_real(
-    qa: int, qb: int, ka: int, kb: int, kind: str, mask_mod: MaskMod, window: int | None,
-    sinks: int,
-) -> list[tuple[int, int, int, int, str]]:  # fmt: skip
-    out: list[tuple[int, int, int, int, str]] = []
-    step = getattr(mask_mod, "block", MASK_BLOCK)
-    width = kb - ka
-    nb = -(-width // step)
-    j = torch.arange(ka, ka + nb * step).unsqueeze(0)
-    valid = (j < kb).view(1, nb, step)
-    for r0 in range(qa, qb, step):
-        r1 = min(qb, r0 + step)
-        i = torch.arange(r0, r1).unsqueeze(1)
-        base = (j <= i) & (j < kb)
-        if window is not None:
-            base &= (i - j < window) | (j < sinks)
-        visible = _mask_mod(mask_mod, i, j) & base
-        vis3, base3 = visible.view(-1, nb, step), base.view(-1, nb, step)
-        seen = vis3.any(2).any(0).tolist()
-        same = ((vis3 == base3) | ~valid).all(2).all(0).tolist()
-        whole = (base3 | ~valid).all(2).all(0).tolist()
-        band: list[tuple[int, int, str]] = []
-        for b in range(nb):
-            if not seen[b]:
-                continue
-            c0, c1 = ka + b * step, min(kb, ka + (b + 1) * step)
-            if same[b] and whole[b]:
-                piece = "full"
-            elif kind == "causal" and (r0, r1) == (c0, c1) and same[b]:
-                piece = "causal" if window is None or r1 - 1 - c0 < window else "masked"
-            else:
-                piece = "masked"
-            if band and band[-1][2] == piece != "causal" and band[-1][1] == c0:
-                band[-1] = (band[-1][0], c1, piece)
-            else:
-                band.append((c0, c1, piece))
-        for c0, c1, piece in band:
-            if piece == "masked":
-                block = visible[:, c0 - ka : c1 - ka]
-                cols, rows = block.any(0).nonzero(), block.any(1).nonzero()
-                out.append((r0 + int(rows[0]), r0 + int(rows[-1]) + 1,
-                            c0 + int(cols[0]), c0 + int(cols[-1]) + 1, piece))  # fmt: skip
-            else:
-                out.append((r0, r1, c0, c1, piece))
-    return out
+        out: list[tuple[int, int, int, int, str]] = []
+        step = getattr(mask_mod, "block", MASK_BLOCK)
+        width = kb - ka
+        nb = -(-width // step)
+        j = torch.arange(ka, ka + nb * step).unsqueeze(0)
+        valid = (j < kb).view(1, nb, step)
+        for r0 in range(qa, qb, step):
+            r1 = min(qb, r0 + step)
+            i = torch.arange(r0, r1).unsqueeze(1)
+            base = (j <= i) & (j < kb)
+            if window is not None:
+                base &= (i - j < window) | (j < sinks)
+            visible = _mask_mod(mask_mod, i, j) & base
+            vis3, base3 = visible.view(-1, nb, step), base.view(-1, nb, step)
+            seen = vis3.any(2).any(0).tolist()
+            same = ((vis3 == base3) | ~valid).all(2).all(0).tolist()
+            whole = (base3 | ~valid).all(2).all(0).tolist()
+            band: list[tuple[int, int, str]] = []
+            for b in range(nb):
+                if not seen[b]:
+                    continue
+                c0, c1 = ka + b * step, min(kb, ka + (b + 1) * step)
+                if same[b] and whole[b]:
+                    piece = "full"
+                elif kind == "causal" and (r0, r1) == (c0, c1) and same[b]:
+                    piece = "causal" if window is None or r1 - 1 - c0 < window else "masked"
+                else:
+                    piece = "masked"
+                if band and band[-1][2] == piece != "causal" and band[-1][1] == c0:
+                    band[-1] = (band[-1][0], c1, piece)
+                else:
+                    band.append((c0, c1, piece))
+            for c0, c1, piece in band:
+                if piece == "masked":
+                    block = visible[:, c0 - ka : c1 - ka]
+                    cols, rows = block.any(0).nonzero(), block.any(1).nonzero()
+                    out.append((r0 + int(rows[0]), r0 + int(rows[-1]) + 1,
+                                c0 + int(cols[0]), c0 + int(cols[-1]) + 1, piece))  # fmt: skip
+                else:
+                    out.append((r0, r1, c0, c1, piece))
+        return out
 
 
 def _window_split(
